@@ -1,0 +1,11 @@
+"""`noop`: no gradient communication at all. The headroom baseline for step-time measurements only: ranks drift
+apart, so its runs are marked `communicates: false` in their records and never scored as training results."""
+
+from collectives.strategies import register
+from collectives.sync import GradSync
+
+
+@register("noop")
+class NoopSync(GradSync):
+    communicates = False
+    lossless = False

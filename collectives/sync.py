@@ -1,0 +1,44 @@
+"""The one seam between the training loop and gradient communication.
+
+The trainer calls `attach(model, sync_config)` once and gets a `GradSync`: it runs forward through `handle.module`,
+wraps all but the last micro-batch of an accumulation in `handle.no_sync()`, and calls `handle.wait()` before
+`optimizer.step()`. It never branches on which strategy is behind the handle.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.config import SyncConfig
+
+
+class GradSync:
+    """Base handle. Subclasses synchronize gradients so that after `wait()` each holds the mean over ranks."""
+
+    name = "base"
+    lossless = True  # False for strategies whose averaged gradients differ from the exact mean
+    communicates = True  # False only for the no-communication headroom baseline
+
+    def __init__(self, model: nn.Module, cfg: SyncConfig, process_group: dist.ProcessGroup | None = None):
+        self.model, self.cfg, self.process_group = model, cfg, process_group
+        self.module: nn.Module = model  # what forward is called on
+
+    def no_sync(self) -> AbstractContextManager:
+        """Inside: backward accumulates locally and communicates nothing (all but the last micro-batch)."""
+        return nullcontext()
+
+    def wait(self) -> None:
+        """Block until every gradient is averaged across ranks; the time spent here is exposed communication."""
+
+    def stats(self) -> dict:
+        """Per-strategy facts for the run header (bucket count, sizes ...)."""
+        return {"strategy": self.name, "lossless": self.lossless, "communicates": self.communicates}
+
+
+def attach(model: nn.Module, cfg: SyncConfig, process_group: dist.ProcessGroup | None = None) -> GradSync:
+    from collectives.strategies import build
+
+    return build(cfg.strategy, model, cfg, process_group)

@@ -1,0 +1,185 @@
+"""Checkpoints that cannot be half-written, the latest complete one, and the paper's checkpoint averaging.
+
+`<run>/checkpoints/step-0001000.pt` is written to a temporary name, flushed and renamed; its sha256 goes into
+`step-0001000.pt.sha256` only after that, so a checkpoint without a matching checksum file is incomplete or corrupt
+and is skipped. Older checkpoints are pruned only once the new one is complete.
+
+    python -m dtrain.checkpoint inspect <checkpoint>
+    python -m dtrain.checkpoint diff <run-or-checkpoint A> <run-or-checkpoint B>
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from dtrain.errors import UserError, exit_on_user_error
+
+CKPT_DIR = "checkpoints"
+
+
+def ckpt_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / CKPT_DIR
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(run_dir: Path, step: int, state: dict, keep: int) -> Path:
+    """Write `state` as the checkpoint of `step` atomically, then prune all but the newest `keep`."""
+    directory = ckpt_dir(run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step-{step:07d}.pt"
+    tmp = directory / f".{path.name}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    digest = sha256_file(tmp)
+    os.replace(tmp, path)
+    _atomic_write_bytes(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
+    for old in list_checkpoints(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+        old.with_name(old.name + ".sha256").unlink(missing_ok=True)
+    return path
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint files of a run, oldest first (complete or not)."""
+    directory = ckpt_dir(run_dir)
+    return sorted(directory.glob("step-*.pt")) if directory.is_dir() else []
+
+
+def verify(path: Path) -> str | None:
+    """None if the checkpoint's checksum file exists and matches, else what is wrong."""
+    side = path.with_name(path.name + ".sha256")
+    if not side.is_file():
+        return "no checksum file (incomplete write?)"
+    expected = side.read_text().split()[0] if side.read_text().split() else ""
+    actual = sha256_file(path)
+    return None if actual == expected else f"checksum mismatch ({actual[:12]}… on disk, {expected[:12]}… recorded)"
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoints whose checksum matches, oldest first; a bad one is skipped with a warning."""
+    good = []
+    for path in list_checkpoints(run_dir):
+        problem = verify(path)
+        if problem:
+            warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
+        else:
+            good.append(path)
+    return good
+
+
+def latest(run_dir: Path) -> Path | None:
+    good = complete_checkpoints(run_dir)
+    return good[-1] if good else None
+
+
+def load(path: Path, map_location="cpu") -> dict:
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except FileNotFoundError:
+        raise UserError(f"{path}: checkpoint not found") from None
+    except Exception as e:  # truncated zip, wrong format: the user's file, not dtrain's bug
+        raise UserError(f"{path}: not a readable checkpoint ({e.__class__.__name__})") from None
+
+
+def average(paths: list[Path]) -> dict[str, torch.Tensor]:
+    """The element-wise mean of the models' parameters in `paths` (section 6.1: the last 5 checkpoints)."""
+    avg: dict[str, torch.Tensor] = {}
+    for path in paths:
+        model = load(path)["model"]
+        for k, v in model.items():
+            if k in avg:
+                avg[k] += v.double()
+            else:
+                avg[k] = v.double().clone()
+    return {k: (v / len(paths)).to(torch.float32) for k, v in avg.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _resolve(target: str) -> tuple[Path, dict]:
+    path = Path(target)
+    if path.is_dir():
+        found = latest(path)
+        if found is None:
+            raise UserError(f"{path}: no complete checkpoint in {ckpt_dir(path)}")
+        path = found
+    return path, load(path)
+
+
+def _cmd_inspect(args) -> None:
+    path = Path(args.checkpoint)
+    state = load(path)
+    problem = verify(path)
+    n = sum(v.numel() for v in state.get("model", {}).values())
+    print(f"checkpoint  {path}")
+    print(f"step        {state.get('step')}")
+    print(f"model hash  {state.get('model_hash')}")
+    print(f"parameters  {n:,}")
+    print(f"data        epoch {state.get('data', {}).get('epoch')}, step {state.get('data', {}).get('step')}")
+    print(f"world size  {state.get('world_size')}")
+    print(f"checksum    {'ok' if problem is None else problem}")
+
+
+def _cmd_diff(args) -> None:
+    (pa, a), (pb, b) = _resolve(args.a), _resolve(args.b)
+    ma, mb = a["model"], b["model"]
+    if ma.keys() != mb.keys() or any(ma[k].shape != mb[k].shape for k in ma):
+        raise UserError(f"{pa} and {pb} hold models of different shapes")
+    diffs = {k: (ma[k].double() - mb[k].double()).abs().max().item() if ma[k].numel() else 0.0 for k in ma}
+    where = max(diffs, key=diffs.get)
+    print(f"max |A - B| over parameters: {diffs[where]:.6g} (largest in {where})")
+    if "optimizer" in a and "optimizer" in b:
+        same = _states_equal(a["optimizer"]["state"], b["optimizer"]["state"])
+        print(f"optimizer states: {'identical' if same else 'differ'}")
+
+
+def _states_equal(x, y) -> bool:
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_states_equal(x[k], y[k]) for k in x)
+    return x == y
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m dtrain.checkpoint")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("inspect", help="a checkpoint's step, model hash and checksum status")
+    p.add_argument("checkpoint")
+    p = sub.add_parser("diff", help="largest parameter difference between two runs or checkpoints")
+    p.add_argument("a")
+    p.add_argument("b")
+    args = ap.parse_args(argv)
+    with exit_on_user_error("dtrain.checkpoint"):
+        {"inspect": _cmd_inspect, "diff": _cmd_diff}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The one exception type for bad input (profiles, corpora, paths, checkpoints).
+
+Every command-line entry point catches `UserError`, prints its message on one line and exits with status 2, so
+bad input never shows a traceback. Anything else escaping is a bug in dtrain and keeps its traceback.
+"""
+
+import sys
+from contextlib import contextmanager
+
+
+class UserError(Exception):
+    """Bad input from the user; the message names the file, line or dotted key at fault."""
+
+
+@contextmanager
+def exit_on_user_error(prog: str):
+    """Wrap a `main()` body: a `UserError` becomes `prog: error: <message>` on stderr and exit code 2."""
+    try:
+        yield
+    except UserError as e:
+        msg = " ".join(str(e).split("\n"))
+        print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+        sys.exit(2)

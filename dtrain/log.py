@@ -1,0 +1,88 @@
+"""What a run writes (rank 0 only): the resolved config, a header, JSONL step and eval records.
+
+    <run>/config.yaml      the resolved profile (every default filled in)
+    <run>/run.json         header: versions, backend, world size, host, sync strategy facts, parameter count
+    <run>/steps.jsonl      one record per optimizer step: loss, tokens, lr, phase times in ms
+    <run>/eval.jsonl       validation loss every train.val_every steps; BLEU with its signature at the end
+    <run>/checkpoints/     see dtrain.checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from dtrain import config as config_mod
+from dtrain.errors import UserError
+
+
+def prepare_run_dir(run_dir: Path, resume: bool) -> None:
+    """Create the run directory; refuse to start a fresh run on top of an existing one."""
+    if not resume and (run_dir / "steps.jsonl").exists():
+        raise UserError(f"{run_dir}: already holds a run; pass --resume to continue it or choose another --run-dir")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"{run_dir}: run directory is not writable ({e.strerror or e})") from None
+
+
+def versions() -> dict:
+    v = {"torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        v["cuda"] = torch.version.cuda
+        v["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        v["gpu"] = torch.cuda.get_device_name()
+    return v
+
+
+class RunWriter:
+    """Appends records; on resume, drops step records past the checkpoint so the file matches the model again."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.run_dir, self.enabled = Path(run_dir), enabled
+
+    def write_header(self, cfg, **facts) -> None:
+        if not self.enabled:
+            return
+        (self.run_dir / "config.yaml").write_text(config_mod.dump(cfg))
+        header = {"name": cfg.name, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
+                  "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                  "versions": versions(), **facts}
+        (self.run_dir / "run.json").write_text(json.dumps(header, indent=2) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only step records with step <= `step` (the ones the resumed model has seen)."""
+        path = self.run_dir / "steps.jsonl"
+        if not self.enabled or not path.exists():
+            return
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        tmp = path.with_name(".steps.jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+
+    def _append(self, name: str, record: dict) -> None:
+        if self.enabled:
+            with open(self.run_dir / name, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def step(self, record: dict) -> None:
+        self._append("steps.jsonl", record)
+
+    def eval(self, record: dict) -> None:
+        self._append("eval.jsonl", record)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

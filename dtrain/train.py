@@ -1,0 +1,72 @@
+"""Entry point: train the Transformer data-parallel under torchrun.
+
+    torchrun --nproc_per_node=2 -m dtrain.train --profile profiles/smoke.yaml
+    torchrun --nproc_per_node=2 -m dtrain.train --profile profiles/multi30k-cpu.yaml --run-dir runs/m30k
+    torchrun --nproc_per_node=2 -m dtrain.train --profile profiles/multi30k-cpu.yaml --run-dir runs/m30k --resume
+    python -m dtrain.train --profile profiles/base.yaml --set train.max_steps=10 --dry-run
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        -m dtrain.train --profile profiles/base.yaml                   # a GPU cluster: NCCL, one process per GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from dtrain import config as config_mod
+from dtrain import dist as ddist
+from dtrain.errors import UserError, exit_on_user_error
+from dtrain.log import prepare_run_dir
+from dtrain.trainer import Trainer
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="dtrain.train", description="Train the Transformer data-parallel.",
+                                 epilog="Launch under torchrun for several ranks; see the module docstring.")
+    ap.add_argument("--profile", required=True, help="a YAML profile, e.g. profiles/smoke.yaml")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a profile value by dotted key (repeatable), e.g. --set train.max_steps=100")
+    ap.add_argument("--run-dir", help="where the run writes (default: runs/<name>-<time>)")
+    ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --run-dir")
+    ap.add_argument("--dry-run", action="store_true", help="validate the profile, print the resolved config, exit")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with exit_on_user_error("dtrain.train"):
+        cfg = config_mod.load(args.profile, args.overrides)
+        if args.dry_run:
+            print(config_mod.dump(cfg), end="")
+            return 0
+        if args.resume and not args.run_dir:
+            raise UserError("--resume needs --run-dir (the run to continue)")
+        device, backend = ddist.init(cfg.dist)
+        try:
+            # Rank 0 names the run directory (a timestamp) and checks it; the others take its word.
+            run_dir = args.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            problem = None
+            if ddist.is_main():
+                try:
+                    prepare_run_dir(Path(run_dir), args.resume)
+                except Exception as e:  # shared with the other ranks so all exit alike
+                    problem = str(e)
+            run_dir, problem = ddist.broadcast_object((run_dir, problem))
+            if problem:
+                raise UserError(problem)
+            trainer = Trainer(cfg, Path(run_dir), device, backend)
+            if args.resume:
+                trainer.resume()
+            summary = trainer.fit()
+            if ddist.is_main():
+                print("done: " + ", ".join(f"{k}={v}" for k, v in summary.items()) + f"; run directory {run_dir}",
+                      flush=True)
+        finally:
+            ddist.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""The training loop: micro-batches → forward → backward → gradient sync (one seam) → Adam step, with records,
+validation, checkpoints and the final evaluation. It never branches on which sync strategy runs.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from collectives.sync import attach
+from dtrain import checkpoint
+from dtrain import dist as ddist
+from dtrain.config import RunConfig
+from dtrain.data import BatchStream, Pairs, TokenBatcher, cache_root, collate, multi30k_dir, multi30k_split
+from dtrain.errors import UserError
+from dtrain.log import RunWriter
+from dtrain.loss import LabelSmoothing
+from dtrain.model import Transformer, count_parameters, sdpa_backend
+from dtrain.schedule import make_scheduler
+from dtrain.tokenizer import PAD, Tokenizer, train_or_load
+
+
+def prepare_tokenizer(cfg: RunConfig) -> tuple[Tokenizer, Path]:
+    """Rank 0 finds (or downloads) the corpus and trains the BPE model; the others wait, then load the cache."""
+    d = cfg.data
+    tokenizer = directory = None
+    if ddist.is_main():
+        directory = multi30k_dir(d.dir, d.cache_dir, d.src, d.tgt)
+        src, tgt = multi30k_split(directory, "train", d.src, d.tgt)
+        tokenizer = train_or_load(src, tgt, d.vocab_size, cache_root(d.cache_dir) / "bpe")
+    paths = ddist.broadcast_object((str(directory), str(tokenizer.model_file)) if tokenizer else None)
+    return Tokenizer(paths[1]), Path(paths[0])
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: Path, device: torch.device, backend: str):
+        self.cfg, self.run_dir, self.device, self.backend = cfg, Path(run_dir), device, backend
+        self.rank, self.world = ddist.rank(), ddist.world_size()
+        self.main = self.rank == 0
+        self.writer = RunWriter(self.run_dir, self.main)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+
+        self.tokenizer, self.data_dir = prepare_tokenizer(cfg)
+        d = cfg.data
+        train_src, train_tgt = multi30k_split(self.data_dir, "train", d.src, d.tgt)
+        if d.train_limit:
+            train_src, train_tgt = train_src[: d.train_limit], train_tgt[: d.train_limit]
+        self.train_pairs = Pairs.encode(self.tokenizer, train_src, train_tgt, d.max_len)
+        self.val_pairs = Pairs.encode(self.tokenizer, *multi30k_split(self.data_dir, "val", d.src, d.tgt))
+        self.stream = BatchStream(self.train_pairs, TokenBatcher(self.train_pairs.lengths(), d.max_tokens, cfg.seed,
+                                                                 self.rank, self.world))
+        # The same seed on every rank gives the same initial model; dropout then differs per rank.
+        torch.manual_seed(cfg.seed)
+        vocab = self.tokenizer.vocab_size
+        self.model = Transformer.from_config(cfg.model, vocab, PAD).to(device)
+        torch.manual_seed(cfg.seed * 1000 + self.rank)
+        random.seed(cfg.seed * 1000 + self.rank)
+        self.sync = attach(self.model, cfg.sync)
+        o = cfg.optim
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1.0, betas=o.betas, eps=o.eps)
+        self.scheduler = make_scheduler(self.optimizer, cfg.model.d_model, o.warmup, o.lr_factor)
+        self.criterion = LabelSmoothing(vocab, PAD, o.label_smoothing)
+        self.step = 0
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+
+    def state(self) -> dict | None:
+        """The checkpoint: every rank's RNG state is gathered to rank 0, which alone holds the rest."""
+        rngs = [None] * self.world if self.main else None
+        if self.world > 1:
+            dist.gather_object(rng_state(), rngs, dst=0)
+        else:
+            rngs = [rng_state()]
+        if not self.main:
+            return None
+        return {"step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "rng": rngs,
+                "model_hash": self.cfg.model_hash(), "world_size": self.world, "config": self.cfg.to_dict()}
+
+    def save(self) -> None:
+        state = self.state()
+        if self.main:
+            checkpoint.save(self.run_dir, self.step, state, self.cfg.train.keep_ckpts)
+        ddist.barrier()  # nobody runs ahead of a checkpoint that a restart may need
+
+    def resume(self) -> None:
+        """Continue from the latest complete checkpoint; rank 0 chooses it so every rank agrees."""
+        path = ddist.broadcast_object(str(checkpoint.latest(self.run_dir) or "") if self.main else None)
+        if not path:
+            if self.main:
+                print(f"no complete checkpoint in {self.run_dir}; starting from step 0", flush=True)
+            return
+        state = checkpoint.load(Path(path))
+        if state.get("model_hash") != self.cfg.model_hash():
+            raise UserError(f"{path}: checkpoint is of a different model shape than the profile "
+                            f"(model hash {state.get('model_hash')} vs {self.cfg.model_hash()})")
+        if state["world_size"] != self.world:
+            raise UserError(f"{path}: written by {state['world_size']} ranks, this job has {self.world}; "
+                            "the data order would not continue exactly")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.stream.load_state_dict(state["data"])
+        set_rng_state(state["rng"][self.rank])
+        self.step = state["step"]
+        self.writer.truncate_after(self.step)
+        if self.main:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+    # -- the step ---------------------------------------------------------------------------------------------
+
+    def _sync_device(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def train_step(self) -> dict:
+        """One optimizer step over `accum_steps` micro-batches; returns the step record."""
+        t = self.cfg.train
+        times = dict(data=0.0, forward=0.0, backward=0.0)
+        loss_sum, ntokens = 0.0, 0
+        amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if t.amp == "bf16" else nullcontext()
+        self.model.train()
+        t_step = time.perf_counter()
+        for micro in range(t.accum_steps):
+            t0 = time.perf_counter()
+            batch = self.stream.next().to(self.device)
+            t1 = time.perf_counter()
+            # All but the last micro-batch accumulate locally; the last one communicates.
+            with self.sync.no_sync() if micro < t.accum_steps - 1 else nullcontext():
+                with amp:
+                    logits = self.sync.module(batch.src, batch.tgt_in)  # (B, T, vocab)
+                    loss = self.criterion(logits, batch.tgt_out)  # summed over target tokens
+                self._sync_device()
+                t2 = time.perf_counter()
+                (loss / (batch.ntokens * t.accum_steps)).backward()
+                self._sync_device()
+                t3 = time.perf_counter()
+            times["data"] += t1 - t0
+            times["forward"] += t2 - t1
+            times["backward"] += t3 - t2
+            loss_sum += loss.item()
+            ntokens += batch.ntokens
+        t4 = time.perf_counter()
+        self.sync.wait()
+        self._sync_device()
+        t5 = time.perf_counter()
+        if self.cfg.optim.clip_norm:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sync_device()
+        t6 = time.perf_counter()
+        self.step += 1
+        ms = lambda s: round(s * 1000, 3)  # noqa: E731
+        return {"step": self.step, "epoch": self.stream.epoch, "loss": loss_sum / max(ntokens, 1),
+                "tokens": ntokens, "lr": lr, "data_ms": ms(times["data"]), "forward_ms": ms(times["forward"]),
+                "backward_ms": ms(times["backward"]), "comm_exposed_ms": ms(t5 - t4), "optimizer_ms": ms(t6 - t5),
+                "step_ms": ms(t6 - t_step)}
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Label-free validation: per-token NLL and perplexity over the whole val split, summed across ranks."""
+        self.model.eval()
+        batcher = TokenBatcher(self.val_pairs.lengths(), self.cfg.data.max_tokens, 0, self.rank, self.world,
+                               shuffle=False)
+        nll, ntokens = 0.0, 0
+        for indices in batcher.shard():
+            b = collate(self.val_pairs, indices).to(self.device)
+            logp = torch.log_softmax(self.model(b.src, b.tgt_in).float(), dim=-1)
+            mask = b.tgt_out != PAD
+            nll -= logp.gather(-1, b.tgt_out[..., None]).squeeze(-1)[mask].sum().item()
+            ntokens += int(mask.sum())
+        nll, ntokens = ddist.all_reduce_sum([nll, ntokens], self.device)
+        return {"kind": "val", "step": self.step, "val_nll": nll / ntokens, "val_ppl": math.exp(nll / ntokens)}
+
+    # -- the run ----------------------------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        with sdpa_backend(self.cfg.train.sdpa_backend, self.device):
+            return self._fit()
+
+    def _fit(self) -> dict:
+        from tqdm import tqdm
+
+        cfg, t = self.cfg, self.cfg.train
+        if self.main:
+            shutil.copyfile(self.tokenizer.model_file, self.run_dir / "bpe.model")
+        self.writer.write_header(
+            cfg, backend=self.backend, world_size=self.world, device=str(self.device),
+            parameters=count_parameters(self.model), vocab=self.tokenizer.vocab_size,
+            train_pairs=len(self.train_pairs), data_dir=str(self.data_dir), sync=self.sync.stats(),
+            torch_threads=torch.get_num_threads(),
+        )
+        start_step, t_start = self.step, time.perf_counter()
+        bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.main, desc=cfg.name, unit="step",
+                   dynamic_ncols=True, mininterval=1.0)
+        window_loss, window_tokens, window_time = 0.0, 0, 0.0
+        while self.step < t.max_steps:
+            rec = self.train_step()
+            self.writer.step(rec)
+            window_loss += rec["loss"] * rec["tokens"]
+            window_tokens += rec["tokens"]
+            window_time += rec["step_ms"] / 1000
+            bar.update(1)
+            if self.step % t.log_every == 0 or self.step == t.max_steps:
+                # One small all-reduce per log interval: the global loss and throughput, and the stop decision of
+                # the wall-clock budget, taken on rank 0 and shared so every rank stops at the same step.
+                over = t.max_minutes is not None and (time.perf_counter() - t_start) / 60 >= t.max_minutes
+                loss_sum, toks, stop = ddist.all_reduce_sum(
+                    [window_loss, window_tokens, float(over and self.main)], self.device)
+                bar.set_postfix(loss=f"{loss_sum / max(toks, 1):.3f}", tok_s=f"{toks / max(window_time, 1e-9):,.0f}",
+                                step_ms=f"{rec['step_ms']:.0f}")
+                window_loss, window_tokens, window_time = 0.0, 0, 0.0
+                if stop:
+                    if self.main:
+                        bar.write(f"wall-clock budget of {t.max_minutes} min reached at step {self.step}")
+                    break
+            if t.val_every and self.step % t.val_every == 0:
+                self.writer.eval(self.validate())
+            if self.step % t.ckpt_every == 0:
+                self.save()
+        bar.close()
+        train_s = time.perf_counter() - t_start
+        if self.step % t.ckpt_every != 0:  # the final state, unless the loop just saved it
+            self.save()
+        val = self.validate()
+        self.writer.eval(val)
+        summary = {"steps": self.step, "steps_this_run": self.step - start_step, "train_s": round(train_s, 1),
+                   "val_nll": round(val["val_nll"], 4)}
+        if t.average_last > 1:
+            self._average()
+        if cfg.eval.at_end and self.sync.communicates:
+            summary.update(self.final_eval())
+        return summary
+
+    def _average(self) -> None:
+        """Average the last k complete checkpoints into <run>/averaged.pt and evaluate with it."""
+        if self.main:
+            paths = checkpoint.complete_checkpoints(self.run_dir)[-self.cfg.train.average_last :]
+            avg = checkpoint.average(paths)
+            tmp = self.run_dir / ".averaged.pt.tmp"
+            torch.save({"model": avg, "averaged": [p.name for p in paths]}, tmp)
+            tmp.replace(self.run_dir / "averaged.pt")
+        ddist.barrier()
+        self.model.load_state_dict(checkpoint.load(self.run_dir / "averaged.pt")["model"])
+
+    def final_eval(self) -> dict:
+        from dtrain.evaluate import score_split, write_score
+
+        record = score_split(self.model, self.tokenizer, self.cfg, self.cfg.eval, self.device)
+        if record is None:
+            return {}
+        label = "averaged" if self.cfg.train.average_last > 1 else f"step-{self.step:07d}"
+        record = write_score(self.run_dir, record, step=self.step, model=label)
+        return {"bleu": record["bleu"], "signature": record["signature"], "decode_s": record["decode_s"]}
