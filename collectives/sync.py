@@ -33,6 +33,11 @@ class GradSync:
     def wait(self) -> None:
         """Block until every gradient is averaged across ranks; the time spent here is exposed communication."""
 
+    def step_records(self) -> list[dict]:
+        """Per-bucket records of the step just synchronized, drained by the trainer after `wait()` and written to
+        `<run>/buckets.jsonl` with the step number (bytes, class, dtype, ready/launch/complete times ...)."""
+        return []
+
     def stats(self) -> dict:
         """Per-strategy facts for the run header (bucket count, sizes ...)."""
         return {"strategy": self.name, "lossless": self.lossless, "communicates": self.communicates}

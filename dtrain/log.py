@@ -3,6 +3,7 @@
     <run>/config.yaml      the resolved profile (every default filled in)
     <run>/run.json         header: versions, backend, world size, host, sync strategy facts, parameter count
     <run>/steps.jsonl      one record per optimizer step: loss, tokens, lr, phase times in ms
+    <run>/buckets.jsonl    per step and gradient bucket, for strategies that record them: bytes, class, timings
     <run>/eval.jsonl       validation loss every train.val_every steps; BLEU with its signature at the end
     <run>/checkpoints/     see dtrain.checkpoint
 """
@@ -76,6 +77,10 @@ class RunWriter:
 
     def step(self, record: dict) -> None:
         self._append("steps.jsonl", record)
+
+    def buckets(self, step: int, records: list[dict]) -> None:
+        for record in records:
+            self._append("buckets.jsonl", {"step": step, **record})
 
     def eval(self, record: dict) -> None:
         self._append("eval.jsonl", record)

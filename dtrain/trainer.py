@@ -222,6 +222,7 @@ class Trainer:
         while self.step < t.max_steps:
             rec = self.train_step()
             self.writer.step(rec)
+            self.writer.buckets(self.step, self.sync.step_records())
             window_loss += rec["loss"] * rec["tokens"]
             window_tokens += rec["tokens"]
             window_time += rec["step_ms"] / 1000
