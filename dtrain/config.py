@@ -91,6 +91,23 @@ class SyncConfig:
 
 
 @dataclass(frozen=True)
+class NcclSettings:
+    """One tensor class's NCCL choices; null = NCCL decides. Validated and applied by `collectives.nccl`."""
+
+    proto: str | None = None  # LL, LL128, Simple
+    algo: str | None = None  # Ring, Tree, CollNetDirect, CollNetChain, NVLS, NVLSTree, PAT
+    min_ctas: int | None = None
+    max_ctas: int | None = None
+
+
+@dataclass(frozen=True)
+class CollectivesConfig:
+    mode: str = "global"  # global | per_group | tuner
+    default: NcclSettings = field(default_factory=NcclSettings)
+    classes: dict[str, NcclSettings] = field(default_factory=dict)  # tensor class → settings
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     at_end: bool = True  # decode and score `split` with the (averaged) final model
     split: str = "test"
@@ -110,6 +127,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    collectives: CollectivesConfig = field(default_factory=CollectivesConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict:
@@ -208,7 +226,10 @@ def _coerce(tp, value, path: str, src: _Source):
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise UserError(f"{src.where(path)}: '{path}' must be a mapping, got {value!r}")
-        return value
+        args = typing.get_args(tp)
+        if not args:
+            return value
+        return {_coerce(args[0], k, path, src): _coerce(args[1], v, f"{path}.{k}", src) for k, v in value.items()}
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -318,6 +339,9 @@ def _validate(cfg: RunConfig, src: _Source) -> None:
 
     check(s.strategy in available(), "sync.strategy",
           f"unknown strategy '{s.strategy}' (available: {', '.join(available())})")
+    from collectives.nccl import validate_config
+
+    validate_config(cfg.collectives, check)
 
 
 def from_dict(raw: dict, source: str = "<dict>", lines: dict[str, int] | None = None) -> RunConfig:
