@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -196,6 +197,9 @@ def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     return raw, lines
 
 
+_SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -230,6 +234,8 @@ def _coerce(tp, value, path: str, src: _Source):
         if not args:
             return value
         return {_coerce(args[0], k, path, src): _coerce(args[1], v, f"{path}.{k}", src) for k, v in value.items()}
+    if tp is float and isinstance(value, str) and _SCIENTIFIC.match(value):
+        return float(value)  # PyYAML (YAML 1.1) reads `1e-9` as a string; users mean the number
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
