@@ -219,6 +219,7 @@ class Trainer:
         bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.main, desc=cfg.name, unit="step",
                    dynamic_ncols=True, mininterval=1.0)
         window_loss, window_tokens, window_time = 0.0, 0, 0.0
+        val = None
         while self.step < t.max_steps:
             rec = self.train_step()
             self.writer.step(rec)
@@ -241,15 +242,17 @@ class Trainer:
                         bar.write(f"wall-clock budget of {t.max_minutes} min reached at step {self.step}")
                     break
             if t.val_every and self.step % t.val_every == 0:
-                self.writer.eval(self.validate())
+                val = self.validate()
+                self.writer.eval(val)
             if self.step % t.ckpt_every == 0:
                 self.save()
         bar.close()
         train_s = time.perf_counter() - t_start
         if self.step % t.ckpt_every != 0:  # the final state, unless the loop just saved it
             self.save()
-        val = self.validate()
-        self.writer.eval(val)
+        if val is None or val["step"] != self.step:
+            val = self.validate()
+            self.writer.eval(val)
         summary = {"steps": self.step, "steps_this_run": self.step - start_step, "train_s": round(train_s, 1),
                    "val_nll": round(val["val_nll"], 4)}
         if t.average_last > 1:

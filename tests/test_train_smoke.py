@@ -1,0 +1,81 @@
+"""End to end: 2-rank torchrun runs of profiles/smoke.yaml (about 15 s each here)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun(*args, nproc=2, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "dtrain.train", "--profile", "profiles/smoke.yaml", *args]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if check:
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("smoke") / "run"
+    r = torchrun("--run-dir", str(run))
+    return run, r
+
+
+def test_smoke_run_writes_the_run_directory(smoke_run):
+    run, r = smoke_run
+    assert "done: steps=40" in r.stdout
+    for name in ("config.yaml", "run.json", "steps.jsonl", "eval.jsonl", "bpe.model", "averaged.pt", "hyps.val.txt"):
+        assert (run / name).is_file(), name
+    header = json.loads((run / "run.json").read_text())
+    assert header["world_size"] == 2 and header["backend"] == "gloo" and header["sync"]["strategy"] == "ddp"
+    steps = records(run / "steps.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, 41))
+    for key in ("loss", "tokens", "lr", "data_ms", "forward_ms", "backward_ms", "comm_exposed_ms", "optimizer_ms"):
+        assert key in steps[0]
+    evals = records(run / "eval.jsonl")
+    assert [e["kind"] for e in evals] == ["val", "val", "bleu"]
+    assert evals[-1]["signature"].startswith("nrefs:1|case:mixed") and evals[-1]["sentences"] == 1014
+    assert len(list((run / "checkpoints").glob("step-*.pt"))) == 3  # keep_ckpts
+
+
+def test_smoke_loss_decreases(smoke_run):
+    run, _ = smoke_run
+    steps = records(run / "steps.jsonl")
+    first = sum(s["loss"] for s in steps[:5]) / 5
+    last = sum(s["loss"] for s in steps[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+
+
+def test_resume_continues_exactly(tmp_path):
+    """20 steps, stop, resume to 40 == 40 steps straight: same parameters, bit for bit."""
+    fast = ["--set", "eval.at_end=false", "--set", "train.average_last=1"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    torchrun("--run-dir", str(straight), *fast)
+    torchrun("--run-dir", str(split), "--set", "train.max_steps=20", *fast)
+    r = torchrun("--run-dir", str(split), "--resume", *fast)
+    assert "resumed from" in r.stdout and "at step 20" in r.stdout
+    assert [s["step"] for s in records(split / "steps.jsonl")] == list(range(1, 41))
+    diff = subprocess.run([sys.executable, "-m", "dtrain.checkpoint", "diff", str(straight), str(split)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert "max |A - B| over parameters: 0 " in diff.stdout, diff.stdout + diff.stderr
+    assert "optimizer states: identical" in diff.stdout
+
+
+def test_fresh_run_refuses_existing_run_dir(smoke_run):
+    run, _ = smoke_run
+    before = (run / "steps.jsonl").read_bytes()
+    r = torchrun("--run-dir", str(run), check=False)
+    assert r.returncode != 0 and "already holds a run" in r.stderr
+    assert (run / "steps.jsonl").read_bytes() == before
