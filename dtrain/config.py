@@ -110,6 +110,8 @@ class CollectivesConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
+    parse_log: bool = False  # NCCL_DEBUG=INFO, SUBSYS=ENV,TUNING into a log file, checked against the bucket plan
+    validated: bool = False  # the forced settings passed the benchmark's #wrong check on this platform
     at_end: bool = True  # decode and score `split` with the (averaged) final model
     split: str = "test"
     beam: int = 4  # 1 = greedy
