@@ -1,0 +1,220 @@
+"""collectives.costmodel: NCCL's formulas on hand-computed cases (nccl-facts.md §4), the pick changing with size,
+fits recovering known latency/bandwidth, the parsers, and the CLI's one-line errors."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collectives import costmodel as cm
+from dtrain.errors import UserError
+
+DATA = Path(__file__).parent / "data"
+H100 = cm.NcclModel(cm.topology("h100x8"))  # 12 channels x 30 GB/s, NVLink, one node of 8
+H100x2 = cm.NcclModel(cm.topology("h100x8-ib:2"))  # 8 channels x 45 GB/s, 2 nodes of 8, Intel hosts
+
+
+def test_single_node_latencies_match_hand_computed_formulas():
+    # Ring: base + 2(N-1) NVLink hops; Tree: base + 2 (ppn-1) NVLink hops (facts §4).
+    hand = {("Ring", "LL"): 6.6 + 14 * 0.6, ("Ring", "LL128"): 14.0 + 14 * 1.9, ("Ring", "Simple"): 8.4 + 14 * 3.4,
+            ("Tree", "LL"): 6.8 + 2 * 7 * 0.6, ("Tree", "LL128"): 14.0 + 2 * 7 * 1.25,
+            ("Tree", "Simple"): 8.4 + 2 * 7 * 4.0}
+    for (a, p), lat in hand.items():
+        assert H100.latency_us(a, p) == pytest.approx(lat), (a, p)
+
+
+def test_multi_node_latencies_and_ring_simple_factor():
+    # 16 ranks: 30 ring steps, 2(nodes-1) = 2 of them over the network; the intra hop is at least the 1 us
+    # network post overhead (x3 for Simple).
+    assert H100x2.latency_us("Ring", "LL") == pytest.approx(6.6 + 28 * 1.0 + 2 * 2.7)
+    assert H100x2.latency_us("Ring", "Simple") == pytest.approx(8.4 + 28 * 3.4 + 2 * 14.0)
+    assert H100x2.latency_us("Tree", "LL") == pytest.approx(6.8 + 2 * (7 * 0.6 + 1 * 5.0))
+    assert H100x2.latency_us("Tree", "Simple") == pytest.approx(8.4 + 2 * (7 * 4.0 + 1 * 14.0))
+    # Ring/Simple multi-node latency x1.4 on Hopper once bytes/(channels*ranks) >= 64, x1.9 before Ampere.
+    small, large = 64 * 8 * 16 - 1, 64 * 8 * 16
+    assert H100x2.choice(small, "Ring", "Simple").lat_us == pytest.approx(H100x2.latency_us("Ring", "Simple"))
+    assert H100x2.choice(large, "Ring", "Simple").lat_us == pytest.approx(1.4 * H100x2.latency_us("Ring", "Simple"))
+    v100 = cm.NcclModel(cm.topology("v100x8-ib:2"))
+    assert v100.choice(1 << 20, "Ring", "Simple").lat_us == pytest.approx(1.9 * v100.latency_us("Ring", "Simple"))
+    # One node: no factor.
+    assert H100.choice(1 << 30, "Ring", "Simple").lat_us == pytest.approx(H100.latency_us("Ring", "Simple"))
+
+
+def test_bus_bandwidth_caps_by_protocol():
+    bus = 12 * 30.0
+    assert H100.bus_bw("Ring", "Simple") == pytest.approx(bus)
+    assert H100.bus_bw("Ring", "LL") == pytest.approx(141.0)  # min(llMaxBw Hopper 1 node, bus x 0.5)
+    assert H100.bus_bw("Ring", "LL128") == pytest.approx(min(bus * 0.92, 12 * 36.7))
+    tree = min(bus * 0.92, 12 * 38.7)
+    assert H100.bus_bw("Tree", "Simple") == pytest.approx(tree)
+    assert H100.bus_bw("Tree", "LL") == pytest.approx(min(tree / 3.8, 141.0))
+    assert H100.bus_bw("Tree", "LL128") == pytest.approx(min(tree * 7 / 9, 12 * 36.7))
+    # Two nodes: Tree capped by perChMaxTreeBw Hopper [2 nodes] = 41.4 per channel; LL cap from the Intel row.
+    assert H100x2.bus_bw("Tree", "Simple") == pytest.approx(min(360 * 0.92, 8 * 41.4))
+    assert H100x2.bus_bw("Ring", "LL") == pytest.approx(39.0)
+    # Algorithm bandwidth: Ring x N/(2(N-1)), Tree x 0.5.
+    assert H100.alg_bw("Ring", "Simple") == pytest.approx(bus * 8 / 14)
+    assert H100.alg_bw("Tree", "Simple") == pytest.approx(tree * 0.5)
+
+
+def test_time_is_latency_plus_bytes_over_bandwidth_with_tree_correction():
+    n = 1 << 30
+    c = H100.choice(n, "Ring", "Simple")
+    assert c.time_us == pytest.approx(56.0 + n / (1000 * 360 * 8 / 14))
+    assert c.busbw == pytest.approx(n / (1000 * c.time_us) * 2 * 7 / 8)  # nccl-tests busbw convention
+    # 256 KiB = 64 B * 2^12: Tree/LL correction 0.4, Tree/Simple 0.5 (NCCL's table).
+    s = 64 << 12
+    for proto, factor in (("LL", 0.4), ("Simple", 0.5)):
+        got = H100.choice(s, "Tree", proto)
+        assert got.bw == pytest.approx(factor * H100.alg_bw("Tree", proto))
+    # At and above 512 MiB there is no correction.
+    assert H100.choice(512 << 20, "Tree", "Simple").bw == pytest.approx(H100.alg_bw("Tree", "Simple"))
+
+
+def test_pick_changes_from_ll_to_simple_on_one_node():
+    assert (H100.pick(8).algo, H100.pick(8).proto) == ("Ring", "LL")
+    assert (H100.pick(1 << 30).algo, H100.pick(1 << 30).proto) == ("Ring", "Simple")
+    doc = cm.table(H100, cm.parse_sizes("8:1G"))
+    changes = cm.pick_changes(doc)
+    assert [c[2] for c in changes] == ["Ring/LL128", "Ring/Simple"]
+    # The pick is always the least modeled time.
+    for row in doc["rows"]:
+        best = min(row["choices"], key=lambda c: c["time_us"])
+        assert row["pick"] == {"algo": best["algo"], "proto": best["proto"]}
+
+
+def test_pascal_has_no_ll128_and_tree_only_for_allreduce():
+    p100 = cm.NcclModel(cm.topology("p100x8"))
+    assert {c.proto for c in p100.choices(1 << 20)} == {"LL", "Simple"}
+    assert {c.algo for c in H100.choices(1 << 20, "allgather")} == {"Ring"}
+    # AllGather ring: N-1 steps, algbw = busbw x N/(N-1).
+    ag = H100.choice(1 << 30, "Ring", "Simple", "allgather")
+    assert ag.lat_us == pytest.approx(8.4 + 7 * 3.4)
+    assert ag.bw == pytest.approx(360 * 8 / 7)
+
+
+def test_topology_names():
+    assert cm.topology("h100x8-ib:4").ranks == 32
+    for bad in ("h200x8", "h100x8-ib", "h100x8-ib:1", "h100x8-ib:x", "h100x8:2"):
+        with pytest.raises(UserError):
+            cm.topology(bad)
+
+
+def test_parse_sizes():
+    assert cm.parse_sizes("8:64") == [8, 16, 32, 64]
+    assert cm.parse_sizes("1K:1M:32") == [1024, 32768, 1 << 20]
+    assert cm.parse_sizes("1M,4MiB,1G") == [1 << 20, 4 << 20, 1 << 30]
+    for bad in ("1X", "8:4", "8:64:1", "1:2:3:4"):
+        with pytest.raises(UserError):
+            cm.parse_sizes(bad)
+
+
+def test_fit_recovers_known_regimes_from_synthetic_data():
+    sizes = [2 ** k for k in range(3, 31)]
+    truth = [cm.Regime(1 << 20, 12.0, 40.0), cm.Regime(math.inf, 80.0, 150.0)]
+    noisy = [next(r for r in truth if s <= r.max_bytes).time_us(s) * (1 + 0.01 * math.sin(7.1 * i))
+             for i, s in enumerate(sizes)]
+    fit = cm.fit_regimes(sizes, noisy)
+    assert len(fit) == 2
+    assert fit[0].lat_us == pytest.approx(12.0, rel=0.03) and fit[0].bw == pytest.approx(40.0, rel=0.03)
+    assert fit[1].lat_us == pytest.approx(80.0, rel=0.05) and fit[1].bw == pytest.approx(150.0, rel=0.03)
+    assert (1 << 20) <= fit[0].max_bytes < (2 << 20)
+    # Exact single-regime data gives one regime and exact parameters.
+    one = cm.fit_regimes(sizes, [5.0 + s / (1000 * 20.0) for s in sizes])
+    assert len(one) == 1 and one[0].lat_us == pytest.approx(5.0) and one[0].bw == pytest.approx(20.0)
+
+
+def test_read_nccl_tests_sample_and_fit():
+    ms = cm.read_measurements(DATA / "all_reduce_perf_synthetic.log")
+    assert ms.coll == "allreduce" and ms.ranks == 8 and len(ms.rows) == 28
+    assert ms.rows[0].size == 8 and ms.rows[-1].size == 1 << 30
+    fm = cm.FittedModel.from_measurements(ms)
+    (regs,) = fm.fits.values()
+    # The sample's generating parameters: 15 us + bytes/70 GB/s, then 60 us + bytes/185 GB/s (+-1.5 % noise).
+    assert len(regs) == 2
+    assert regs[0].lat_us == pytest.approx(15.0, rel=0.05) and regs[1].lat_us == pytest.approx(60.0, rel=0.05)
+    assert regs[0].bw == pytest.approx(70.0, rel=0.03) and regs[1].bw == pytest.approx(185.0, rel=0.03)
+    rep = cm.fit_report(ms, fm, H100)
+    assert rep["fit_error_pct"]["max_abs"] < 3.0
+    assert all("preset_err_pct" in r for r in rep["rows"])
+
+
+def test_read_bench_csv_skips_wrong_rows_and_keeps_out_of_place():
+    ms = cm.read_measurements(DATA / "bench_gloo_synthetic.csv")
+    assert ms.skipped == 1 and ms.ranks == 2
+    assert len(ms.rows) == len({m.size for m in ms.rows})  # in-place duplicates left out
+    fm = cm.FittedModel.from_measurements(ms)
+    assert fm.time_us(1 << 20) == pytest.approx(250 + (1 << 20) / 2500, rel=0.03)
+
+
+def test_tuning_lines_label_sizes_and_fit_per_algo_proto(tmp_path):
+    header = ("#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw"
+              "   busbw #wrong\n")
+    lines = ["# Collective test starting: all_reduce_perf", header.rstrip()]
+    for k in range(10, 27):
+        s = 2 ** k
+        algo, proto, lat, bw = ("RING", "LL", 15.0, 60.0) if s < 1 << 18 else ("RING", "SIMPLE", 55.0, 180.0)
+        lines.append(f"node:1:1 [0] NCCL INFO AllReduce: {s} Bytes -> Algo {algo} proto {proto} channel{{Lo..Hi}}="
+                     "{0..7}")
+        t = lat + s / (1000 * bw)
+        a = s / 1000 / t
+        lines.append(f"{s:>12} {s // 4:>13} float sum -1 {t:8.2f} {a:7.2f} {a * 1.75:7.2f} 0 {t:8.2f} {a:7.2f} "
+                     f"{a * 1.75:7.2f} 0")
+    path = tmp_path / "tuned.log"
+    path.write_text("\n".join(lines) + "\n")
+    ms = cm.read_measurements(path)
+    assert {m.label for m in ms.rows} == {"Ring/LL", "Ring/Simple"}
+    fm = cm.FittedModel.from_measurements(ms)
+    assert fm.fits["Ring/Simple"][0].bw == pytest.approx(180.0, rel=0.01)
+    assert fm.time_us(1 << 16, algo="Ring", proto="LL") == pytest.approx(15 + (1 << 16) / 60000, rel=0.01)
+
+
+def test_environment_forced_protocol_labels_rows(tmp_path):
+    text = (DATA / "all_reduce_perf_synthetic.log").read_text().replace(
+        "# Using devices", "node:1:1 [0] NCCL INFO NCCL_PROTO set by environment to LL128\n# Using devices")
+    path = tmp_path / "forced.log"
+    path.write_text(text)
+    assert {m.label for m in cm.read_measurements(path).rows} == {"*/LL128"}
+
+
+def test_bad_measurement_files(tmp_path):
+    (tmp_path / "empty.log").write_text("# nothing\n")
+    (tmp_path / "prose.txt").write_text("hello world\n")
+    (tmp_path / "nocols.csv").write_text("a,b\n1,2\n")
+    for name in ("empty.log", "prose.txt", "nocols.csv", "missing.csv"):
+        with pytest.raises(UserError):
+            cm.read_measurements(tmp_path / name)
+
+
+def test_cli_json_table(capsys):
+    cm.main(["--topology", "h100x8", "--sizes", "8,1G", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["topology"] == "h100x8" and doc["modeled"] is True
+    assert [r["size"] for r in doc["rows"]] == [8, 1 << 30]
+    assert doc["rows"][1]["pick"] == {"algo": "Ring", "proto": "Simple"}
+    assert {"algo", "proto", "time_us", "algbw", "busbw"} <= set(doc["rows"][0]["choices"][0])
+    assert len(doc["rows"][0]["choices"]) == 6
+
+
+def test_cli_fit_saves_a_local_model(tmp_path, capsys):
+    out = tmp_path / "local.json"
+    cm.main(["fit", str(DATA / "bench_gloo_synthetic.csv"), "--out", str(out)])
+    text = capsys.readouterr().out
+    assert "err%" in text and "fit error" in text
+    model = cm.load_model(f"local:{out}")
+    assert model.time_us(1 << 20) == pytest.approx(250 + (1 << 20) / 2500, rel=0.03)
+    cm.main(["--topology", f"local:{out}", "--sizes", "1K:1M"])
+    assert "MODELED from a fit" in capsys.readouterr().out
+
+
+def test_cli_bad_topology_is_one_line_exit_2():
+    r = subprocess.run([sys.executable, "-m", "collectives.costmodel", "--topology", "nope"], capture_output=True,
+                       text=True, cwd=Path(__file__).parent.parent)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "unknown topology 'nope'" in r.stderr
+    with pytest.raises(SystemExit) as e:
+        cm.main(["--topology", "h100x8", "--sizes", "big"])
+    assert e.value.code == 2
