@@ -137,30 +137,40 @@ def count_wrong(t: torch.Tensor, expected: torch.Tensor, op: str) -> int:
     return int(bad(t[:q * PERIOD].view(q, PERIOD), expected).sum()) + int(bad(t[q * PERIOD:], expected[:rem]).sum())
 
 
-def check(reduce_in_place: Callable[[torch.Tensor], None], count: int, dtype: torch.dtype, op: str, rank: int,
-          nranks: int, device) -> int:
-    """The separate correctness pass: known inputs, one all-reduce, the number of wrong elements on this rank."""
+def check(reduce: Callable[[torch.Tensor], torch.Tensor], count: int, dtype: torch.dtype, op: str, rank: int,
+          nranks: int, device, expect_op: str | None = None) -> int:
+    """The separate correctness pass: known inputs, one all-reduce, the number of wrong elements on this rank.
+    `reduce(t)` returns the tensor holding the result; `expect_op` is the op that result should equal (a path
+    that averages is checked against "avg" although it was asked to sum)."""
     t = torch.empty(count, dtype=dtype, device=device)
     fill(t, pattern(rank, op, dtype))
-    reduce_in_place(t)
-    return count_wrong(t, expected_period(nranks, op, dtype), op)
+    out = reduce(t)
+    return count_wrong(out, expected_period(nranks, expect_op or op, dtype), expect_op or op)
 
 
 # ---- the paths under test ----------------------------------------------------------------------------------------
 
 @dataclass
 class BenchPath:
-    """A way of all-reducing one flat tensor in place: `bind(t, op)` returns the zero-argument operation to time."""
+    """A way of all-reducing one flat tensor. `bind(t, op)` takes t's values as input and returns (the
+    zero-argument operation to time, the tensor holding the result after it)."""
 
     name: str  # "raw" | "reducer": the `path` of a JSON row
     title: str  # column-group heading of the table
-    bind: Callable[[torch.Tensor, str], Callable[[], None]]
+    bind: Callable[[torch.Tensor, str], tuple[Callable[[], None], torch.Tensor]]
     ops: tuple[str, ...] = tuple(OPS)  # the reduction ops this path can do
+    dtypes: tuple[str, ...] = tuple(DTYPES)  # and the data types
+    result_op: Callable[[str], str] = lambda op: op  # what the result equals: the reducer averages its sum
+
+    def can(self, op: str, dtype_name: str) -> bool:
+        return op in self.ops and dtype_name in self.dtypes
 
 
 def raw_path(group) -> BenchPath:
-    return BenchPath("raw", "dist.all_reduce",
-                     lambda t, op: (lambda: dist.all_reduce(t, op=OPS[op], group=group)))
+    def bind(t, op):
+        return (lambda: dist.all_reduce(t, op=OPS[op], group=group)), t
+
+    return BenchPath("raw", "dist.all_reduce", bind)
 
 
 # ---- one measurement ---------------------------------------------------------------------------------------------
@@ -178,6 +188,12 @@ class Row:
     wrong: int | None  # None: not checked (-c 0)
 
 
+def _run_bound(bound) -> torch.Tensor:
+    fn, result = bound
+    fn()
+    return result
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -188,7 +204,7 @@ def measure(path: BenchPath, count: int, dtype_name: str, op: str, args, group, 
     dtype = DTYPES[dtype_name]
     # Zeros for timing: the values stay zero under every op, so no overflow, infinities or denormals in the loop.
     t = torch.zeros(count, dtype=dtype, device=device)
-    fn = path.bind(t, op)
+    fn, _ = path.bind(t, op)
     for _ in range(args.warmup):
         fn()
     _sync(device)
@@ -198,14 +214,15 @@ def measure(path: BenchPath, count: int, dtype_name: str, op: str, args, group, 
         fn()
     _sync(device)
     elapsed_us = (time.perf_counter() - start) / args.iters * 1e6
-    del t
+    del t, fn
     # As nccl-tests (-a 1): the time reported is the mean over ranks.
     mean = torch.tensor([elapsed_us], dtype=torch.float64, device=device)
     dist.all_reduce(mean, group=group)
     time_us = float(mean) / nranks
     wrong = None
     if args.check:
-        bad = check(lambda x: path.bind(x, op)(), count, dtype, op, rank, nranks, device)
+        bad = check(lambda x: _run_bound(path.bind(x, op)), count, dtype, op, rank, nranks, device,
+                    path.result_op(op))
         total = torch.tensor([bad], dtype=torch.int64, device=device)
         dist.all_reduce(total, group=group)
         wrong = int(total)
@@ -249,7 +266,7 @@ def footer(rows: list[Row], paths: list[BenchPath]) -> list[str]:
     for p in paths:
         bw = [r.busbw for r in rows if r.path == p.name]
         avg = sum(bw) / len(bw) if bw else 0.0
-        label = "   " if p.name == "raw" else f" ({p.name})"
+        label = "  " if p.name == "raw" else f"({p.name})"
         out.append(f"# Avg bus bandwidth {label} : {avg:g}")
     if len(paths) > 1:
         out += ratio_lines(rows)
@@ -337,12 +354,12 @@ def class_group_for(name: str, profile: str | None):
     return class_group(name, settings.nccl(), None), settings
 
 
-def bench_paths(which: str, group) -> list[BenchPath]:
+def bench_paths(which: str, group, class_name: str | None, settings) -> list[BenchPath]:
     paths = []
     if which in ("raw", "all"):
         paths.append(raw_path(group))
     if which in ("reducer", "all"):
-        p = reducer_path(group)
+        p = reducer_path(group, class_name, settings)
         if p is not None:
             paths.append(p)
         elif which == "reducer":
@@ -350,9 +367,47 @@ def bench_paths(which: str, group) -> list[BenchPath]:
     return paths
 
 
-def reducer_path(group) -> BenchPath | None:
-    """The project's bucketed all-reduce (collectives/reducer.py), when this checkout has it."""
-    return None
+# The reducer's wire dtypes, by the bench's type names.
+_WIRE = {"float": "fp32", "bfloat16": "bf16", "half": "fp16"}
+
+
+def reducer_path(group, class_name: str | None, settings) -> BenchPath | None:
+    """The project's bucketed all-reduce (`collectives.reducer.Reducer`), measured as training uses it: the size
+    is one gradient in one bucket; each operation re-arms the reducer, launches the bucket asynchronously on the
+    (class's) group, waits, and averages (so its result is checked against the mean, not the sum).
+
+    A tensor class's own settings apply as they are (a bf16 wire dtype then compresses); without --class the wire
+    dtype is the benchmarked dtype, so both paths move the same bytes."""
+    try:
+        from collectives.plan import Bucket
+        from collectives.reducer import Reducer
+        from collectives.tensor_classes import CollectiveSettings
+    except ImportError:
+        return None
+    nranks = dist.get_world_size(group)
+
+    def bind(t, op):
+        s = settings if settings is not None else CollectiveSettings(wire_dtype=_WIRE[_name_of(t.dtype)])
+        param = torch.nn.Parameter(torch.empty(t.numel(), dtype=t.dtype, device=t.device))  # only its grad is read
+        param.grad = t  # the reducer copies it into its flat bucket buffer and hands back a view of that
+        bucket = Bucket(0, ("bench",), t.numel(), t.numel() * s.torch_wire_dtype.itemsize, class_name or "bench",
+                        s, t.dtype)
+        reducer = Reducer({"bench": param}, [bucket], nranks, overlap=False, groups={bucket.tensor_class: group},
+                          default_group=group)
+        reducer.remove()  # no backward runs here: its gradient hooks are not needed
+
+        def step():
+            reducer.prepare(True)
+            reducer.finish()
+
+        return step, param.grad.view(-1)
+
+    return BenchPath("reducer", "reducer (bucket, mean)", bind, ops=("sum",), dtypes=tuple(_WIRE),
+                     result_op=lambda op: "avg")
+
+
+def _name_of(dtype: torch.dtype) -> str:
+    return next(n for n, d in DTYPES.items() if d == dtype)
 
 
 def main(argv=None) -> int:
@@ -378,7 +433,7 @@ def main(argv=None) -> int:
 def _bench(args, sizes: list[int], dtypes: list[str], device, backend: str) -> int:
     """The sweep on every rank; rank 0 prints and writes."""
     ops = parse_ops(args.op, backend)
-    group, settings, what = None, None, "world"
+    group, settings, what = None, None, "world"  # settings None: the reducer's defaults
     if args.tensor_class:
         group, settings = class_group_for(args.tensor_class, args.profile)
         what = f"class {args.tensor_class} (" + ", ".join(f"{k} {v}" for k, v in asdict(settings).items()) + ")"
@@ -397,7 +452,7 @@ def _bench(args, sizes: list[int], dtypes: list[str], device, backend: str) -> i
         emit(f"#  Rank {r:2d} Group  0 Pid {pid:6d} on {host:>10} device {dev}")
     emit("#")
 
-    paths = bench_paths(args.path, group)
+    paths = bench_paths(args.path, group, args.tensor_class, settings)
     for h in header(paths):
         emit(h)
     rows: list[Row] = []
@@ -408,10 +463,12 @@ def _bench(args, sizes: list[int], dtypes: list[str], device, backend: str) -> i
                 if count == 0:  # nccl-tests too skips sizes below one element
                     continue
                 # A path that cannot do this op (the reducer only sums) shows N/A in its columns.
-                cells = [measure(p, count, dtype_name, op, args, group, nranks, rank, device) if op in p.ops
+                cells = [measure(p, count, dtype_name, op, args, group, nranks, rank, device)
+                         if p.can(op, dtype_name)
                          else None for p in paths]
                 rows += [c for c in cells if c is not None]
-                emit(line(cells), flush=True)
+                if any(c is not None for c in cells):
+                    emit(line(cells), flush=True)
     for f in footer(rows, paths):
         emit(f)
     if main_rank:
