@@ -1,0 +1,207 @@
+"""collectives.bench: size parsing, bus-bandwidth factors, the correctness pass, the table, and a 2-rank sweep."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collectives import bench
+from conftest import REPO
+from dtrain.errors import UserError
+
+
+# ---- parsing -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,n", [("8", 8), ("64K", 65536), ("64k", 65536), ("256M", 256 << 20), ("1G", 1 << 30),
+                                    ("128MB", 128 << 20)])
+def test_parse_size(text, n):
+    assert bench.parse_size(text) == n
+
+
+@pytest.mark.parametrize("text", ["8X", "", "-1", "1.5M", "M"])
+def test_parse_size_rejects(text):
+    with pytest.raises(UserError, match="bad size"):
+        bench.parse_size(text)
+
+
+def test_sweep_sizes_like_nccl_tests():
+    assert bench.sweep_sizes(8, 128, 2, 0) == [8, 16, 32, 64, 128]
+    assert bench.sweep_sizes(8, 100, 4, 0) == [8, 32]
+    assert bench.sweep_sizes(1024, 4096, 2, 1024) == [1024, 2048, 3072, 4096]  # -i wins over -f
+    assert bench.sweep_sizes(64, 64, 1, 0) == [64]
+    with pytest.raises(UserError):
+        bench.sweep_sizes(128, 8, 2, 0)
+    with pytest.raises(UserError):
+        bench.sweep_sizes(8, 128, 1, 0)
+
+
+def test_dtypes_and_ops():
+    assert bench.parse_dtypes("fp32") == ["float"] and bench.parse_dtypes("bf16") == ["bfloat16"]
+    assert bench.parse_dtypes("all") == list(bench.DTYPES)
+    with pytest.raises(UserError, match="unknown dtype 'float8'"):
+        bench.parse_dtypes("float8")
+    assert "avg" not in bench.parse_ops("all", "gloo") and "avg" in bench.parse_ops("all", "nccl")
+    with pytest.raises(UserError, match="needs the nccl backend"):
+        bench.parse_ops("avg", "gloo")
+
+
+@pytest.mark.parametrize("argv,msg", [(["-b", "8X"], "bad size '8X'"), (["-d", "float8"], "unknown dtype"),
+                                      (["-o", "xor"], "unknown op"), (["-b", "1M", "-e", "1K"], "larger than")])
+def test_bad_input_is_one_line_and_exit_2(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("collectives.bench: error: ") and msg in err and err.count("\n") == 1
+
+
+# ---- bandwidths --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,factor", [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75), (16, 1.875)])
+def test_bus_factor_is_2_n_minus_1_over_n(n, factor):
+    assert bench.bus_factor(n) == pytest.approx(factor)
+
+
+def test_bandwidths_in_gb_per_s():
+    algbw, busbw = bench.bandwidths(1_000_000_000, 1_000_000.0, 4)  # 1 GB in one second on 4 ranks
+    assert algbw == pytest.approx(1.0) and busbw == pytest.approx(1.5)
+    assert bench.bandwidths(8, 0.0, 2) == (0.0, 0.0)
+
+
+# ---- the correctness pass ----------------------------------------------------------------------------------------
+
+def emulated_allreduce(rank, nranks, op, corrupt=None):
+    """Rank `rank`'s view of an all-reduce over `nranks` ranks, the other ranks' inputs rebuilt from the pattern;
+    `corrupt(t)` then damages the result, as a broken collective would."""
+    def reduce(t):
+        others = [torch.empty_like(t) for _ in range(nranks - 1)]
+        for r, o in zip([r for r in range(nranks) if r != rank], others):
+            bench.fill(o, bench.pattern(r, op, t.dtype))
+        stack = torch.stack([t] + others)
+        out = {"sum": lambda: stack.sum(0, dtype=t.dtype), "prod": lambda: stack.prod(0, dtype=t.dtype),
+               "max": lambda: stack.amax(0), "min": lambda: stack.amin(0)}[op]()
+        t.copy_(out)
+        if corrupt:
+            corrupt(t)
+        return t
+
+    return reduce
+
+
+@pytest.mark.parametrize("dtype", list(bench.DTYPES))
+@pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
+def test_correct_result_has_no_wrong_elements(dtype, op):
+    dt = bench.DTYPES[dtype]
+    assert bench.check(emulated_allreduce(1, 3, op), 1000, dt, op, 1, 3, "cpu") == 0
+
+
+def test_check_catches_a_deliberately_wrong_result():
+    def one_off(t):
+        t[123] += 1
+
+    def shifted(t):  # a chunk landing one element off: its values differ, so every element of it counts
+        t[500:600] = t[501:601].clone()
+
+    def stale(t):  # one rank's contribution missing from a slice
+        t[:10] -= bench.pattern(0, "sum", t.dtype)[:10]
+
+    for corrupt, wrong in [(one_off, 1), (shifted, 100), (stale, 10)]:
+        assert bench.check(emulated_allreduce(1, 2, "sum", corrupt), 1000, torch.float32, "sum", 1, 2, "cpu") == wrong
+
+
+def test_check_against_the_mean():
+    def mean(t):
+        t.copy_((t + bench.pattern(1, "sum", t.dtype).repeat(4)[: t.numel()]) / 2)
+        return t
+
+    assert bench.check(mean, 1000, torch.bfloat16, "sum", 0, 2, "cpu", expect_op="avg") == 0
+    assert bench.check(lambda t: t, 1000, torch.bfloat16, "sum", 0, 2, "cpu", expect_op="avg") > 0
+
+
+@pytest.fixture
+def one_rank_group():
+    """A real (one-rank) gloo group in this process, so `measure` runs end to end."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _Args:
+    warmup, iters, check = 1, 3, 1
+
+
+def test_measure_reports_wrong_elements_of_a_broken_path(one_rank_group):
+    raw = bench.raw_path(None)
+    row = bench.measure(raw, 4096, "float", "sum", _Args, None, 1, 0, torch.device("cpu"))
+    assert row.wrong == 0 and row.size == 16384 and row.count == 4096 and row.time_us > 0
+
+    def broken_bind(t, op):
+        def fn():
+            dist.all_reduce(t, group=None)
+            t[7] += 1
+        return fn, t
+
+    broken = bench.BenchPath("raw", "broken", broken_bind)
+    assert bench.measure(broken, 4096, "float", "sum", _Args, None, 1, 0, torch.device("cpu")).wrong == 1
+
+
+def test_reducer_path_averages_correctly(one_rank_group):
+    path = bench.reducer_path(None, None, None)
+    if path is None:
+        pytest.skip("collectives/reducer.py is not in this checkout")
+    row = bench.measure(path, 1 << 16, "bfloat16", "sum", _Args, None, 1, 0, torch.device("cpu"))
+    assert row.path == "reducer" and row.wrong == 0
+
+
+# ---- the table ---------------------------------------------------------------------------------------------------
+
+def test_table_has_nccl_tests_columns_and_footer():
+    rows = [bench.Row("raw", 4 << 20, 1 << 20, "float", "sum", 2000.0, *bench.bandwidths(4 << 20, 2000.0, 2), 0),
+            bench.Row("reducer", 4 << 20, 1 << 20, "float", "sum", 2100.0, *bench.bandwidths(4 << 20, 2100.0, 2),
+                      0)]
+    paths = [bench.BenchPath("raw", "dist.all_reduce", None), bench.BenchPath("reducer", "reducer", None)]
+    head = bench.header(paths)
+    assert head[1].split() == ["#", "size", "count", "type", "redop"] + ["time", "algbw", "busbw", "#wrong"] * 2
+    assert "(us)" in head[2] and "(GB/s)" in head[2] and "(B)" in head[2]
+    fields = bench.line(rows).split()
+    assert fields[:4] == [str(4 << 20), str(1 << 20), "float", "sum"]
+    assert fields[4:8] == ["2000.0", "2.10", "2.10", "0"]
+    foot = bench.footer(rows, paths)
+    assert foot[0] == "# Out of bounds values : 0 OK"
+    assert foot[1].startswith("# Avg bus bandwidth    : 2.09")
+    assert "reducer/raw busbw at >= 4 MiB : min 0.952" in foot[3]
+    rows[0].wrong = 2
+    assert bench.footer(rows, paths)[0] == "# Out of bounds values : 2 FAILED"
+    assert "N/A" in bench.line([rows[0], None])
+
+
+# ---- 2 ranks under torchrun --------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_rank_sweep_on_loopback(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "collectives.bench", "-b", "8", "-e", "1M", "-f", "32", "-w", "1", "-n", "3", "--class", "ffn",
+           "--json", str(out), "--csv", str(tmp_path / "bench.csv")]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "nRanks 2 backend gloo" in r.stdout and "group: class ffn" in r.stdout
+    assert "# Out of bounds values : 0 OK" in r.stdout and "# Avg bus bandwidth    : " in r.stdout
+    rows = json.loads(out.read_text())
+    assert {tuple(sorted(row)) for row in rows} == {tuple(sorted(bench.FIELDS))}
+    raw = [row for row in rows if row["path"] == "raw"]
+    assert [row["size"] for row in raw] == [8, 256, 8192, 262144]
+    for row in rows:
+        assert row["wrong"] == 0 and row["type"] == "float" and row["redop"] == "sum"
+        assert row["count"] * 4 == row["size"]
+        assert row["busbw"] == pytest.approx(row["algbw"] * bench.bus_factor(2))  # = algbw on 2 ranks
+        assert row["algbw"] == pytest.approx(row["size"] / row["time_us"] / 1e3)
+    csv_lines = (tmp_path / "bench.csv").read_text().splitlines()
+    assert csv_lines[0] == ",".join(bench.FIELDS) and len(csv_lines) == len(rows) + 1
