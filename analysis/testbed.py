@@ -332,7 +332,7 @@ def agent_env(nodes: int, nproc: int) -> dict[str, str]:
 
 
 def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int = DEFAULT_PORT,
-        log_dir: str | None = None, grace_s: float = 10.0) -> int:
+        log_dir: str | None = None, grace_s: float = 5.0) -> int:
     """Launch the job; stream node 0's rank 0, log the other nodes to files; return the job's exit code."""
     require_tools()
     _, up_nodes = names.existing()

@@ -1,0 +1,242 @@
+"""analysis.testbed: link and profile parsing everywhere; up/status/down, shaping and 2-node torchrun jobs where
+network namespaces can be made (root and iproute2, as in CI). Every testbed made here is removed by the fixture."""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from analysis import testbed
+from conftest import REPO
+from dtrain.errors import UserError
+
+
+def _why_not() -> str | None:
+    try:
+        testbed.require_tools()
+    except UserError as e:
+        return f"testbed {e}"
+    return None
+
+
+needs_netns = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
+
+
+# ---- everywhere --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,bits", [("1gbit", 10**9), ("100mbit", 10**8), ("2.5gbit", 25 * 10**8),
+                                       ("500kbit", 5 * 10**5), ("none", None)])
+def test_parse_rate(text, bits):
+    assert testbed.parse_rate(text) == bits
+
+
+@pytest.mark.parametrize("text", ["1gbps", "fast", "0gbit", "1 gigabit", ""])
+def test_parse_rate_rejects(text):
+    with pytest.raises(UserError, match="bad link rate"):
+        testbed.parse_rate(text)
+
+
+def test_bytes_and_burst():
+    assert testbed.parse_bytes("256kb") == 262144 and testbed.parse_bytes("1m") == 1 << 20
+    assert testbed.parse_bytes("1500") == 1500
+    with pytest.raises(UserError):
+        testbed.parse_bytes("12 parsecs")
+    assert testbed.default_burst(10**9) == 250_000  # 2 ms at 1 Gbit/s
+    assert testbed.default_burst(10**7) == 64 * 1024  # never below one 64 KiB GSO packet
+    assert testbed.Link(10**9).tbf_args() == ["tbf", "rate", "1000000000bit", "burst", "250000", "latency", "50ms"]
+    assert testbed.format_rate(10**9) == "1gbit" and testbed.format_rate(None) == "unshaped"
+
+
+def _up_args(**kw):
+    base = dict(nodes=None, link=None, link_per_node=None, burst=None, latency_ms=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_links_from_command_line_over_profile_over_defaults():
+    assert testbed.links_from(_up_args(), {}) == [testbed.Link(10**9)] * 2
+    profile = testbed.load_profile(REPO / "profiles" / "testbed" / "1gbit.yaml")
+    links = testbed.links_from(_up_args(nodes=3, link="100mbit"), profile)
+    assert [(lk.rate, lk.burst) for lk in links] == [(10**8, 256000)] * 3
+    per_node = testbed.links_from(_up_args(link_per_node="1gbit,100mbit,none"), {})
+    assert [lk.rate for lk in per_node] == [10**9, 10**8, None]
+    with pytest.raises(UserError, match="2 rate"):
+        testbed.links_from(_up_args(nodes=3, link_per_node="1gbit,1gbit"), {})
+
+
+def test_profile_section_is_strict(tmp_path):
+    p = tmp_path / "tb.yaml"
+    p.write_text("testbed:\n  nodes: 2\n  lnk: 1gbit\n")
+    with pytest.raises(UserError, match="unknown key 'testbed.lnk'"):
+        testbed.load_profile(p)
+    p.write_text("model: {preset: tiny}\n")
+    with pytest.raises(UserError, match="no 'testbed:' section"):
+        testbed.load_profile(p)
+
+
+def test_agent_commands_put_rank_0_on_node_0():
+    names = testbed.Names("dtb")
+    cmds = [testbed.agent_command(names, i, 2, 1, 29600, "rid", ["-m", "collectives.bench", "-b", "8"])
+            for i in range(2)]
+    for i, cmd in enumerate(cmds):
+        assert cmd[:4] == ["ip", "netns", "exec", f"dtb-n{i}"]
+        assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=10.77.0.1:29600" in cmd
+        assert f"--local-addr=10.77.0.{i + 1}" in cmd and f"--rdzv-conf=is_host={int(i == 0)}" in cmd
+        assert cmd[-4:] == ["-m", "collectives.bench", "-b", "8"]
+    assert "--local-ranks-filter=0" in cmds[0] and "--local-ranks-filter=0" not in cmds[1]
+    # c10d orders agents by address string: node 0's must sort first at any cluster size.
+    addrs = [testbed.Names.address(i) for i in range(testbed.MAX_NODES)]
+    assert min(addrs) == addrs[0]
+
+
+def test_command_line_errors(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as e:
+        testbed.main(["--name", "Bad-Name", "status"])
+    assert e.value.code == 2 and "bad testbed name" in capsys.readouterr().err
+    monkeypatch.setattr(testbed.os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit) as e:
+        testbed.main(["status"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "needs root" in err
+
+
+# ---- with network namespaces -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def bed():
+    """A testbed name of this test session's own; whatever a test leaves up is removed, pass or fail."""
+    names = testbed.Names(f"t{os.getpid() % 10**6}")
+    testbed.down(names)
+    yield names
+    testbed.down(names)
+    assert names.existing() == ([], [])
+
+
+def _host_links() -> list[str]:
+    return sorted(line.split()[0] for line in subprocess.run(["ip", "-br", "link"], capture_output=True,
+                                                             text=True).stdout.splitlines())
+
+
+@needs_netns
+def test_up_status_down(bed):
+    host = _host_links()
+    testbed.up(bed, [testbed.Link(10**8)] * 2)
+    rows = testbed.status(bed)
+    assert [(r["netns"], r["address"], r["state"]) for r in rows] == [
+        (f"{bed.prefix}-n0", "10.77.0.1/24", "UP"), (f"{bed.prefix}-n1", "10.77.0.2/24", "UP")]
+    assert all(r["egress"].startswith("tbf 100mbit") and r["ingress"].startswith("tbf 100mbit") for r in rows)
+    assert _host_links() == host  # nothing in the host's own namespace
+    with pytest.raises(UserError, match="already up"):
+        testbed.up(bed, [testbed.Link(10**8)] * 2)
+    assert sorted(testbed.down(bed)) == sorted([bed.hub, bed.node(0), bed.node(1)])
+    assert testbed.down(bed) == []  # idempotent
+    assert bed.existing() == ([], [])
+
+
+@needs_netns
+@pytest.mark.parametrize("exc", [UserError("boom"), KeyboardInterrupt()])
+def test_up_leaves_nothing_behind_on_failure(bed, monkeypatch, exc):
+    calls = []
+    real_sh = testbed.sh
+
+    def failing_sh(*args):
+        calls.append(args)
+        if len(calls) == 20:  # half-way through node 1 of 3
+            raise exc
+        return real_sh(*args)
+
+    monkeypatch.setattr(testbed, "sh", failing_sh)
+    with pytest.raises(type(exc)):
+        testbed.up(bed, [testbed.Link(10**9)] * 3)
+    assert bed.existing() == ([], [])
+
+
+@needs_netns
+def test_shaping_limits_throughput(bed):
+    testbed.up(bed, [testbed.Link(40 * 10**6)] * 2)  # 40 Mbit/s = 5 MB/s
+    bps = testbed.probe(bed, 0, 1, seconds=1.0)
+    assert 2.5e6 < bps < 5.5e6
+
+
+RANK_SCRIPT = """
+import json, os, socket, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect((os.environ["MASTER_ADDR"], 9))  # no packet sent: only asks which local address routes there
+t = torch.full((1000,), float(rank + 1))
+dist.all_reduce(t)
+info = dict(rank=rank, addr=s.getsockname()[0], master=os.environ["MASTER_ADDR"],
+            ifname=os.environ["GLOO_SOCKET_IFNAME"], sum=t[0].item(), world=dist.get_world_size())
+open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w").write(json.dumps(info))
+print(f"hello from rank {rank}", flush=True)
+mode = sys.argv[2] if len(sys.argv) > 2 else "ok"
+if mode == "fail" and rank == 1:
+    sys.exit(3)
+if mode in ("fail", "hang"):
+    time.sleep(600)  # rank 0 (fail) or both (hang): only the testbed's cleanup ends this
+dist.destroy_process_group()
+"""
+
+
+def _testbed_run(bed, tmp_path, mode):
+    script = tmp_path / "job.py"
+    script.write_text(RANK_SCRIPT)
+    return [sys.executable, "-m", "analysis.testbed", "--name", bed.prefix, "run", "--nodes", "2",
+            "--log-dir", str(tmp_path / "logs"), "--", str(script), str(tmp_path), mode]
+
+
+def _no_processes_left(bed):
+    for i in range(2):
+        out = subprocess.run(["ip", "netns", "pids", bed.node(i)], capture_output=True, text=True).stdout
+        assert out.split() == [], f"processes left in {bed.node(i)}"
+
+
+@needs_netns
+def test_run_all_reduce_across_two_nodes(bed, tmp_path):
+    testbed.up(bed, [testbed.Link(10**9)] * 2)
+    r = subprocess.run(_testbed_run(bed, tmp_path, "ok"), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "hello from rank 0" in r.stdout and "hello from rank 1" not in r.stdout  # rank 0's output only
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for i, info in enumerate(ranks):
+        assert info["addr"] == f"10.77.0.{i + 1}"  # rank i runs inside node i
+        assert info["master"] == "10.77.0.1" and info["ifname"] == testbed.IFACE
+        assert info["sum"] == 3.0 and info["world"] == 2
+    assert "hello from rank 1" in (tmp_path / "logs" / "node1.log").read_text()
+    _no_processes_left(bed)
+
+
+@needs_netns
+def test_run_returns_the_failure_and_stops_the_rest(bed, tmp_path):
+    testbed.up(bed, [testbed.Link(10**9)] * 2)
+    t0 = time.monotonic()
+    r = subprocess.run(_testbed_run(bed, tmp_path, "fail"), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert time.monotonic() - t0 < 60  # rank 0, asleep, was stopped rather than waited for
+    assert "node 1 exited with" in r.stderr
+    _no_processes_left(bed)
+
+
+@needs_netns
+def test_ctrl_c_stops_the_job(bed, tmp_path):
+    testbed.up(bed, [testbed.Link(10**9)] * 2)
+    p = subprocess.Popen(_testbed_run(bed, tmp_path, "hang"), cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / f"rank{i}.json").exists() for i in range(2)):
+            assert time.monotonic() < deadline and p.poll() is None, "the job did not start"
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) == 130
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    _no_processes_left(bed)
