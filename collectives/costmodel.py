@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import json
 import math
@@ -385,16 +386,24 @@ def _ranks_from_bus_factor(ms: MeasurementSet) -> int | None:
     return round(n) if n and n < 1e6 else None
 
 
+def _num(v) -> float | None:
+    """A number from a CSV/JSON cell; None for empty, null or N/A (a path that could not run that row)."""
+    if v is None or str(v).strip() in ("", "N/A", "nan", "None"):
+        return None
+    return float(v)
+
+
 def _bench_row(d: dict, where: str) -> Measurement | None:
+    """One benchmark row; None if its correctness check failed or it was not measured."""
     try:
-        if int(float(d.get("wrong") or 0)) > 0:
+        if (_num(d.get("wrong")) or 0) > 0 or _num(d.get("time_us")) is None:
             return None
         label = d.get("label") or "measured"
         algo, proto = d.get("algo"), d.get("proto")
         if algo or proto:
             label = f"{_canon(algo, _ALGO_NAMES) if algo else '*'}/{_canon(proto, PROTOS) if proto else '*'}"
-        opt = lambda k: float(d[k]) if d.get(k) not in (None, "") else None  # noqa: E731
-        return Measurement(int(float(d["size"])), float(d["time_us"]), opt("algbw"), opt("busbw"), label)
+        return Measurement(int(float(d["size"])), _num(d["time_us"]), _num(d.get("algbw")), _num(d.get("busbw")),
+                           label)
     except (KeyError, ValueError, TypeError) as e:
         raise UserError(f"{where}: bad benchmark row {d!r} ({e.__class__.__name__}: {e})") from e
 
@@ -469,7 +478,7 @@ def _read_nccl_tests(text: str, where) -> MeasurementSet:
             if m:
                 env[m.group(1)] = m.group(2)
             m = _TUNING_NEW.search(s)
-            if m and (coll is None or m.group(1).lower() == coll):
+            if m and not m.group(3).isdigit() and (coll is None or m.group(1).lower() == coll):
                 lab = f"{_canon(m.group(3), _ALGO_NAMES)}/{_canon(m.group(4), PROTOS)}"
                 tuned.setdefault(int(m.group(2)), {}).setdefault(lab, 0)
                 tuned[int(m.group(2))][lab] += 1
@@ -634,6 +643,8 @@ class FittedModel:
         if coll != self.coll:
             raise UserError(f"model '{self.name}' was fitted on {self.coll}, not {coll}")
         labels = [lab for lab in self.fits if _label_matches(lab, algo, proto)]
+        if "reducer" in labels:  # the bench's reducer path is what the planned strategies run
+            labels = ["reducer"]
         if not labels:
             raise UserError(f"model '{self.name}' has no fit for {algo or 'any'}/{proto or 'any'} "
                             f"(fitted: {', '.join(self.fits)})")
@@ -674,7 +685,9 @@ class FittedModel:
 
 def _label_matches(label: str, algo: str | None, proto: str | None) -> bool:
     a, _, p = label.partition("/")
-    return (algo is None or a in ("*", "measured", algo)) and (proto is None or p in ("*", "", proto))
+    if not p:  # an unlabelled fit ("measured", or a bench path): whatever NCCL or gloo ran
+        return True
+    return (algo is None or a in ("*", algo)) and (proto is None or p in ("*", proto))
 
 
 def _regime_dict(r: Regime) -> dict:
@@ -698,6 +711,217 @@ def load_model(spec: str):
                 return FittedModel.from_dict(d, path)
         return FittedModel.from_measurements(read_measurements(path), name=spec)
     return NcclModel(topology(spec))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bucket plans of a profile, and per-class recommendations
+
+CAP_CANDIDATES_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+KNEE = 1.05  # a class's buckets are "large enough" once their summed time is within 5 % of one fused bucket's
+
+
+@functools.lru_cache(maxsize=8)
+def _ready_params(model_cfg, vocab: int) -> tuple:
+    """The model's parameters as meta tensors, in the expected gradient-ready order (collectives.plan)."""
+    import torch
+
+    from collectives.plan import ready_order
+    from dtrain.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer.from_config(model_cfg, vocab)
+    return tuple(ready_order(model))
+
+
+def ready_params(cfg, vocab: int | None = None) -> tuple:
+    return _ready_params(cfg.model, vocab or cfg.data.vocab_size)
+
+
+def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = None,
+                class_caps: dict[str, float] | None = None, vocab: int | None = None):
+    """(buckets, overlap) of `cfg`'s model under `strategy` (default: the profile's), planned on meta tensors in
+    the expected ready order. `ddp` is planned like DDP's own reducer: `bucketed` with a 1 MiB first bucket."""
+    import dataclasses as dc
+
+    from collectives import strategies
+    from collectives import tensor_classes as tcm
+    from collectives.plan import BucketingStrategy
+
+    name = strategy or cfg.sync.strategy
+    classes_raw = {k: dict(v) for k, v in (cfg.sync.classes or {}).items()}
+    for c, cap in (class_caps or {}).items():
+        classes_raw.setdefault(c, {})["bucket_cap_mb"] = cap
+    sync = dc.replace(cfg.sync, strategy=name, classes=classes_raw,
+                      bucket_cap_mb=bucket_cap_mb if bucket_cap_mb is not None else cfg.sync.bucket_cap_mb)
+    named = list(ready_params(cfg, vocab))
+    tc = tcm.from_config(sync)
+    class_of = tc.assign(named)
+    settings = {r.name: tc.setting(r.name) for r in tc.rules}
+    cls = strategies.get(name)
+    if name == "ddp":
+        first = sync.first_bucket_mb if sync.first_bucket_mb is not None else 1.0
+        strat = strategies.get("bucketed").from_args(bucket_cap_mb=sync.bucket_cap_mb, first_bucket_mb=first)
+    elif isinstance(cls, type) and issubclass(cls, BucketingStrategy):
+        strat = cls.from_sync(sync)
+    else:
+        raise UserError(f"strategy '{name}' has no bucket plan to model (planned strategies: ddp, "
+                        + ", ".join(n for n in strategies.available()
+                                    if isinstance(strategies.get(n), type)
+                                    and issubclass(strategies.get(n), BucketingStrategy)) + ")")
+    return strat.plan(named, class_of, settings), strat.overlap
+
+
+def _bucket_time_us(model, nbytes: int, algo=None, proto=None) -> float:
+    return model.time_us(nbytes, "allreduce", algo=algo, proto=proto)
+
+
+def recommend(cfg, model, fitted: FittedModel | None = None) -> dict:
+    """Per tensor class: NCCL's default choice and cost for the class's buckets, the bucket cap past the latency
+    knee, and the (algo, proto) with the least modeled time at that cap (None: leave it to NCCL).
+
+    `model` is a topology preset (NCCL's choice comes from it); `fitted`, when given, costs every choice with
+    measured fits per algorithm/protocol instead, so a forced choice can beat NCCL's modeled pick."""
+    cost = fitted or model
+
+    def default_us(nbytes):
+        pick = model.pick(nbytes) if isinstance(model, NcclModel) else None
+        if pick is None:
+            return cost.time_us(nbytes)
+        try:
+            return cost.time_us(nbytes, algo=pick.algo, proto=pick.proto)
+        except UserError:  # the fit lacks NCCL's pick: the best measured choice stands in
+            return cost.time_us(nbytes)
+
+    options = [(a, p) for a in ALGOS for p in PROTOS
+               if not isinstance(model, NcclModel) or model.enabled(a, p)]
+
+    def forced_us(nbytes, a, p):
+        try:
+            return cost.time_us(nbytes, algo=a, proto=p)
+        except UserError:
+            return math.inf
+
+    actual, overlap = bucket_plan(cfg)
+    base, _ = bucket_plan(cfg, "per_class")
+    classes = list(dict.fromkeys(b.tensor_class for b in base))
+    out = {"profile_strategy": cfg.sync.strategy, "topology": model.name, "modeled": True,
+           "actual_plan": {"buckets": len(actual), "bytes": sum(b.nbytes for b in actual),
+                           "comm_us_default": round(sum(default_us(b.nbytes) for b in actual), 2)},
+           "classes": []}
+    rec_caps, rec_nccl = {}, {}
+    for c in classes:
+        mine = [b for b in base if b.tensor_class == c]
+        total = sum(b.nbytes for b in mine)
+        fused = default_us(total)
+        cap_rows = []
+        for cap in CAP_CANDIDATES_MB:
+            plan, _ = bucket_plan(cfg, "per_class", class_caps={c: cap})
+            sizes = [b.nbytes for b in plan if b.tensor_class == c]
+            cap_rows.append((cap, sizes, sum(default_us(n) for n in sizes)))
+            if total <= cap * 2**20:
+                break
+        cap, sizes, t_default = next((r for r in cap_rows if r[2] <= KNEE * fused), cap_rows[-1])
+        forced = sorted((sum(forced_us(n, a, p) for n in sizes), a, p) for a, p in options)
+        best_t, best_a, best_p = forced[0]
+        pin = best_t < t_default * 0.995  # only force a choice that beats NCCL's own by a margin
+        rec_caps[c] = cap
+        if pin:
+            rec_nccl[c] = {"algo": best_a, "proto": best_p}
+        out["classes"].append({
+            "class": c, "tensors": sum(len(b.names) for b in mine), "bytes": total,
+            "profile_buckets": [b.nbytes for b in mine],
+            "comm_us_default_profile_caps": round(sum(default_us(b.nbytes) for b in mine), 2),
+            "picks_at_profile_caps": sorted({_pick_label(model, b.nbytes) for b in mine}),
+            "recommended_cap_mb": cap, "buckets": sizes,
+            "comm_us_default": round(t_default, 2), "comm_us_fused": round(fused, 2),
+            "recommended": {"algo": best_a, "proto": best_p} if pin else None,
+            "comm_us_recommended": round(best_t if pin else t_default, 2),
+            "best_forced": {"algo": best_a, "proto": best_p, "comm_us": round(best_t, 2)},
+        })
+    out["comm_us_default_per_class_profile_caps"] = round(sum(r["comm_us_default_profile_caps"]
+                                                              for r in out["classes"]), 2)
+    out["comm_us_recommended"] = round(sum(r["comm_us_recommended"] for r in out["classes"]), 2)
+    out["overlay"] = {"sync": {"strategy": "per_class",
+                               "classes": {c: {"bucket_cap_mb": cap} for c, cap in rec_caps.items()}}}
+    if rec_nccl:
+        out["overlay"]["collectives"] = {"mode": "per_group", "classes": {
+            c: {"algo": v["algo"], "proto": v["proto"]} for c, v in rec_nccl.items()}}
+    return out
+
+
+def _pick_label(model, nbytes: int) -> str:
+    c = model.pick(nbytes)
+    return f"{c.algo}/{c.proto}" if c.proto else c.algo
+
+
+def format_recommend(rec: dict) -> str:
+    lines = [f"# MODELED recommendation for {rec['topology']} (no measurement involved unless a fit was given)",
+             f"# the profile's own plan ({rec['profile_strategy']}): {rec['actual_plan']['buckets']} buckets, "
+             f"{human(rec['actual_plan']['bytes'])}B, {rec['actual_plan']['comm_us_default'] / 1000:.3f} ms of "
+             f"all-reduce per step under NCCL's default choice (summed, before any overlap)",
+             f"{'class':>11} {'tensors':>7} {'bytes':>7} | {'profile caps':>26} {'default ms':>10} | "
+             f"{'cap MiB':>7} {'buckets':>7} {'default ms':>10} {'choice':>13} {'rec ms':>8}"]
+    for r in rec["classes"]:
+        prof = f"{len(r['profile_buckets'])} bkts, {'+'.join(r['picks_at_profile_caps'])}"
+        choice = f"{r['recommended']['algo']}/{r['recommended']['proto']}" if r["recommended"] else "NCCL's"
+        lines.append(f"{r['class']:>11} {r['tensors']:>7} {human(r['bytes']):>7} | {prof:>26} "
+                     f"{r['comm_us_default_profile_caps'] / 1000:10.3f} | {r['recommended_cap_mb']:>7g} "
+                     f"{len(r['buckets']):>7} {r['comm_us_default'] / 1000:10.3f} {choice:>13} "
+                     f"{r['comm_us_recommended'] / 1000:8.3f}")
+    lines.append(f"# per_class at the profile's caps, NCCL default: {rec['comm_us_default_per_class_profile_caps'] / 1000:.3f}"
+                 f" ms; recommended: {rec['comm_us_recommended'] / 1000:.3f} ms per step (summed)")
+    lines.append(f"# cap = the smallest bucket whose summed time is within {round((KNEE - 1) * 100)}% of one fused "
+                 f"bucket per class (small buckets keep overlap, large ones amortize latency)")
+    return "\n".join(lines)
+
+
+def overlay_yaml(profile_path: str, rec: dict, argv: list[str]) -> str:
+    """The profile with the recommendation merged in: a complete profile, ready for `--profile`."""
+    import yaml
+
+    raw = yaml.safe_load(Path(profile_path).read_text()) or {}
+
+    def merge(dst, src):
+        for k, v in src.items():
+            if isinstance(v, dict) and isinstance(dst.get(k), dict):
+                merge(dst[k], v)
+            else:
+                dst[k] = v
+
+    merge(raw, rec["overlay"])
+    raw["name"] = f"{raw.get('name', Path(profile_path).stem)}-rec-{rec['topology'].replace(':', 'x')}"
+    head = (f"# Generated by: python -m collectives.costmodel recommend {' '.join(argv)}\n"
+            f"# From {profile_path}, with per-class bucket caps{' and NCCL choices' if 'collectives' in rec['overlay'] else ''}"
+            f" MODELED for {rec['topology']}: {rec['comm_us_recommended'] / 1000:.3f} ms of all-reduce per step vs "
+            f"{rec['actual_plan']['comm_us_default'] / 1000:.3f} ms for the profile's plan.\n"
+            "# A forced NCCL protocol/algorithm must pass the benchmark's #wrong check before it is trusted "
+            "(nccl-facts.md §1).\n")
+    return head + yaml.safe_dump(raw, sort_keys=False)
+
+
+def _cmd_recommend(argv) -> None:
+    ap = _Parser(prog="python -m collectives.costmodel recommend",
+                 description="Per-class protocol/algorithm and bucket sizes for a profile's bucket plan (modeled).")
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--topology", required=True, help="a preset (NCCL's choice) or local:<fit>")
+    ap.add_argument("--fit", help="cost every choice with this fit (per algo/proto) instead of the analytic model")
+    ap.add_argument("--out", help="write the profile with the recommendation merged in (YAML)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    from dtrain import config as config_mod
+
+    cfg = config_mod.load(args.profile)
+    model = load_model(args.topology)
+    fitted = load_model(f"local:{args.fit}") if args.fit else None
+    rec = recommend(cfg, model, fitted)
+    text = overlay_yaml(args.profile, rec, ["--profile", args.profile, "--topology", args.topology]
+                        + (["--fit", args.fit] if args.fit else []))
+    if args.out:
+        out = Path(args.out)
+        out.write_text(text)
+        config_mod.load(out)  # the overlay must be a valid profile
+    print(json.dumps(rec, indent=1) if args.json else format_recommend(rec)
+          + (f"\n# profile written to {args.out}" if args.out else "\n# profile overlay (--out to save):\n" + text))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -894,10 +1118,6 @@ def main(argv=None) -> None:
             _cmd_recommend(argv[1:])
         else:
             _cmd_table(argv)
-
-
-def _cmd_recommend(argv) -> None:
-    raise UserError("recommend needs collectives.plan (the bucket plan), which has not landed yet")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,504 @@
+"""Step-time simulator: replays one profiled backward with other bucket plans on a single communication stream.
+
+Sits after the records: from one profiled step of a run (compute phases from steps.jsonl, gradient-ready times from
+buckets.jsonl) and a cost model (`collectives.costmodel`: a fit to the benchmark, or a topology preset) it predicts
+step time and exposed communication per strategy and bucket size. Everything it prints is modeled.
+
+    python -m analysis.simulate --run runs/m30k --topology local:bench.json --strategies flat,bucketed,per_class
+    python -m analysis.simulate --run runs/m30k --topology local:bench.json --measured runs/flat runs/b5 runs/b25
+    python -m analysis.simulate --paper                  # the paper's base configuration projected on 8 P100
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from collectives import costmodel as cm
+from dtrain.errors import UserError, exit_on_user_error
+
+PROG = "analysis.simulate"
+DEFAULT_STRATEGIES = ("per_tensor", "flat", "bucketed", "per_class", "ddp", "noop")
+DEFAULT_CAPS_MB = (1.0, 5.0, 25.0, 100.0)
+CAPPED = {"bucketed", "per_class", "ddp"}  # strategies whose plan depends on the bucket cap
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The replay
+
+
+@dataclass
+class Timeline:
+    """Per bucket (index order): when it is ready, launched, starts on the stream and completes (ms from the start
+    of the synchronized backward)."""
+
+    ready: list[float]
+    launch: list[float]
+    start: list[float]
+    end: list[float]
+    backward_ms: float
+
+    @property
+    def comm_ms(self) -> float:
+        return sum(e - s for s, e in zip(self.start, self.end))
+
+    @property
+    def exposed_ms(self) -> float:
+        """Communication still running when backward ends: what `wait()` blocks on."""
+        return max(0.0, max(self.end, default=0.0) - self.backward_ms)
+
+
+def replay(ready_ms: list[float], durations_ms: list[float], backward_ms: float, overlap: bool = True) -> Timeline:
+    """One communication stream. With `overlap` bucket i launches once it is ready and bucket i-1 has launched (every
+    rank launches in index order); otherwise all launch when backward ends. A bucket starts when launched and the
+    stream is free."""
+    launch, start, end = [], [], []
+    prev_launch = free = 0.0
+    for r, d in zip(ready_ms, durations_ms):
+        t = max(r, prev_launch) if overlap else max(backward_ms, r)
+        s = max(t, free)
+        launch.append(t)
+        start.append(s)
+        end.append(s + d)
+        prev_launch, free = t, s + d
+    return Timeline(list(ready_ms), launch, start, end, backward_ms)
+
+
+class ReadyCurve:
+    """Milliseconds from the start of backward until the first `x` gradient elements (in ready order) are ready:
+    piecewise linear through measured points, from (0, 0) to (all elements, end of backward)."""
+
+    def __init__(self, points: list[tuple[float, float]], source: str):
+        pts = sorted(points)
+        xs, ts, t_max = [], [], 0.0
+        for x, t in pts:
+            t_max = max(t_max, t)  # gradients never become un-ready: keep the curve monotone
+            if xs and x == xs[-1]:
+                ts[-1] = t_max
+            else:
+                xs.append(x)
+                ts.append(t_max)
+        self.xs, self.ts, self.source = xs, ts, source
+
+    @classmethod
+    def uniform(cls, total: int, backward_ms: float) -> "ReadyCurve":
+        return cls([(0, 0.0), (total, backward_ms)], "uniform over backward (assumed)")
+
+    def at(self, x: float) -> float:
+        i = bisect.bisect_left(self.xs, x)
+        if i == 0:
+            return self.ts[0]
+        if i >= len(self.xs):
+            return self.ts[-1]
+        x0, x1, t0, t1 = self.xs[i - 1], self.xs[i], self.ts[i - 1], self.ts[i]
+        return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
+
+
+def through(buckets, params) -> list[int]:
+    """Per bucket: elements of all gradients up to and including its last member, in ready order. A bucket is
+    ready when that many elements are, whatever else is still open in other classes' buckets."""
+    pos = {name: i for i, (name, _) in enumerate(params)}
+    prefix, acc = [], 0
+    for _, p in params:
+        acc += p.numel()
+        prefix.append(acc)
+    return [prefix[max(pos[n] for n in b.names)] for b in buckets]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runs and their profiled step
+
+
+@dataclass
+class StepProfile:
+    """One synchronized step as the simulator uses it (ms)."""
+
+    step: int
+    data_ms: float
+    forward_ms: float
+    backward_ms: float  # all micro-batches
+    optimizer_ms: float
+    exposed_ms: float
+    step_ms: float
+    accum_steps: int = 1
+    records: list[dict] = field(default_factory=list)  # buckets.jsonl rows of this step
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sync_backward_ms(self) -> float:
+        """The synchronized (last) micro-batch's backward, the one the ready times refer to."""
+        return self.backward_ms / self.accum_steps
+
+    @property
+    def compute_ms(self) -> float:
+        return self.data_ms + self.forward_ms + self.backward_ms + self.optimizer_ms
+
+
+@dataclass
+class Run:
+    path: Path
+    cfg: object  # RunConfig
+    header: dict
+    steps: list[dict]
+    buckets: dict[int, list[dict]]
+
+    @property
+    def world(self) -> int:
+        return int(self.header.get("world_size") or 1)
+
+    @property
+    def vocab(self) -> int:
+        return int(self.header.get("vocab") or self.cfg.data.vocab_size)
+
+    @property
+    def strategy(self) -> str:
+        return self.cfg.sync.strategy
+
+
+def load_run(path: str | Path) -> Run:
+    from dtrain import config as config_mod
+    from dtrain.log import read_jsonl
+
+    p = Path(path)
+    for f in ("config.yaml", "steps.jsonl"):
+        if not (p / f).is_file():
+            raise UserError(f"{p}: not a run directory (no {f})")
+    cfg = config_mod.load(p / "config.yaml")
+    header = json.loads((p / "run.json").read_text()) if (p / "run.json").is_file() else {}
+    steps = [s for s in read_jsonl(p / "steps.jsonl") if "step_ms" in s]
+    if not steps:
+        raise UserError(f"{p}/steps.jsonl: no step records")
+    buckets: dict[int, list[dict]] = {}
+    for r in read_jsonl(p / "buckets.jsonl"):
+        buckets.setdefault(int(r["step"]), []).append(r)
+    return Run(p, cfg, header, steps, buckets)
+
+
+def steady_steps(run: Run, warmup: int | None = None) -> list[dict]:
+    """Steps after warm-up (default: the first max(3, 10 %) are dropped: allocation, re-planning, caches)."""
+    n = len(run.steps)
+    skip = warmup if warmup is not None else max(3, n // 10)
+    kept = [s for s in run.steps[skip:] if not s.get("skipped")]
+    if not kept:
+        raise UserError(f"{run.path}: no steps left after skipping {skip} warm-up steps (it has {n})")
+    return kept
+
+
+def profiled_step(run: Run, step: int | None = None, warmup: int | None = None) -> StepProfile:
+    """The step to replay: `step`, or the one with the median step time among steady steps with bucket records."""
+    steady = steady_steps(run, warmup)
+    if step is not None:
+        chosen = next((s for s in run.steps if s["step"] == step), None)
+        if chosen is None:
+            raise UserError(f"{run.path}: no step {step} in steps.jsonl")
+    else:
+        pool = [s for s in steady if s["step"] in run.buckets] or steady
+        pool = sorted(pool, key=lambda s: s["step_ms"])
+        chosen = pool[len(pool) // 2]
+    prof = StepProfile(chosen["step"], chosen.get("data_ms", 0.0), chosen["forward_ms"], chosen["backward_ms"],
+                       chosen["optimizer_ms"], chosen.get("comm_exposed_ms", 0.0), chosen["step_ms"],
+                       run.cfg.train.accum_steps, sorted(run.buckets.get(chosen["step"], []),
+                                                         key=lambda r: r["bucket"]))
+    if run.strategy == "ddp":
+        # DDP waits for its buckets inside backward(): its backward time holds exposed communication. The last
+        # gradient's ready time is the end of the compute.
+        readies = [r["ready_ms"] for r in prof.records if r.get("ready_ms") is not None]
+        if readies:
+            prof.backward_ms = max(readies) * prof.accum_steps
+            prof.notes.append("ddp profile: backward compute taken as the last bucket's ready time")
+        else:
+            prof.notes.append("ddp profile without bucket timings: backward includes DDP's exposed communication")
+    return prof
+
+
+def ready_curve(run: Run, prof: StepProfile) -> ReadyCurve:
+    """The profiled step's ready curve. Bucket positions come from re-planning the run's own strategy when that
+    plan matches the recorded bucket sizes, else the buckets are taken as contiguous in ready order."""
+    params = cm.ready_params(run.cfg, run.vocab)
+    total = sum(p.numel() for _, p in params)
+    recs = [r for r in prof.records if r.get("ready_ms") is not None]
+    if not recs:
+        prof.notes.append("no per-bucket ready times: gradients assumed ready uniformly over backward")
+        return ReadyCurve.uniform(total, prof.sync_backward_ms)
+    xs = None
+    try:
+        plan, _ = cm.bucket_plan(run.cfg, vocab=run.vocab)
+        if [b.numel for b in plan] == [r["numel"] for r in prof.records]:
+            by_index = dict(zip([b.index for b in plan], through(plan, params)))
+            xs = [by_index[r["bucket"]] for r in recs]
+    except (UserError, KeyError):
+        pass
+    source = "profiled step, bucket positions from the re-planned plan"
+    if xs is None:
+        acc, xs = 0, []
+        for r in sorted(recs, key=lambda r: r["ready_ms"]):
+            acc += r["numel"]
+            xs.append(acc)
+        recs = sorted(recs, key=lambda r: r["ready_ms"])
+        source = "profiled step, buckets taken as contiguous in ready order"
+    pts = [(0, 0.0)] + [(x, r["ready_ms"]) for x, r in zip(xs, recs)]
+    pts.append((total, max(prof.sync_backward_ms, max(t for _, t in pts))))
+    return ReadyCurve(pts, source)
+
+
+@dataclass
+class Calibration:
+    """What the profiled step says about the cost model on this run: measured/modeled collective time, and the
+    time `wait()` spends after the last collective (averaging, copies)."""
+
+    comm_scale: float = 1.0
+    post_ms: float = 0.0
+    note: str = "none"
+
+
+def calibrate(prof: StepProfile, model, overlap: bool) -> Calibration:
+    recs = prof.records
+    if not recs or any(r.get(k) is None for r in recs for k in ("launch_ms", "complete_ms")):
+        return Calibration(note="none (the profiled step has no launch/complete times)")
+    measured, modeled, free = 0.0, 0.0, 0.0
+    for r in recs:
+        start = max(r["launch_ms"], free)
+        measured += max(0.0, r["complete_ms"] - start)
+        modeled += cost_ms(model, r["bytes"])
+        free = max(free, r["complete_ms"])
+    scale = measured / modeled if modeled > 0 else 1.0
+    wait_start = recs[0].get("wait_start_ms")
+    post = 0.0
+    if wait_start is not None:
+        post = max(0.0, prof.exposed_ms - max(0.0, max(r["complete_ms"] for r in recs) - wait_start))
+    return Calibration(scale, post, f"comm x{scale:.3f} (measured {measured:.2f} ms / modeled {modeled:.2f} ms "
+                                    f"in step {prof.step}), +{post:.2f} ms after the last collective")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Predictions
+
+
+def cost_ms(model, nbytes: int, algo: str | None = None, proto: str | None = None) -> float:
+    """One all-reduce (ms); a preset honours a class's forced NCCL choice, a gloo fit has none to honour."""
+    if isinstance(model, cm.NcclModel):
+        return model.time_us(nbytes, "allreduce", algo=algo, proto=proto) / 1000.0
+    return model.time_us(nbytes, "allreduce") / 1000.0
+
+
+@dataclass
+class Prediction:
+    strategy: str
+    cap_mb: float | None
+    buckets: int
+    comm_ms: float
+    exposed_ms: float
+    step_ms: float
+    lossless: bool = True
+    communicates: bool = True
+    measured_step_ms: float | None = None
+    measured_exposed_ms: float | None = None
+    run: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.strategy + (f"@{self.cap_mb:g}M" if self.cap_mb is not None else "")
+
+
+def predict(cfg, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration, strategy: str,
+            cap_mb: float | None = None, vocab: int | None = None) -> Prediction:
+    """Predicted step of `cfg`'s model under `strategy` (and bucket cap), replayed on the profiled step."""
+    if strategy == "powersgd":
+        raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
+    compute = prof.compute_ms
+    if strategy == "noop":
+        return Prediction("noop", None, 0, 0.0, 0.0, compute, lossless=False, communicates=False)
+    plan, overlap = cm.bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, vocab=vocab)
+    params = cm.ready_params(cfg, vocab)
+    ready = [curve.at(x) for x in through(plan, params)]
+    dur = [calib.comm_scale * cost_ms(model, b.nbytes, b.settings.algorithm, b.settings.protocol) for b in plan]
+    tl = replay(ready, dur, prof.sync_backward_ms, overlap)
+    exposed = tl.exposed_ms + calib.post_ms
+    lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
+    return Prediction(strategy, cap_mb if strategy in CAPPED else None, len(plan), tl.comm_ms, exposed,
+                      compute + exposed, lossless)
+
+
+def sweep(cfg, prof, curve, model, calib, strategies, caps, vocab=None) -> list[Prediction]:
+    out = []
+    for s in strategies:
+        for cap in (caps if s in CAPPED else (None,)):
+            out.append(predict(cfg, prof, curve, model, calib, s, cap, vocab))
+    return out
+
+
+def measured_runs(paths: list[str], prof_run: Run, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration,
+                  warmup: int | None) -> list[Prediction]:
+    """For each measured run: its median steady step and exposed time, next to the prediction for its own
+    configuration (same strategy, caps and classes) replayed on the profiled step."""
+    out = []
+    for p in paths:
+        run = load_run(p)
+        steady = steady_steps(run, warmup)
+        cap = run.cfg.sync.bucket_cap_mb
+        pred = predict(run.cfg, prof, curve, model, calib, run.strategy, cap, prof_run.vocab)
+        pred.cap_mb = cap if run.strategy in CAPPED else None
+        pred.measured_step_ms = statistics.median(s["step_ms"] for s in steady)
+        pred.measured_exposed_ms = statistics.median(s.get("comm_exposed_ms", 0.0) for s in steady)
+        pred.run = str(p)
+        out.append(pred)
+    return out
+
+
+def ranking_agrees(rows: list[Prediction]) -> bool:
+    m = [r for r in rows if r.measured_step_ms is not None]
+    return sorted(m, key=lambda r: r.step_ms) == sorted(m, key=lambda r: r.measured_step_ms)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The paper's base configuration, projected
+
+# Vendor datasheet peaks of the SXM parts (fp32 TFLOPS without tensor cores, HBM GB/s): the projection's compute
+# side rests on these and an assumed fraction of peak.
+GPU_PEAK = {"P100": (10.6, 732.0), "V100": (15.7, 900.0), "A100": (19.5, 1555.0), "H100": (67.0, 3350.0)}
+PAPER_STEP_S = 0.4  # "each training step took about 0.4 seconds" (base model, 8 P100), Vaswani et al. 2017 §5.2
+PAPER_TOKENS = 25_000  # source and target tokens per step, each (§5.1)
+
+
+def paper_profile(topo: cm.Topology, vocab: int = 37000, mfu: float = 0.3, sentence_len: int = 27) -> tuple:
+    """(cfg, StepProfile, ReadyCurve, notes) for the base model at 25,000 + 25,000 tokens per step over the
+    topology's GPUs, compute from a FLOP count at `mfu` of the GPU's fp32 peak."""
+    from dtrain import config as config_mod
+
+    cfg = config_mod.from_dict({"model": {"preset": "base"}, "data": {"vocab_size": vocab}}, "<paper base>")
+    params = cm.ready_params(cfg, vocab)
+    enc = sum(p.numel() for n, p in params if n.startswith("encoder"))
+    dec = sum(p.numel() for n, p in params if n.startswith("decoder"))
+    emb = sum(p.numel() for n, p in params if n.startswith("embed"))
+    src = tgt = PAPER_TOKENS / topo.ranks  # per GPU
+    d, n_layers = cfg.model.d_model, cfg.model.N
+    # Forward FLOPs: 2 per weight per token through the layers and the tied generator, plus attention scores and
+    # their weighted sum (4·T·d per token, layer and attention block) at an assumed sentence length.
+    attn = 4 * sentence_len * d * n_layers * (src + 2 * tgt)
+    fwd = 2 * (enc * src + (dec + emb) * tgt) + attn
+    peak_tflops, hbm = GPU_PEAK[topo.gpu]
+    rate = peak_tflops * 1e12 * mfu
+    total = sum(p.numel() for _, p in params)
+    forward_ms, backward_ms = 1e3 * fwd / rate, 1e3 * 2 * fwd / rate
+    optimizer_ms = 1e3 * total * 28 / (hbm * 1e9)  # Adam: ~7 fp32 reads/writes per parameter, memory-bound
+    prof = StepProfile(0, 0.0, forward_ms, backward_ms, optimizer_ms, 0.0, 0.0)
+    notes = [f"base model, vocab {vocab} (shared BPE), {total / 1e6:.1f}M parameters; {PAPER_TOKENS} source + "
+             f"{PAPER_TOKENS} target tokens per step over {topo.ranks} GPUs",
+             f"compute from FLOPs: {3 * fwd / 1e12:.2f} TFLOP per GPU per step (forward x3) at {mfu:.0%} of the "
+             f"{topo.gpu}'s {peak_tflops} TFLOPS fp32 peak (assumed), sentences of {sentence_len} tokens (assumed)",
+             f"optimizer: Adam, memory-bound at {hbm:g} GB/s; gradients ready uniformly over backward (assumed)"]
+    return cfg, prof, ReadyCurve.uniform(total, backward_ms), notes, 3 * fwd / (PAPER_STEP_S * peak_tflops * 1e12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def format_rows(rows: list[Prediction], header: list[str]) -> str:
+    lines = [f"# {h}" for h in header]
+    has_meas = any(r.measured_step_ms is not None for r in rows)
+    head = (f"{'strategy':>16} {'buckets':>7} {'comm ms':>9} {'exposed ms':>10} {'step ms':>9}")
+    if has_meas:
+        head += f" {'meas. step':>10} {'err %':>6} {'meas. exp.':>10}  run"
+    lines.append(head + "   (modeled)")
+    for r in rows:
+        ln = f"{r.label:>16} {r.buckets:>7} {r.comm_ms:9.2f} {r.exposed_ms:10.2f} {r.step_ms:9.2f}"
+        if r.measured_step_ms is not None:
+            err = 100 * (r.step_ms - r.measured_step_ms) / r.measured_step_ms
+            ln += f" {r.measured_step_ms:10.2f} {err:6.1f} {r.measured_exposed_ms:10.2f}  {r.run}"
+        if not r.lossless:
+            ln += "  (lossy)" if r.communicates else "  (no communication: headroom only)"
+        lines.append(ln)
+    best = min((r for r in rows if r.lossless and r.communicates and r.run is None),
+               key=lambda r: (round(r.step_ms, 2), r.comm_ms), default=None)  # ties: less traffic
+    if best:
+        lines.append(f"# best lossless choice (modeled): {best.label}, {best.step_ms:.2f} ms per step")
+    if has_meas:
+        m = [r for r in rows if r.measured_step_ms is not None]
+        errs = [abs(r.step_ms - r.measured_step_ms) / r.measured_step_ms * 100 for r in m]
+        lines.append(f"# against measurement: max |err| {max(errs):.1f}%, same ranking: "
+                     f"{'yes' if ranking_agrees(m) else 'no'}")
+    return "\n".join(lines)
+
+
+def _parse_list(text: str, kind=str) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise UserError(f"bad list '{text}': {e}") from e
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UserError(message)
+
+
+def main(argv=None) -> None:
+    ap = _Parser(prog=f"python -m {PROG}", description="Predict step time and exposed communication per strategy "
+                 "and bucket size from one profiled step and a cost model (modeled, not measured).")
+    ap.add_argument("--run", help="a run directory (config.yaml, run.json, steps.jsonl, buckets.jsonl)")
+    ap.add_argument("--topology", help="cost model: a preset (h100x8 ...) or local:<bench.csv|json|fit.json>")
+    ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES))
+    ap.add_argument("--bucket-sizes", default=",".join(f"{c:g}" for c in DEFAULT_CAPS_MB), help="MiB, comma list")
+    ap.add_argument("--step", type=int, help="the step to replay (default: the median steady step)")
+    ap.add_argument("--warmup", type=int, help="steps dropped as warm-up (default max(3, 10%%))")
+    ap.add_argument("--no-calibrate", action="store_true", help="do not scale the model by the profiled step")
+    ap.add_argument("--measured", nargs="*", default=[], help="runs to compare against (their own configs)")
+    ap.add_argument("--paper", action="store_true", help="project the paper's base configuration (8 P100)")
+    ap.add_argument("--mfu", type=float, default=0.3, help="--paper: assumed fraction of fp32 peak")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    with exit_on_user_error(PROG):
+        _main(args)
+
+
+def _main(args) -> None:
+    strategies = _parse_list(args.strategies)
+    caps = _parse_list(args.bucket_sizes, float)
+    if any(c <= 0 for c in caps):
+        raise UserError("--bucket-sizes must be positive (MiB)")
+    if args.paper:
+        topo = cm.topology(args.topology or "p100x8")
+        if topo.gpu not in GPU_PEAK:
+            raise UserError(f"no peak figures for {topo.gpu}")
+        if not 0 < args.mfu <= 1:
+            raise UserError("--mfu must be in (0, 1]")
+        model = cm.NcclModel(topo)
+        cfg, prof, curve, notes, implied = paper_profile(topo, mfu=args.mfu)
+        rows = sweep(cfg, prof, curve, model, Calibration(), strategies, caps)
+        header = ["MODELED projection of the paper's base configuration (no measurement)", *notes, *model.header(),
+                  f"paper: {PAPER_STEP_S} s per step; at that step time the compute alone implies {implied:.0%} of "
+                  f"fp32 peak"]
+    else:
+        if not args.run or not args.topology:
+            raise UserError("give --run and --topology (or --paper)")
+        run = load_run(args.run)
+        model = cm.load_model(args.topology)
+        if model.ranks and run.world > 1 and model.ranks != run.world:
+            print(f"# note: the cost model has {model.ranks} ranks, the run {run.world}", file=sys.stderr)
+        prof = profiled_step(run, args.step, args.warmup)
+        curve = ready_curve(run, prof)
+        _, own_overlap = cm.bucket_plan(run.cfg, vocab=run.vocab) if run.strategy != "noop" else (None, True)
+        calib = Calibration(note="off") if args.no_calibrate else calibrate(prof, model, own_overlap)
+        rows = sweep(run.cfg, prof, curve, model, calib, strategies, caps, run.vocab)
+        rows += measured_runs(args.measured, run, prof, curve, model, calib, args.warmup)
+        header = [f"MODELED from run {run.path} (strategy {run.strategy}, world {run.world}), step {prof.step}: "
+                  f"data {prof.data_ms:.1f} + forward {prof.forward_ms:.1f} + backward {prof.backward_ms:.1f} + "
+                  f"optimizer {prof.optimizer_ms:.1f} ms (measured {prof.step_ms:.1f} ms, exposed "
+                  f"{prof.exposed_ms:.1f})", f"ready times: {curve.source}", f"calibration: {calib.note}",
+                  *model.header(), *prof.notes]
+    if args.json:
+        print(json.dumps({"modeled": True, "notes": header, "rows": [dict(vars(r), label=r.label) for r in rows]},
+                         indent=1))
+    else:
+        print(format_rows(rows, header))
+
+
+if __name__ == "__main__":
+    main()

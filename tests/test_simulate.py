@@ -1,0 +1,148 @@
+"""analysis.simulate: the single-stream replay on hand-built timelines, the ready curve, the calibration from one
+profiled step, and a prediction end to end on a small hand-written run directory."""
+
+import json
+import math
+
+import pytest
+
+from analysis import simulate as sim
+from collectives import costmodel as cm
+from dtrain.errors import UserError
+
+
+def test_replay_overlaps_buckets_with_backward_on_one_stream():
+    # Ready at 1, 2, 3 ms; 2 ms each; backward ends at 3 ms.
+    tl = sim.replay([1.0, 2.0, 3.0], [2.0, 2.0, 2.0], backward_ms=3.0, overlap=True)
+    assert tl.launch == [1.0, 2.0, 3.0]
+    assert tl.start == [1.0, 3.0, 5.0]  # each waits for the stream
+    assert tl.end == [3.0, 5.0, 7.0]
+    assert tl.exposed_ms == pytest.approx(4.0) and tl.comm_ms == pytest.approx(6.0)
+
+
+def test_replay_without_overlap_launches_everything_after_backward():
+    tl = sim.replay([1.0, 2.0, 3.0], [2.0, 2.0, 2.0], backward_ms=3.0, overlap=False)
+    assert tl.start == [3.0, 5.0, 7.0] and tl.exposed_ms == pytest.approx(6.0)
+
+
+def test_replay_launches_in_index_order():
+    # Bucket 1 is ready first but every rank launches bucket 0 first.
+    tl = sim.replay([3.0, 1.0], [0.5, 0.5], backward_ms=4.0)
+    assert tl.launch == [3.0, 3.0] and tl.end == [3.5, 4.0] and tl.exposed_ms == 0.0
+
+
+def test_ready_curve_interpolates_and_stays_monotone():
+    c = sim.ReadyCurve([(0, 0.0), (100, 10.0), (50, 12.0), (200, 20.0)], "hand")
+    # (50, 12) precedes (100, 10): the curve keeps 12 from x = 50 on.
+    assert c.at(0) == 0.0 and c.at(25) == pytest.approx(6.0) and c.at(100) == pytest.approx(12.0)
+    assert c.at(150) == pytest.approx(16.0) and c.at(1000) == 20.0
+    u = sim.ReadyCurve.uniform(1000, 50.0)
+    assert u.at(500) == pytest.approx(25.0)
+
+
+class _Flat:
+    """A cost model of 1 ms + 1 ms per MB."""
+
+    ranks = 2
+    name = "flat"
+
+    def time_us(self, nbytes, coll="allreduce", algo=None, proto=None):
+        return 1000.0 + nbytes / 1000.0
+
+
+def test_calibration_from_one_profiled_step():
+    recs = [{"bucket": 0, "bytes": 1_000_000, "launch_ms": 1.0, "complete_ms": 5.0, "wait_start_ms": 6.0},
+            {"bucket": 1, "bytes": 1_000_000, "launch_ms": 2.0, "complete_ms": 9.0, "wait_start_ms": 6.0}]
+    prof = sim.StepProfile(1, 0.0, 1.0, 6.0, 1.0, exposed_ms=3.5, step_ms=11.5, records=recs)
+    cal = sim.calibrate(prof, _Flat(), overlap=True)
+    # Measured on the stream: 4 ms (1 -> 5) and 4 ms (5 -> 9); modeled 2 ms each.
+    assert cal.comm_scale == pytest.approx(2.0)
+    # wait() started at 6 and the last collective ended at 9: 3 ms; the other 0.5 ms is wait()'s own work.
+    assert cal.post_ms == pytest.approx(0.5)
+    assert sim.calibrate(sim.StepProfile(1, 0, 1, 1, 1, 0, 3), _Flat(), True).comm_scale == 1.0
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
+    for argv in (["--run", str(tmp_path)], ["--run", str(tmp_path), "--topology", "h100x8"],
+                 ["--paper", "--topology", "nope"], ["--paper", "--bucket-sizes", "0"]):
+        with pytest.raises(SystemExit) as e:
+            sim.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("analysis.simulate: error:")
+
+
+# -- end to end on a hand-written run (needs the bucketing plans of collectives.plan) ----------------------------
+
+
+def _write_run(path, strategy="bucketed", cap=0.25, steps=6):
+    pytest.importorskip("collectives.plan")
+    from dtrain import config as config_mod
+
+    cfg = config_mod.from_dict({"model": {"N": 1, "d_model": 32, "d_ff": 64, "h": 2},
+                                "data": {"vocab_size": 1000},
+                                "sync": {"strategy": strategy, "bucket_cap_mb": cap}})
+    path.mkdir()
+    (path / "config.yaml").write_text(config_mod.dump(cfg))
+    (path / "run.json").write_text(json.dumps({"world_size": 2, "vocab": 1000}))
+    plan, _ = cm.bucket_plan(cfg)
+    # A hand-built timeline: backward 10 ms, buckets ready evenly over it, each collective taking exactly what the
+    # flat model says, launched when ready, on one stream; wait() adds 0.2 ms after the last one.
+    params = cm.ready_params(cfg)
+    total = sum(p.numel() for _, p in params)
+    ready = [10.0 * x / total for x in sim.through(plan, params)]
+    dur = [_Flat().time_us(b.nbytes) / 1000 for b in plan]
+    tl = sim.replay(ready, dur, 10.0)
+    exposed = tl.exposed_ms + 0.2
+    with open(path / "steps.jsonl", "w") as f, open(path / "buckets.jsonl", "w") as g:
+        for s in range(1, steps + 1):
+            f.write(json.dumps({"step": s, "data_ms": 1.0, "forward_ms": 5.0, "backward_ms": 10.0,
+                                "comm_exposed_ms": exposed, "optimizer_ms": 2.0,
+                                "step_ms": 18.0 + exposed}) + "\n")
+            for b, r, ln, st, e in zip(plan, ready, tl.launch, tl.start, tl.end):
+                g.write(json.dumps({"step": s, "bucket": b.index, "class": b.tensor_class, "numel": b.numel,
+                                    "bytes": b.nbytes, "ready_ms": r, "launch_ms": ln, "complete_ms": e,
+                                    "wait_start_ms": 10.0, "wait_ms": 0.0}) + "\n")
+    return cfg, exposed
+
+
+def test_prediction_reproduces_the_profiled_run_itself(tmp_path):
+    cfg, exposed = _write_run(tmp_path / "run")
+    run = sim.load_run(tmp_path / "run")
+    prof = sim.profiled_step(run)
+    curve = sim.ready_curve(run, prof)
+    assert curve.source.endswith("re-planned plan")
+    cal = sim.calibrate(prof, _Flat(), overlap=True)
+    assert cal.comm_scale == pytest.approx(1.0) and cal.post_ms == pytest.approx(0.2, abs=1e-6)
+    p = sim.predict(run.cfg, prof, curve, _Flat(), cal, "bucketed", 0.25, run.vocab)
+    assert p.exposed_ms == pytest.approx(exposed, rel=1e-6)
+    assert p.step_ms == pytest.approx(18.0 + exposed, rel=1e-6)
+    # flat sends everything after backward: all of its communication is exposed.
+    f = sim.predict(run.cfg, prof, curve, _Flat(), cal, "flat", None, run.vocab)
+    assert f.buckets == 1 and f.exposed_ms == pytest.approx(f.comm_ms + 0.2)
+    assert sim.predict(run.cfg, prof, curve, _Flat(), cal, "noop").step_ms == pytest.approx(18.0)
+
+
+def test_measured_runs_line_up_with_predictions(tmp_path, capsys):
+    _write_run(tmp_path / "a", "bucketed", 0.25)
+    _write_run(tmp_path / "b", "flat", None)
+    bench = tmp_path / "bench.csv"
+    bench.write_text("path,size,count,type,redop,time_us,algbw,busbw,wrong\n"
+                     + "".join(f"out-of-place,{s},{s // 4},float,sum,{1000 + s / 1000},0,0,0\n"
+                               for s in (1024, 65536, 1 << 20, 1 << 24)))
+    sim.main(["--run", str(tmp_path / "a"), "--topology", f"local:{bench}", "--strategies", "flat,bucketed",
+              "--bucket-sizes", "0.25", "--measured", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    measured = [r for r in doc["rows"] if r["measured_step_ms"] is not None]
+    assert len(measured) == 2
+    for r in measured:
+        assert math.isclose(r["step_ms"], r["measured_step_ms"], rel_tol=0.01)
+
+
+def test_paper_projection_runs_and_states_assumptions(capsys):
+    pytest.importorskip("collectives.plan")
+    sim.main(["--paper", "--strategies", "flat,bucketed", "--bucket-sizes", "25"])
+    out = capsys.readouterr().out
+    assert "MODELED projection" in out and "assumed" in out and "p100x8" in out
+    with pytest.raises(UserError):
+        sim.predict(None, None, None, None, None, "powersgd")
