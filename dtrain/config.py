@@ -86,9 +86,13 @@ class DistConfig:
 
 @dataclass(frozen=True)
 class SyncConfig:
-    strategy: str = "ddp"
-    bucket_cap_mb: float | None = None  # None: DDP's default (25 MiB, with a 1 MiB first bucket)
-    hook: str | None = None  # a stock DDP comm hook: allreduce, fp16_compress, bf16_compress
+    strategy: str = "ddp"  # ddp, per_tensor, flat, bucketed, per_class, powersgd, noop (see collectives/strategies)
+    bucket_cap_mb: float | None = None  # None: DDP's default (25 MiB, with a 1 MiB first bucket); 25 for the others
+    first_bucket_mb: float | None = None  # ddp, bucketed: cap of the bucket ready first; None: as bucket_cap_mb
+    hook: str | None = None  # ddp: a stock DDP comm hook: allreduce, fp16_compress, bf16_compress
+    classes: dict = field(default_factory=dict)  # tensor class rules and settings: collectives/tensor_classes.py
+    powersgd_rank: int = 1  # powersgd: matrix approximation rank
+    powersgd_start_iter: int = 2  # powersgd: plain all-reduce before this iteration (error feedback needs >= 2)
 
 
 @dataclass(frozen=True)
@@ -336,6 +340,15 @@ def _validate(cfg: RunConfig, src: _Source) -> None:
           f"must be positive or null, got {s.bucket_cap_mb}")
     check(s.hook in (None, "allreduce", "fp16_compress", "bf16_compress"), "sync.hook",
           f"must be null, allreduce, fp16_compress or bf16_compress, got '{s.hook}'")
+    check(s.first_bucket_mb is None or s.first_bucket_mb > 0, "sync.first_bucket_mb",
+          f"must be positive or null, got {s.first_bucket_mb}")
+    check(s.powersgd_rank > 0, "sync.powersgd_rank", f"must be positive, got {s.powersgd_rank}")
+    check(s.powersgd_start_iter >= 2, "sync.powersgd_start_iter",
+          f"must be at least 2 (DDP rebuilds its buckets after iteration 1), got {s.powersgd_start_iter}")
+    from collectives.tensor_classes import config_problems
+
+    for path, msg in config_problems(s):
+        check(False, path, msg)
     e = cfg.eval
     check(e.split in ("val", "test"), "eval.split", f"must be 'val' or 'test', got '{e.split}'")
     check(e.beam > 0, "eval.beam", "must be positive")

@@ -1,14 +1,21 @@
-"""`ddp`: stock `DistributedDataParallel`, optionally with a stock comm hook; the baseline for every comparison."""
+"""`ddp`: stock `DistributedDataParallel`, optionally with a stock comm hook; the baseline for every comparison.
+
+Knobs: `sync.bucket_cap_mb`, `sync.first_bucket_mb` (DDP's `bucket_cap_mb_list=[first, cap]`), `sync.hook`.
+Records: without a hook DDP's C++ reducer runs untouched and only the bucket sizes are known; with a hook each bucket
+is timed from the hook (ready = launch, complete = the hook's future).
+"""
 
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from collectives import tensor_classes as tc
 from collectives.strategies import register
 from collectives.sync import GradSync
 
@@ -17,12 +24,18 @@ _HOOKS = {
     "fp16_compress": default_hooks.fp16_compress_hook,
     "bf16_compress": default_hooks.bf16_compress_hook,
 }
+_WIRE = {None: "fp32", "allreduce": "fp32", "fp16_compress": "fp16", "bf16_compress": "bf16"}
 
 
 @register("ddp")
 class DDPSync(GradSync):
     """DDP overlaps bucketed all-reduces with backward and waits for them inside `backward()` itself, so its exposed
     communication shows up in backward time, not in `wait()`."""
+
+    # A hook that chains several collectives per bucket issues the later ones from the backend's callback threads;
+    # with more than one bucket in flight their order then differs between ranks (gloo aborts on the mismatch).
+    # Such hooks run one bucket at a time: a bucket's hook first waits for the previous bucket's future.
+    serialize_buckets = False
 
     def __init__(self, model, cfg, process_group=None):
         super().__init__(model, cfg, process_group)
@@ -34,17 +47,104 @@ class DDPSync(GradSync):
         params = inspect.signature(DistributedDataParallel.__init__).parameters
         no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {
             "broadcast_buffers": False}
+        caps = {"bucket_cap_mb": cfg.bucket_cap_mb}
+        if cfg.first_bucket_mb is not None:
+            # A per-bucket cap list (torch >= 2.13): the first bucket gets its own size, the rest the last entry.
+            cap = cfg.bucket_cap_mb if cfg.bucket_cap_mb is not None else tc.DEFAULT_BUCKET_CAP_MB
+            caps = {"bucket_cap_mb_list": [cfg.first_bucket_mb, cap]}
         self.module = DistributedDataParallel(
-            model, device_ids=device_ids, process_group=process_group, bucket_cap_mb=cfg.bucket_cap_mb,
-            **no_buffer_sync,
+            model, device_ids=device_ids, process_group=process_group, **caps, **no_buffer_sync,
         )
-        if cfg.hook is not None:
-            state = process_group if process_group is not None else dist.group.WORLD
-            self.module.register_comm_hook(state, _HOOKS[cfg.hook])
+        self.names = {p: n for n, p in model.named_parameters()}
+        self.class_of = tc.from_config(cfg).assign(model.named_parameters())
+        self._records: list[dict] = []
+        self._backward_t: float | None = None
+        self._bucket_bytes: list[int] | None = None
+        self._steps = 0
+        self._inflight = None  # the previous bucket's future, for serialize_buckets
+        # The output's gradient is among the first computed: its hook marks the start of the backward.
+        self.module.register_forward_hook(self._mark_backward_start)
+        hook = self.comm_hook()
+        if hook is not None:
+            state, fn = hook
+            self.module.register_comm_hook(state, self._timed(fn))
         self.lossless = cfg.hook in (None, "allreduce")
+
+    def comm_hook(self):
+        """(state, hook) to register on DDP, or None for DDP's built-in all-reduce."""
+        if self.cfg.hook is None:
+            return None
+        state = self.process_group if self.process_group is not None else dist.group.WORLD
+        return state, _HOOKS[self.cfg.hook]
+
+    def wire_dtype(self) -> str:
+        return _WIRE[self.cfg.hook]
+
+    def _mark_backward_start(self, module, inputs, out):
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: setattr(self, "_backward_t", time.perf_counter()))
+
+    def _timed(self, hook):
+        """Wrap a stock comm hook so that each bucket leaves a record (the hook itself runs unchanged)."""
+
+        def timed(state, bucket):  # no annotations: DDP checks them, and they would be strings here
+            t = time.perf_counter()
+            if self.serialize_buckets and self._inflight is not None:
+                self._inflight.wait()
+            t_launch = time.perf_counter()
+            names = [self.names[p] for p in bucket.parameters()]
+            classes = {self.class_of[n] for n in names}
+            buffer = bucket.buffer()  # (numel,) the flat bucket DDP copied the gradients into
+            rec = {"bucket": bucket.index(), "class": classes.pop() if len(classes) == 1 else "mixed",
+                   "dtype": str(buffer.dtype)[6:], "wire_dtype": self.wire_dtype(), "tensors": len(names),
+                   "numel": buffer.numel(), "bytes": buffer.numel() * buffer.element_size(), "_ready": t,
+                   "_launch": t_launch, "_complete": None}
+            self._records.append(rec)
+
+            def done(fut):
+                rec["_complete"] = time.perf_counter()
+                return fut.value()
+
+            fut = hook(state, bucket)
+            if self.serialize_buckets:
+                self._inflight = fut
+            return fut.then(done)
+
+        return timed
 
     def no_sync(self):
         return self.module.no_sync()
 
+    def wait(self) -> None:
+        # DDP has already waited inside backward; what is left is turning the timestamps into a record.
+        self._steps += 1
+        if self.comm_hook() is None:
+            self._records = self._size_records()
+            return
+        t0 = self._backward_t
+
+        def ms(t):
+            return None if t is None or t0 is None else round((t - t0) * 1000, 3)
+
+        for rec in self._records:
+            ready, launch, complete = rec.pop("_ready"), rec.pop("_launch"), rec.pop("_complete")
+            rec.update(ready_ms=ms(ready), launch_ms=ms(launch), complete_ms=ms(complete), wait_start_ms=None,
+                       wait_ms=None)
+        self._records.sort(key=lambda r: r["bucket"])
+
+    def _size_records(self) -> list[dict]:
+        """Built-in all-reduce: the bucket sizes from DDP's logging data (they settle after its rebuild at step 2)."""
+        if self._bucket_bytes is None or self._steps <= 3:
+            sizes = self.module._get_ddp_logging_data().get("bucket_sizes", "")
+            self._bucket_bytes = [int(s) for s in str(sizes).split(",") if s.strip()]
+        return [{"bucket": i, "class": "mixed", "dtype": "float32", "wire_dtype": "fp32", "tensors": None,
+                 "numel": n // 4, "bytes": n, "ready_ms": None, "launch_ms": None, "complete_ms": None,
+                 "wait_start_ms": None, "wait_ms": None} for i, n in enumerate(self._bucket_bytes)]
+
+    def step_records(self) -> list[dict]:
+        records, self._records = self._records, []
+        return records
+
     def stats(self):
-        return {**super().stats(), "bucket_cap_mb": self.cfg.bucket_cap_mb, "hook": self.cfg.hook}
+        return {**super().stats(), "bucket_cap_mb": self.cfg.bucket_cap_mb,
+                "first_bucket_mb": self.cfg.first_bucket_mb, "hook": self.cfg.hook}

@@ -1,0 +1,206 @@
+"""The reducer: executes a bucketing plan. The only module of dtrain that issues gradient collectives.
+
+Each bucket owns one flat buffer and the parameters' `.grad` are views into it, so backward accumulates straight into
+the buffer and no copy is made. Post-accumulate-grad hooks count a bucket's gradients down; a complete bucket is
+launched asynchronously (in bucket order, the same on every rank) and `finish()` waits for all of them, averages,
+casts back from the wire dtype and leaves per-bucket timing records.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from collectives.plan import Bucket
+
+
+@dataclass
+class _BucketState:
+    bucket: Bucket
+    params: list[nn.Parameter]
+    buffer: torch.Tensor  # (numel,) in the gradients' dtype; the members' .grad are views into it
+    views: list[torch.Tensor]  # one per member, shaped like its parameter
+    group: dist.ProcessGroup | None
+    # -- per step
+    pending: int = 0  # members whose gradient is not ready yet in this backward
+    ready_t: float | None = None
+    launch_t: float | None = None
+    complete_t: float | None = None
+    wait_s: float = 0.0
+    work: object = None
+    wire: torch.Tensor | None = None  # what goes on the wire: the buffer itself, or its cast to the wire dtype
+    seen: set = field(default_factory=set)
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+class Reducer:
+    """Flat bucket buffers, gradient views, ready hooks and asynchronous all-reduces for one model.
+
+    `groups` maps a tensor class to its process group; buckets of other classes (and "mixed" ones) use
+    `default_group` (None: the world). With `overlap` buckets launch from the hooks, else all at `finish()`.
+    """
+
+    def __init__(self, named_params: dict[str, nn.Parameter], buckets: list[Bucket], world_size: int,
+                 overlap: bool = True, groups: dict[str, dist.ProcessGroup] | None = None,
+                 default_group: dist.ProcessGroup | None = None):
+        self.named_params, self.world, self.overlap = named_params, world_size, overlap
+        self.groups, self.default_group = groups or {}, default_group
+        self.armed = False  # the current backward synchronizes (set at forward, outside no_sync)
+        self.backward_t: float | None = None
+        self.wait_t: float | None = None
+        self.observed: list[str] = []  # parameter names in the order their gradients became ready
+        self._layout(buckets)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready_hook(name))
+                       for name, p in named_params.items() if p.requires_grad]
+
+    def _layout(self, buckets: list[Bucket]) -> None:
+        """Allocate one flat buffer per bucket and make the gradients views into it (keeping their values)."""
+        self.buckets, self._where = [], {}
+        for b in buckets:
+            params = [self.named_params[n] for n in b.names]
+            buffer = torch.zeros(b.numel, dtype=b.dtype, device=params[0].device)
+            views, offset = [], 0
+            for name, p in zip(b.names, params):
+                views.append(buffer[offset: offset + p.numel()].view_as(p))
+                offset += p.numel()
+                self._where[name] = len(self.buckets)
+            self.buckets.append(_BucketState(b, params, buffer, views, self.groups.get(b.tensor_class,
+                                                                                        self.default_group)))
+        self.attach_grads()
+
+    def rebuild(self, buckets: list[Bucket]) -> None:
+        """Replace the layout (between steps): the gradients move into the new buffers."""
+        self.armed = False
+        self._layout(buckets)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- every forward ----------------------------------------------------------------------------------------
+
+    def attach_grads(self) -> None:
+        """Point every `.grad` back at its bucket view. `optimizer.zero_grad(set_to_none=True)` drops them (the view
+        then starts from zero); a gradient someone replaced is copied in."""
+        for st in self.buckets:
+            grads = [p.grad for p in st.params]
+            if all(g is None for g in grads):
+                st.buffer.zero_()
+                for p, v in zip(st.params, st.views):
+                    p.grad = v
+                continue
+            for p, v, g in zip(st.params, st.views, grads):
+                if g is None:
+                    v.zero_()
+                    p.grad = v
+                elif g.data_ptr() != v.data_ptr():
+                    v.copy_(g)
+                    p.grad = v
+
+    def prepare(self, sync: bool) -> None:
+        """Called at each forward: re-attach the views; arm the hooks if this micro-batch's backward synchronizes."""
+        self.attach_grads()
+        self.armed = sync
+        if sync:
+            self.backward_t = self.wait_t = None
+            self.observed = []
+            self._next = 0  # the next bucket to launch
+            for st in self.buckets:
+                st.pending = len(st.params)
+                st.ready_t = st.launch_t = st.complete_t = None
+                st.wait_s, st.work, st.wire = 0.0, None, None
+                st.seen = set()
+
+    def mark_backward_start(self) -> None:
+        if self.armed and self.backward_t is None:
+            self.backward_t = now()
+
+    # -- during backward --------------------------------------------------------------------------------------
+
+    def _ready_hook(self, name: str):
+        def hook(param: torch.Tensor) -> None:
+            if not self.armed:
+                return
+            st = self.buckets[self._where[name]]
+            if name in st.seen:
+                raise RuntimeError(f"gradient of '{name}' became ready twice in one synchronized backward")
+            st.seen.add(name)
+            self.observed.append(name)
+            st.pending -= 1
+            if st.pending == 0:
+                st.ready_t = now()
+                if self.overlap:
+                    self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        # In bucket order only: every rank must issue the same collectives in the same order on each group.
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, st: _BucketState) -> None:
+        st.launch_t = now()
+        wire_dtype = st.bucket.settings.torch_wire_dtype
+        if wire_dtype == st.buffer.dtype:
+            st.wire = st.buffer  # in place: the gradients themselves go on the wire
+        else:
+            st.wire = st.buffer.to(wire_dtype)  # (numel,) cast: the one copy compression costs
+            if wire_dtype == torch.float16:
+                st.wire.div_(self.world)  # average before summing so the fp16 sum cannot overflow
+        st.work = dist.all_reduce(st.wire, group=st.group, async_op=True)
+        st.work.get_future().add_done_callback(lambda _f, st=st: setattr(st, "complete_t", now()))
+
+    # -- wait -------------------------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Launch what is left (all buckets without overlap; buckets with unused parameters), wait for every bucket,
+        average, and cast back from the wire dtype. The time blocked per bucket is its exposed time."""
+        if not hasattr(self, "_next"):  # no synchronized forward yet: reduce what there is
+            self.prepare(True)
+        self.wait_t = now()
+        for st in self.buckets[self._next:]:
+            self._launch(st)
+        self._next = len(self.buckets)
+        for st in self.buckets:
+            t0 = now()
+            st.work.wait()
+            st.wait_s = now() - t0
+            if st.complete_t is None:  # the done-callback may trail wait() by a moment
+                st.complete_t = t0 + st.wait_s
+            if st.wire is not st.buffer:
+                st.buffer.copy_(st.wire)
+            if st.wire is st.buffer or st.wire.dtype != torch.float16:
+                st.buffer.div_(self.world)  # sum, then divide: the reference's order of operations
+        self.armed = False
+
+    def records(self) -> list[dict]:
+        """One record per bucket for the step just finished; times in ms from the start of the backward."""
+        starts = [st.ready_t for st in self.buckets if st.ready_t is not None]
+        t0 = self.backward_t or (min(starts) if starts else self.wait_t)
+
+        def ms(t):
+            return None if t is None or t0 is None else round((t - t0) * 1000, 3)
+
+        return [{"bucket": st.bucket.index, "class": st.bucket.tensor_class, "dtype": str(st.buffer.dtype)[6:],
+                 "wire_dtype": st.bucket.settings.wire_dtype, "tensors": len(st.params), "numel": st.bucket.numel,
+                 "bytes": st.bucket.nbytes, "ready_ms": ms(st.ready_t), "launch_ms": ms(st.launch_t),
+                 "complete_ms": ms(st.complete_t), "wait_start_ms": ms(self.wait_t),
+                 "wait_ms": round(st.wait_s * 1000, 3)} for st in self.buckets]
+
+
+def allreduce_each(grads: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """The reference: every gradient all-reduced on its own, then divided by the world size (in place)."""
+    world = dist.get_world_size(group)
+    for g in grads:
+        dist.all_reduce(g, group=group)
+        g.div_(world)

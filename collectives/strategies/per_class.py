@@ -1,0 +1,20 @@
+"""`per_class`: like `bucketed`, but a bucket never mixes tensor classes, and each class brings its own bucket size,
+wire dtype (fp32; bf16 or fp16: cast, all-reduce, cast back) and process group, created by
+`collectives.nccl.class_group` (where the per-class NCCL settings hang). Settings: `sync.classes.<class>.*`."""
+
+from __future__ import annotations
+
+from collectives.plan import BucketingStrategy, pack
+from collectives.strategies import register
+
+
+@register("per_class")
+class PerClass(BucketingStrategy):
+    class_groups = True
+
+    def lossless(self, settings):
+        return all(s.wire_dtype == "fp32" for s in settings.values())
+
+    def plan(self, named_params, classes, settings):
+        return pack(named_params, classes, key=lambda n, p: (classes[n], p.dtype),
+                    settings_of=lambda k: settings[k[0]])

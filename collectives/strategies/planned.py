@@ -1,0 +1,128 @@
+"""The handle shared by the planned strategies (per_tensor, flat, bucketed, per_class): plan → reducer → `GradSync`.
+
+`build` wraps a registered `BucketingStrategy` in a `PlannedSync`: it classifies the parameters, asks the strategy for
+a plan, creates the per-class process groups the strategy wants (through `collectives.nccl.class_group`) and hands
+the plan to a `Reducer`. After the first synchronized step it re-plans once in the gradient order actually observed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from collectives import nccl
+from collectives import tensor_classes as tc
+from collectives.plan import BucketingStrategy, ready_order
+from collectives.reducer import Reducer
+from collectives.sync import GradSync
+
+
+class _Synced(nn.Module):
+    """What the trainer runs forward on: arms the reducer and marks the start of backward on the output."""
+
+    def __init__(self, model: nn.Module, handle: "PlannedSync"):
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "_handle", handle)  # not a submodule: no second path to the parameters
+
+    def forward(self, *args, **kwargs):
+        reducer = self._handle.reducer
+        reducer.prepare(sync=self._handle._sync_enabled)
+        out = self.model(*args, **kwargs)
+        first = _first_tensor(out)
+        if reducer.armed and first is not None and first.requires_grad:
+            # The output's gradient is among the first computed: the backward of this micro-batch has started.
+            first.register_hook(lambda grad: reducer.mark_backward_start())
+        return out
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return next((t for t in map(_first_tensor, out) if t is not None), None)
+    return None
+
+
+class PlannedSync(GradSync):
+    def __init__(self, model, cfg, process_group, strategy: BucketingStrategy):
+        super().__init__(model, cfg, process_group)
+        self.strategy = strategy
+        self.name = strategy.name
+        self.world = dist.get_world_size(process_group)
+        self.classes = tc.from_config(cfg)
+        named = ready_order(model)
+        self.class_of = self.classes.assign(named)
+        used = [r.name for r in self.classes.rules if r.name in set(self.class_of.values())]  # rule order
+        self.settings = {c: self.classes.setting(c) for c in used}
+        self.lossless = strategy.lossless(self.settings)
+        buckets = strategy.plan(named, self.class_of, self.settings)
+        groups = {}
+        if strategy.class_groups:
+            # One group per class, created in rule order on every rank (a collective call).
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            groups = {c: nccl.class_group(c, self.settings[c], ranks) for c in used}
+        self.reducer = Reducer(dict(model.named_parameters()), buckets, self.world, strategy.overlap, groups,
+                               process_group)
+        self.module = _Synced(model, self)
+        self._sync_enabled = True
+        self._replanned = False
+        self._records: list[dict] = []
+
+    @contextmanager
+    def no_sync(self):
+        # Read at forward time (like DDP): backward of a forward run inside accumulates without communicating.
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = True
+
+    def wait(self) -> None:
+        self.reducer.finish()
+        self._records = self.reducer.records()
+        if not self._replanned:
+            self._replanned = True
+            self._replan()
+
+    def _replan(self) -> None:
+        """Re-plan in the gradient-ready order of the first backward (rank 0's, so every rank agrees), as DDP
+        rebuilds its buckets after its first iteration. A plan without overlap does not depend on the order."""
+        if not self.strategy.overlap:
+            return
+        observed = list(self.reducer.observed)
+        if self.world > 1:
+            box = [observed]
+            src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+            dist.broadcast_object_list(box, src=src, group=self.process_group)
+            observed = box[0]
+        params = dict(self.model.named_parameters())
+        planned = [n for n, _ in ready_order(self.model)]
+        order = [n for n in observed if n in params] + [n for n in planned if n not in set(observed)]
+        if order == [n for b in self.reducer.buckets for n in b.bucket.names]:
+            return
+        self.reducer.rebuild(self.strategy.plan([(n, params[n]) for n in order], self.class_of, self.settings))
+
+    def step_records(self) -> list[dict]:
+        records, self._records = self._records, []
+        return records
+
+    def stats(self) -> dict:
+        buckets = [st.bucket for st in self.reducer.buckets]
+        per_class = {}
+        for name, c in self.class_of.items():
+            entry = per_class.setdefault(c, {"tensors": 0, "bytes": 0})
+            p = self.reducer.named_params[name]
+            entry["tensors"] += 1
+            entry["bytes"] += p.numel() * p.element_size()
+        out = {**super().stats(), "overlap": self.strategy.overlap, **dataclasses.asdict(self.strategy.config),
+               "buckets": len(buckets), "bytes_per_step": sum(b.nbytes for b in buckets), "classes": per_class}
+        if self.strategy.class_groups:
+            out["class_settings"] = {c: dataclasses.asdict(s) for c, s in self.settings.items()}
+        return out
