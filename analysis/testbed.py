@@ -176,16 +176,18 @@ def up(names: Names, links: list[Link]) -> None:
                         f"run 'python -m {PROG} down' first")
     created: list[str] = []
     try:
-        sh("ip", "netns", "add", names.hub)
+        # Recorded before it is made, so an interrupt between the two cannot leak it (deleting a name that was never
+        # made is harmless; none of these names existed before, checked above).
         created.append(names.hub)
+        sh("ip", "netns", "add", names.hub)
         hub = ["ip", "-n", names.hub]
         sh(*hub, "link", "add", BRIDGE, "type", "bridge")
         sh(*hub, "link", "set", BRIDGE, "addrgenmode", "none")
         sh(*hub, "link", "set", BRIDGE, "up")
         for i, link in enumerate(links):
             ns, port = names.node(i), names.port(i)
-            sh("ip", "netns", "add", ns)
             created.append(ns)
+            sh("ip", "netns", "add", ns)
             node = ["ip", "-n", ns]
             # The pair is born with one end in each namespace: nothing ever appears in the host's namespace.
             sh(*hub, "link", "add", port, "type", "veth", "peer", "name", IFACE, "netns", ns)
@@ -237,8 +239,14 @@ def down(names: Names) -> list[str]:
     return ours
 
 
+def _json(*args: str) -> list:
+    """The JSON answer of `ip -j`/`tc -j`, or [] when the device is gone (status then reports a broken testbed)."""
+    p = subprocess.run(args, capture_output=True, text=True)
+    return json.loads(p.stdout or "[]") if p.returncode == 0 else []
+
+
 def _qdisc(ns: str, dev: str) -> str:
-    q = json.loads(sh("tc", "-n", ns, "-j", "qdisc", "show", "dev", dev) or "[]")
+    q = _json("tc", "-n", ns, "-j", "qdisc", "show", "dev", dev)
     root = next((x for x in q if x.get("root")), None)
     if root is None or root.get("kind") != "tbf":
         return "unshaped"
@@ -253,7 +261,7 @@ def status(names: Names) -> list[dict]:
     rows = []
     for i in nodes:
         ns = names.node(i)
-        addrs = json.loads(sh("ip", "-n", ns, "-j", "addr", "show", "dev", IFACE) or "[]")
+        addrs = _json("ip", "-n", ns, "-j", "addr", "show", "dev", IFACE)
         inet = [f"{a['local']}/{a['prefixlen']}" for x in addrs for a in x.get("addr_info", []) if a["family"] == "inet"]
         state = addrs[0].get("operstate", "?") if addrs else "missing"
         rows.append({"node": i, "netns": ns, "iface": IFACE, "address": ",".join(inet) or "-", "state": state,
@@ -394,9 +402,10 @@ def _supervise(procs: list[subprocess.Popen], logs: Path, grace_s: float) -> int
             tail = (logs / f"node{i}.log").read_text(errors="replace").splitlines()[-15:]
             print(f"{PROG}: node {i} exited with {c}; last lines of {logs / f'node{i}.log'}:", file=sys.stderr)
             print("\n".join("    " + line for line in tail), file=sys.stderr, flush=True)
-    if bad:
-        return bad[0][1] if codes[0] in (None, 0) else codes[0]
-    return 0
+    if not bad:
+        return 0
+    code = bad[0][1] if codes[0] in (None, 0) else codes[0]
+    return 128 - code if code < 0 else code  # killed by signal N: the shell's 128 + N
 
 
 def _descendants(pid: int) -> list[int]:

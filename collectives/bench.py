@@ -153,11 +153,11 @@ def check(reduce: Callable[[torch.Tensor], torch.Tensor], count: int, dtype: tor
 @dataclass
 class BenchPath:
     """A way of all-reducing one flat tensor. `bind(t, op)` takes t's values as input and returns (the
-    zero-argument operation to time, the tensor holding the result after it)."""
+    zero-argument operation to time, a function giving the result as one flat tensor once it has run)."""
 
     name: str  # "raw" | "reducer": the `path` of a JSON row
     title: str  # column-group heading of the table
-    bind: Callable[[torch.Tensor, str], tuple[Callable[[], None], torch.Tensor]]
+    bind: Callable[[torch.Tensor, str], tuple[Callable[[], None], Callable[[], torch.Tensor]]]
     ops: tuple[str, ...] = tuple(OPS)  # the reduction ops this path can do
     dtypes: tuple[str, ...] = tuple(DTYPES)  # and the data types
     result_op: Callable[[str], str] = lambda op: op  # what the result equals: the reducer averages its sum
@@ -168,7 +168,7 @@ class BenchPath:
 
 def raw_path(group) -> BenchPath:
     def bind(t, op):
-        return (lambda: dist.all_reduce(t, op=OPS[op], group=group)), t
+        return (lambda: dist.all_reduce(t, op=OPS[op], group=group)), (lambda: t)
 
     return BenchPath("raw", "dist.all_reduce", bind)
 
@@ -191,7 +191,7 @@ class Row:
 def _run_bound(bound) -> torch.Tensor:
     fn, result = bound
     fn()
-    return result
+    return result()
 
 
 def _sync(device) -> None:
@@ -372,9 +372,10 @@ _WIRE = {"float": "fp32", "bfloat16": "bf16", "half": "fp16"}
 
 
 def reducer_path(group, class_name: str | None, settings) -> BenchPath | None:
-    """The project's bucketed all-reduce (`collectives.reducer.Reducer`), measured as training uses it: the size
-    is one gradient in one bucket; each operation re-arms the reducer, launches the bucket asynchronously on the
-    (class's) group, waits, and averages (so its result is checked against the mean, not the sum).
+    """The project's bucketed all-reduce (`collectives.reducer.Reducer`), used as training uses it: the size is cut
+    into gradients of at most the bucket cap (25 MiB, or the class's `bucket_cap_mb`), one bucket each; every
+    operation re-arms the reducer, launches the buckets asynchronously in order on the (class's) group, waits for
+    them and averages. Its result is therefore checked against the mean, not the sum.
 
     A tensor class's own settings apply as they are (a bf16 wire dtype then compresses); without --class the wire
     dtype is the benchmarked dtype, so both paths move the same bytes."""
@@ -385,24 +386,32 @@ def reducer_path(group, class_name: str | None, settings) -> BenchPath | None:
     except ImportError:
         return None
     nranks = dist.get_world_size(group)
+    cls = class_name or "bench"
 
     def bind(t, op):
         s = settings if settings is not None else CollectiveSettings(wire_dtype=_WIRE[_name_of(t.dtype)])
-        param = torch.nn.Parameter(torch.empty(t.numel(), dtype=t.dtype, device=t.device))  # only its grad is read
-        param.grad = t  # the reducer copies it into its flat bucket buffer and hands back a view of that
-        bucket = Bucket(0, ("bench",), t.numel(), t.numel() * s.torch_wire_dtype.itemsize, class_name or "bench",
-                        s, t.dtype)
-        reducer = Reducer({"bench": param}, [bucket], nranks, overlap=False, groups={bucket.tensor_class: group},
-                          default_group=group)
+        cap = max(1, s.bucket_cap_bytes // s.torch_wire_dtype.itemsize)  # elements per bucket
+        params, buckets = {}, []
+        for i, chunk in enumerate(t.split(cap)):
+            p = torch.nn.Parameter(torch.empty_like(chunk))  # never read: only its gradient is
+            p.grad = chunk  # the reducer copies it into the bucket's flat buffer and keeps a view of that
+            params[f"g{i}"] = p
+            buckets.append(Bucket(i, (f"g{i}",), chunk.numel(), chunk.numel() * s.torch_wire_dtype.itemsize, cls,
+                                  s, t.dtype))
+        reducer = Reducer(params, buckets, nranks, overlap=False, groups={cls: group}, default_group=group)
         reducer.remove()  # no backward runs here: its gradient hooks are not needed
 
         def step():
             reducer.prepare(True)
             reducer.finish()
 
-        return step, param.grad.view(-1)
+        def result():
+            grads = [p.grad.view(-1) for p in params.values()]
+            return grads[0] if len(grads) == 1 else torch.cat(grads)
 
-    return BenchPath("reducer", "reducer (bucket, mean)", bind, ops=("sum",), dtypes=tuple(_WIRE),
+        return step, result
+
+    return BenchPath("reducer", "reducer (buckets, mean)", bind, ops=("sum",), dtypes=tuple(_WIRE),
                      result_op=lambda op: "avg")
 
 
@@ -453,6 +462,15 @@ def _bench(args, sizes: list[int], dtypes: list[str], device, backend: str) -> i
     emit("#")
 
     paths = bench_paths(args.path, group, args.tensor_class, settings)
+    if any(p.name == "reducer" for p in paths):
+        from collectives.tensor_classes import CollectiveSettings
+
+        cap = (settings or CollectiveSettings()).bucket_cap_mb
+        emit(f"# reducer path: collectives.reducer.Reducer, the size cut into buckets of <= {cap:g} MiB, launched "
+             f"async in order, waited, averaged (checked against the mean); float types, op sum only")
+    elif args.path == "all":
+        emit("# reducer path: not measured (this checkout has no collectives/reducer.py)")
+    emit("#")
     for h in header(paths):
         emit(h)
     rows: list[Row] = []

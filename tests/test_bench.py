@@ -145,18 +145,35 @@ def test_measure_reports_wrong_elements_of_a_broken_path(one_rank_group):
         def fn():
             dist.all_reduce(t, group=None)
             t[7] += 1
-        return fn, t
+        return fn, (lambda: t)
 
     broken = bench.BenchPath("raw", "broken", broken_bind)
     assert bench.measure(broken, 4096, "float", "sum", _Args, None, 1, 0, torch.device("cpu")).wrong == 1
 
 
 def test_reducer_path_averages_correctly(one_rank_group):
+    pytest.importorskip("collectives.reducer", reason="collectives/reducer.py is not in this checkout")
     path = bench.reducer_path(None, None, None)
-    if path is None:
-        pytest.skip("collectives/reducer.py is not in this checkout")
     row = bench.measure(path, 1 << 16, "bfloat16", "sum", _Args, None, 1, 0, torch.device("cpu"))
     assert row.path == "reducer" and row.wrong == 0
+    assert not path.can("sum", "int32") and not path.can("max", "float")
+
+
+def test_reducer_path_cuts_the_size_into_capped_buckets(one_rank_group, monkeypatch):
+    pytest.importorskip("collectives.reducer", reason="collectives/reducer.py is not in this checkout")
+    from collectives.tensor_classes import CollectiveSettings
+
+    path = bench.reducer_path(None, "ffn", CollectiveSettings(bucket_cap_mb=0.01))  # 2621 fp32 elements a bucket
+    t = torch.arange(10000, dtype=torch.float32)
+    step, result = path.bind(t.clone(), "sum")
+    sizes, real = [], dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda x, *a, **k: (sizes.append(x.numel()), real(x, *a, **k))[1])
+    step()
+    monkeypatch.undo()
+    assert sizes == [2621, 2621, 2621, 2137]  # one collective per bucket, in order
+    assert torch.equal(result(), t)  # the mean over one rank, gathered back from the buckets in order
+    assert bench.check(lambda x: bench._run_bound(path.bind(x, "sum")), 10000, torch.float32, "sum", 0, 1, "cpu",
+                       "avg") == 0
 
 
 # ---- the table ---------------------------------------------------------------------------------------------------
