@@ -307,17 +307,20 @@ class Prediction:
 
 
 def predict(cfg, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration, strategy: str,
-            cap_mb: float | None = None, vocab: int | None = None) -> Prediction:
-    """Predicted step of `cfg`'s model under `strategy` (and bucket cap), replayed on the profiled step."""
+            cap_mb: float | None = None, vocab: int | None = None, classes: dict | None = None,
+            cost=None) -> Prediction:
+    """Predicted step of `cfg`'s model under `strategy` (bucket cap, per-class overrides), replayed on the profiled
+    step. `cost(nbytes, algo, proto) -> ms` replaces the model's own cost of one all-reduce."""
     if strategy == "powersgd":
         raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
     compute = prof.compute_ms
     if strategy == "noop":
         return Prediction("noop", None, 0, 0.0, 0.0, compute, lossless=False, communicates=False)
-    plan, overlap = cm.bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, vocab=vocab)
+    plan, overlap = cm.bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
     params = cm.ready_params(cfg, vocab)
     ready = [curve.at(x) for x in through(plan, params)]
-    dur = [calib.comm_scale * cost_ms(model, b.nbytes, b.settings.algorithm, b.settings.protocol) for b in plan]
+    one = cost or (lambda n, a, p: cost_ms(model, n, a, p))
+    dur = [calib.comm_scale * one(b.nbytes, b.settings.algorithm, b.settings.protocol) for b in plan]
     tl = replay(ready, dur, prof.sync_backward_ms, overlap)
     exposed = tl.exposed_ms + calib.post_ms
     lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
@@ -366,34 +369,58 @@ PAPER_STEP_S = 0.4  # "each training step took about 0.4 seconds" (base model, 8
 PAPER_TOKENS = 25_000  # source and target tokens per step, each (§5.1)
 
 
-def paper_profile(topo: cm.Topology, vocab: int = 37000, mfu: float = 0.3, sentence_len: int = 27) -> tuple:
-    """(cfg, StepProfile, ReadyCurve, notes) for the base model at 25,000 + 25,000 tokens per step over the
-    topology's GPUs, compute from a FLOP count at `mfu` of the GPU's fp32 peak."""
-    from dtrain import config as config_mod
-
-    cfg = config_mod.from_dict({"model": {"preset": "base"}, "data": {"vocab_size": vocab}}, "<paper base>")
+def flop_step(cfg, topo: cm.Topology, src_tokens: float, tgt_tokens: float, vocab: int | None = None,
+              mfu: float = 0.3, sentence_len: int = 27) -> tuple[StepProfile, ReadyCurve, list[str]]:
+    """A step of `cfg`'s model on one of the topology's GPUs, from a FLOP count at `mfu` of its fp32 peak, for
+    `src_tokens` + `tgt_tokens` per GPU; gradients ready uniformly over backward."""
+    if topo.gpu not in GPU_PEAK:
+        raise UserError(f"no peak figures for {topo.gpu} (known: {', '.join(GPU_PEAK)})")
+    if not 0 < mfu <= 1:
+        raise UserError("the fraction of peak (--mfu) must be in (0, 1]")
     params = cm.ready_params(cfg, vocab)
     enc = sum(p.numel() for n, p in params if n.startswith("encoder"))
     dec = sum(p.numel() for n, p in params if n.startswith("decoder"))
     emb = sum(p.numel() for n, p in params if n.startswith("embed"))
-    src = tgt = PAPER_TOKENS / topo.ranks  # per GPU
+    total = sum(p.numel() for _, p in params)
     d, n_layers = cfg.model.d_model, cfg.model.N
     # Forward FLOPs: 2 per weight per token through the layers and the tied generator, plus attention scores and
     # their weighted sum (4·T·d per token, layer and attention block) at an assumed sentence length.
-    attn = 4 * sentence_len * d * n_layers * (src + 2 * tgt)
-    fwd = 2 * (enc * src + (dec + emb) * tgt) + attn
+    attn = 4 * sentence_len * d * n_layers * (src_tokens + 2 * tgt_tokens)
+    fwd = 2 * (enc * src_tokens + (dec + emb) * tgt_tokens) + attn
     peak_tflops, hbm = GPU_PEAK[topo.gpu]
     rate = peak_tflops * 1e12 * mfu
-    total = sum(p.numel() for _, p in params)
     forward_ms, backward_ms = 1e3 * fwd / rate, 1e3 * 2 * fwd / rate
     optimizer_ms = 1e3 * total * 28 / (hbm * 1e9)  # Adam: ~7 fp32 reads/writes per parameter, memory-bound
     prof = StepProfile(0, 0.0, forward_ms, backward_ms, optimizer_ms, 0.0, 0.0)
-    notes = [f"base model, vocab {vocab} (shared BPE), {total / 1e6:.1f}M parameters; {PAPER_TOKENS} source + "
-             f"{PAPER_TOKENS} target tokens per step over {topo.ranks} GPUs",
+    notes = [f"{total / 1e6:.1f}M parameters; {src_tokens:.0f} source + {tgt_tokens:.0f} target tokens per GPU "
+             f"per step",
              f"compute from FLOPs: {3 * fwd / 1e12:.2f} TFLOP per GPU per step (forward x3) at {mfu:.0%} of the "
-             f"{topo.gpu}'s {peak_tflops} TFLOPS fp32 peak (assumed), sentences of {sentence_len} tokens (assumed)",
+             f"{topo.gpu}'s {peak_tflops:g} TFLOPS fp32 peak (assumed), sentences of {sentence_len} tokens (assumed)",
              f"optimizer: Adam, memory-bound at {hbm:g} GB/s; gradients ready uniformly over backward (assumed)"]
-    return cfg, prof, ReadyCurve.uniform(total, backward_ms), notes, 3 * fwd / (PAPER_STEP_S * peak_tflops * 1e12)
+    return prof, ReadyCurve.uniform(total, backward_ms), notes
+
+
+def flop_timeline(cfg, topo: cm.Topology, vocab: int | None = None, mfu: float = 0.3) -> tuple:
+    """(StepProfile, ReadyCurve, Calibration, notes) for a profile on a preset without a profiled run: each GPU
+    takes `data.max_tokens` x `train.accum_steps` tokens per side (the batch cap: an upper bound)."""
+    tokens = cfg.data.max_tokens * cfg.train.accum_steps
+    prof, curve, notes = flop_step(cfg, topo, tokens, tokens, vocab, mfu)
+    return prof, curve, Calibration(note="none (modeled compute)"), ["timeline estimated, not profiled:", *notes]
+
+
+def paper_profile(topo: cm.Topology, vocab: int = 37000, mfu: float = 0.3) -> tuple:
+    """(cfg, StepProfile, ReadyCurve, notes, implied fraction of peak) for the paper's base model at 25,000 +
+    25,000 tokens per step over the topology's GPUs."""
+    from dtrain import config as config_mod
+
+    cfg = config_mod.from_dict({"model": {"preset": "base"}, "data": {"vocab_size": vocab}}, "<paper base>")
+    per_gpu = PAPER_TOKENS / topo.ranks
+    prof, curve, notes = flop_step(cfg, topo, per_gpu, per_gpu, vocab, mfu)
+    # The fraction of peak at which forward + backward alone would take the paper's whole step.
+    implied = mfu * (prof.forward_ms + prof.backward_ms) / (PAPER_STEP_S * 1000)
+    notes = [f"the paper's base model (vocab {vocab}, shared BPE), {PAPER_TOKENS} source + {PAPER_TOKENS} target "
+             f"tokens per step over {topo.ranks} GPUs", *notes]
+    return cfg, prof, curve, notes, implied
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -465,10 +492,6 @@ def _main(args) -> None:
         raise UserError("--bucket-sizes must be positive (MiB)")
     if args.paper:
         topo = cm.topology(args.topology or "p100x8")
-        if topo.gpu not in GPU_PEAK:
-            raise UserError(f"no peak figures for {topo.gpu}")
-        if not 0 < args.mfu <= 1:
-            raise UserError("--mfu must be in (0, 1]")
         model = cm.NcclModel(topo)
         cfg, prof, curve, notes, implied = paper_profile(topo, mfu=args.mfu)
         rows = sweep(cfg, prof, curve, model, Calibration(), strategies, caps)

@@ -717,7 +717,6 @@ def load_model(spec: str):
 # Bucket plans of a profile, and per-class recommendations
 
 CAP_CANDIDATES_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
-KNEE = 1.05  # a class's buckets are "large enough" once their summed time is within 5 % of one fused bucket's
 
 
 @functools.lru_cache(maxsize=8)
@@ -738,9 +737,10 @@ def ready_params(cfg, vocab: int | None = None) -> tuple:
 
 
 def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = None,
-                class_caps: dict[str, float] | None = None, vocab: int | None = None):
+                classes: dict[str, dict] | None = None, vocab: int | None = None):
     """(buckets, overlap) of `cfg`'s model under `strategy` (default: the profile's), planned on meta tensors in
-    the expected ready order. `ddp` is planned like DDP's own reducer: `bucketed` with a 1 MiB first bucket."""
+    the expected ready order; `classes` overrides `sync.classes.<class>` settings (bucket_cap_mb, protocol ...).
+    `ddp` is planned like DDP's own reducer: `bucketed` with a 1 MiB first bucket."""
     import dataclasses as dc
 
     from collectives import strategies
@@ -749,8 +749,8 @@ def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = 
 
     name = strategy or cfg.sync.strategy
     classes_raw = {k: dict(v) for k, v in (cfg.sync.classes or {}).items()}
-    for c, cap in (class_caps or {}).items():
-        classes_raw.setdefault(c, {})["bucket_cap_mb"] = cap
+    for c, over in (classes or {}).items():
+        classes_raw.setdefault(c, {}).update(over)
     sync = dc.replace(cfg.sync, strategy=name, classes=classes_raw,
                       bucket_cap_mb=bucket_cap_mb if bucket_cap_mb is not None else cfg.sync.bucket_cap_mb)
     named = list(ready_params(cfg, vocab))
@@ -771,82 +771,90 @@ def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = 
     return strat.plan(named, class_of, settings), strat.overlap
 
 
-def _bucket_time_us(model, nbytes: int, algo=None, proto=None) -> float:
-    return model.time_us(nbytes, "allreduce", algo=algo, proto=proto)
+def recommend(cfg, model, fitted: FittedModel | None = None, timeline=None, vocab: int | None = None) -> dict:
+    """Per tensor class of the `per_class` plan: bucket caps that minimize the modeled exposed communication of
+    the step, then the (algo, proto) with the least modeled time for the class's buckets (None: NCCL's own pick).
 
+    `model` is a topology preset (NCCL's per-size choice comes from it) or a fit; `fitted`, when given, costs every
+    choice with measured per-algo/proto fits, so a forced choice can beat NCCL's modeled pick. `timeline` is
+    (StepProfile, ReadyCurve, Calibration) from `analysis.simulate`; by default a FLOP estimate for the preset."""
+    from analysis import simulate as sim
 
-def recommend(cfg, model, fitted: FittedModel | None = None) -> dict:
-    """Per tensor class: NCCL's default choice and cost for the class's buckets, the bucket cap past the latency
-    knee, and the (algo, proto) with the least modeled time at that cap (None: leave it to NCCL).
+    cost_model = fitted or model
+    nccl = model if isinstance(model, NcclModel) else None
 
-    `model` is a topology preset (NCCL's choice comes from it); `fitted`, when given, costs every choice with
-    measured fits per algorithm/protocol instead, so a forced choice can beat NCCL's modeled pick."""
-    cost = fitted or model
-
-    def default_us(nbytes):
-        pick = model.pick(nbytes) if isinstance(model, NcclModel) else None
-        if pick is None:
-            return cost.time_us(nbytes)
+    def one_us(nbytes, algo=None, proto=None):
+        if algo is None and proto is None and nccl is not None:
+            pick = nccl.pick(nbytes)  # what NCCL runs by default, costed by the fit when there is one
+            algo, proto = pick.algo, pick.proto
         try:
-            return cost.time_us(nbytes, algo=pick.algo, proto=pick.proto)
-        except UserError:  # the fit lacks NCCL's pick: the best measured choice stands in
-            return cost.time_us(nbytes)
-
-    options = [(a, p) for a in ALGOS for p in PROTOS
-               if not isinstance(model, NcclModel) or model.enabled(a, p)]
-
-    def forced_us(nbytes, a, p):
-        try:
-            return cost.time_us(nbytes, algo=a, proto=p)
+            return cost_model.time_us(nbytes, "allreduce", algo=algo, proto=proto)
         except UserError:
-            return math.inf
+            return cost_model.time_us(nbytes, "allreduce") if (algo, proto) == (None, None) or nccl else math.inf
 
-    actual, overlap = bucket_plan(cfg)
-    base, _ = bucket_plan(cfg, "per_class")
-    classes = list(dict.fromkeys(b.tensor_class for b in base))
-    out = {"profile_strategy": cfg.sync.strategy, "topology": model.name, "modeled": True,
-           "actual_plan": {"buckets": len(actual), "bytes": sum(b.nbytes for b in actual),
-                           "comm_us_default": round(sum(default_us(b.nbytes) for b in actual), 2)},
-           "classes": []}
-    rec_caps, rec_nccl = {}, {}
+    def cost(nbytes, algo=None, proto=None):  # ms, for the replay
+        return one_us(nbytes, algo, proto) / 1000.0
+
+    if timeline is None:
+        if nccl is None:
+            raise UserError("recommend with a fitted model needs --run (a profiled step) for the backward timeline")
+        timeline = sim.flop_timeline(cfg, nccl.topo, vocab=vocab)
+    prof, curve, calib = timeline[:3]
+
+    def run(strategy, classes=None):
+        return sim.predict(cfg, prof, curve, cost_model, calib, strategy, classes=classes, vocab=vocab, cost=cost)
+
+    actual = run(cfg.sync.strategy)
+    base_plan, _ = bucket_plan(cfg, "per_class", vocab=vocab)
+    classes = list(dict.fromkeys(b.tensor_class for b in base_plan))
+    totals = {c: sum(b.nbytes for b in base_plan if b.tensor_class == c) for c in classes}
+    caps = {c: b.settings.bucket_cap_mb for c in classes for b in base_plan if b.tensor_class == c}
+    at_profile_caps = run("per_class")
+
+    def key(pred):
+        return (round(pred.exposed_ms, 3), round(pred.comm_ms, 3))
+
+    best = at_profile_caps
+    for _ in range(2):  # coordinate descent over the classes' caps; two rounds settle it
+        for c in classes:
+            for cap in CAP_CANDIDATES_MB:
+                trial = {**caps, c: cap}
+                pred = run("per_class", {k: {"bucket_cap_mb": v} for k, v in trial.items()})
+                if key(pred) < key(best):
+                    best, caps = pred, trial
+                if cap * 2**20 >= totals[c]:
+                    break
+    overrides = {c: {"bucket_cap_mb": caps[c]} for c in classes}
+    plan, _ = bucket_plan(cfg, "per_class", classes=overrides, vocab=vocab)
+    options = [(a, p) for a in ALGOS for p in PROTOS if nccl is None or nccl.enabled(a, p)]
+    rows, forced = [], {}
     for c in classes:
-        mine = [b for b in base if b.tensor_class == c]
-        total = sum(b.nbytes for b in mine)
-        fused = default_us(total)
-        cap_rows = []
-        for cap in CAP_CANDIDATES_MB:
-            plan, _ = bucket_plan(cfg, "per_class", class_caps={c: cap})
-            sizes = [b.nbytes for b in plan if b.tensor_class == c]
-            cap_rows.append((cap, sizes, sum(default_us(n) for n in sizes)))
-            if total <= cap * 2**20:
-                break
-        cap, sizes, t_default = next((r for r in cap_rows if r[2] <= KNEE * fused), cap_rows[-1])
-        forced = sorted((sum(forced_us(n, a, p) for n in sizes), a, p) for a, p in options)
-        best_t, best_a, best_p = forced[0]
-        pin = best_t < t_default * 0.995  # only force a choice that beats NCCL's own by a margin
-        rec_caps[c] = cap
+        sizes = [b.nbytes for b in plan if b.tensor_class == c]
+        default = sum(one_us(n) for n in sizes)
+        t, a, p = min((sum(one_us(n, a, p) for n in sizes), a, p) for a, p in options)
+        pin = t < default * 0.995  # force only what beats NCCL's own choice by a margin
         if pin:
-            rec_nccl[c] = {"algo": best_a, "proto": best_p}
-        out["classes"].append({
-            "class": c, "tensors": sum(len(b.names) for b in mine), "bytes": total,
-            "profile_buckets": [b.nbytes for b in mine],
-            "comm_us_default_profile_caps": round(sum(default_us(b.nbytes) for b in mine), 2),
-            "picks_at_profile_caps": sorted({_pick_label(model, b.nbytes) for b in mine}),
-            "recommended_cap_mb": cap, "buckets": sizes,
-            "comm_us_default": round(t_default, 2), "comm_us_fused": round(fused, 2),
-            "recommended": {"algo": best_a, "proto": best_p} if pin else None,
-            "comm_us_recommended": round(best_t if pin else t_default, 2),
-            "best_forced": {"algo": best_a, "proto": best_p, "comm_us": round(best_t, 2)},
-        })
-    out["comm_us_default_per_class_profile_caps"] = round(sum(r["comm_us_default_profile_caps"]
-                                                              for r in out["classes"]), 2)
-    out["comm_us_recommended"] = round(sum(r["comm_us_recommended"] for r in out["classes"]), 2)
-    out["overlay"] = {"sync": {"strategy": "per_class",
-                               "classes": {c: {"bucket_cap_mb": cap} for c, cap in rec_caps.items()}}}
-    if rec_nccl:
-        out["overlay"]["collectives"] = {"mode": "per_group", "classes": {
-            c: {"algo": v["algo"], "proto": v["proto"]} for c, v in rec_nccl.items()}}
-    return out
+            forced[c] = {"algorithm": a, "protocol": p}
+        rows.append({"class": c, "bytes": totals[c],
+                     "profile_buckets": [b.nbytes for b in base_plan if b.tensor_class == c],
+                     "cap_mb": caps[c], "buckets": sizes,
+                     "picks": sorted({_pick_label(nccl, n) for n in sizes}) if nccl else [],
+                     "comm_us_default": round(default, 2), "comm_us_best_forced": round(t, 2),
+                     "recommended": {"algo": a, "proto": p} if pin else None})
+    final = run("per_class", {c: {**overrides[c], **forced.get(c, {})} for c in classes}) if forced else best
+
+    def summary(pred):
+        return {"buckets": pred.buckets, "comm_ms": round(pred.comm_ms, 3), "exposed_ms": round(pred.exposed_ms, 3),
+                "step_ms": round(pred.step_ms, 3)}
+
+    overlay = {"sync": {"strategy": "per_class", "classes": {c: {"bucket_cap_mb": caps[c]} for c in classes}}}
+    if forced:
+        overlay["collectives"] = {"mode": "per_group", "classes": {
+            c: {"algo": v["algorithm"], "proto": v["protocol"]} for c, v in forced.items()}}
+    return {"topology": model.name, "modeled": True, "profile_strategy": cfg.sync.strategy,
+            "timeline": list(timeline[3]) if len(timeline) > 3 else [], "classes": rows,
+            "profile_plan_default": summary(actual), "per_class_profile_caps_default": summary(at_profile_caps),
+            "recommended_caps_default": summary(best), "recommended": summary(final), "overlay": overlay}
 
 
 def _pick_label(model, nbytes: int) -> str:
@@ -855,23 +863,23 @@ def _pick_label(model, nbytes: int) -> str:
 
 
 def format_recommend(rec: dict) -> str:
-    lines = [f"# MODELED recommendation for {rec['topology']} (no measurement involved unless a fit was given)",
-             f"# the profile's own plan ({rec['profile_strategy']}): {rec['actual_plan']['buckets']} buckets, "
-             f"{human(rec['actual_plan']['bytes'])}B, {rec['actual_plan']['comm_us_default'] / 1000:.3f} ms of "
-             f"all-reduce per step under NCCL's default choice (summed, before any overlap)",
-             f"{'class':>11} {'tensors':>7} {'bytes':>7} | {'profile caps':>26} {'default ms':>10} | "
-             f"{'cap MiB':>7} {'buckets':>7} {'default ms':>10} {'choice':>13} {'rec ms':>8}"]
+    lines = [f"# MODELED recommendation for {rec['topology']}: per-class bucket caps minimizing the exposed "
+             f"all-reduce time of a replayed step, then per-class NCCL choices"] + [f"# {n}" for n in rec["timeline"]]
+    lines.append(f"{'class':>11} {'bytes':>7} {'profile bkts':>12} | {'cap MiB':>7} {'buckets':>7} "
+                 f"{'NCCL picks':>22} {'default ms':>10} {'best forced':>11} {'choice':>13}")
     for r in rec["classes"]:
-        prof = f"{len(r['profile_buckets'])} bkts, {'+'.join(r['picks_at_profile_caps'])}"
         choice = f"{r['recommended']['algo']}/{r['recommended']['proto']}" if r["recommended"] else "NCCL's"
-        lines.append(f"{r['class']:>11} {r['tensors']:>7} {human(r['bytes']):>7} | {prof:>26} "
-                     f"{r['comm_us_default_profile_caps'] / 1000:10.3f} | {r['recommended_cap_mb']:>7g} "
-                     f"{len(r['buckets']):>7} {r['comm_us_default'] / 1000:10.3f} {choice:>13} "
-                     f"{r['comm_us_recommended'] / 1000:8.3f}")
-    lines.append(f"# per_class at the profile's caps, NCCL default: {rec['comm_us_default_per_class_profile_caps'] / 1000:.3f}"
-                 f" ms; recommended: {rec['comm_us_recommended'] / 1000:.3f} ms per step (summed)")
-    lines.append(f"# cap = the smallest bucket whose summed time is within {round((KNEE - 1) * 100)}% of one fused "
-                 f"bucket per class (small buckets keep overlap, large ones amortize latency)")
+        lines.append(f"{r['class']:>11} {human(r['bytes']):>7} {len(r['profile_buckets']):>12} | "
+                     f"{r['cap_mb']:>7g} {len(r['buckets']):>7} {'+'.join(r['picks']):>22} "
+                     f"{r['comm_us_default'] / 1000:10.3f} {r['comm_us_best_forced'] / 1000:11.3f} {choice:>13}")
+    lines.append(f"{'per step (modeled)':>30} {'buckets':>7} {'comm ms':>9} {'exposed ms':>10} {'step ms':>9}")
+    for label, k in ((f"profile's plan ({rec['profile_strategy']}), NCCL default", "profile_plan_default"),
+                     ("per_class at profile caps, default", "per_class_profile_caps_default"),
+                     ("per_class at recommended caps", "recommended_caps_default"),
+                     ("recommendation", "recommended")):
+        v = rec[k]
+        lines.append(f"{label:>30.30} {v['buckets']:>7} {v['comm_ms']:9.3f} {v['exposed_ms']:10.3f} "
+                     f"{v['step_ms']:9.2f}")
     return "\n".join(lines)
 
 
@@ -892,8 +900,8 @@ def overlay_yaml(profile_path: str, rec: dict, argv: list[str]) -> str:
     raw["name"] = f"{raw.get('name', Path(profile_path).stem)}-rec-{rec['topology'].replace(':', 'x')}"
     head = (f"# Generated by: python -m collectives.costmodel recommend {' '.join(argv)}\n"
             f"# From {profile_path}, with per-class bucket caps{' and NCCL choices' if 'collectives' in rec['overlay'] else ''}"
-            f" MODELED for {rec['topology']}: {rec['comm_us_recommended'] / 1000:.3f} ms of all-reduce per step vs "
-            f"{rec['actual_plan']['comm_us_default'] / 1000:.3f} ms for the profile's plan.\n"
+            f" MODELED for {rec['topology']}: {rec['recommended']['exposed_ms']:.3f} ms of exposed all-reduce per step "
+            f"vs {rec['profile_plan_default']['exposed_ms']:.3f} ms for the profile's plan.\n"
             "# A forced NCCL protocol/algorithm must pass the benchmark's #wrong check before it is trusted "
             "(nccl-facts.md §1).\n")
     return head + yaml.safe_dump(raw, sort_keys=False)
@@ -901,27 +909,42 @@ def overlay_yaml(profile_path: str, rec: dict, argv: list[str]) -> str:
 
 def _cmd_recommend(argv) -> None:
     ap = _Parser(prog="python -m collectives.costmodel recommend",
-                 description="Per-class protocol/algorithm and bucket sizes for a profile's bucket plan (modeled).")
+                 description="Per-class bucket sizes and NCCL protocol/algorithm for a profile's model (modeled).")
     ap.add_argument("--profile", required=True)
     ap.add_argument("--topology", required=True, help="a preset (NCCL's choice) or local:<fit>")
     ap.add_argument("--fit", help="cost every choice with this fit (per algo/proto) instead of the analytic model")
+    ap.add_argument("--run", help="replay this run's profiled step (default: a FLOP estimate for the preset's GPU)")
+    ap.add_argument("--mfu", type=float, default=0.3, help="without --run: assumed fraction of the GPU's peak")
     ap.add_argument("--out", help="write the profile with the recommendation merged in (YAML)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    from analysis import simulate as sim
     from dtrain import config as config_mod
 
     cfg = config_mod.load(args.profile)
     model = load_model(args.topology)
     fitted = load_model(f"local:{args.fit}") if args.fit else None
-    rec = recommend(cfg, model, fitted)
-    text = overlay_yaml(args.profile, rec, ["--profile", args.profile, "--topology", args.topology]
-                        + (["--fit", args.fit] if args.fit else []))
+    timeline, vocab = None, None
+    if args.run:
+        run = sim.load_run(args.run)
+        prof = sim.profiled_step(run)
+        calib = sim.calibrate(prof, fitted or model, True)
+        timeline = (prof, sim.ready_curve(run, prof), calib, [f"timeline: step {prof.step} of {args.run}",
+                                                               f"calibration: {calib.note}"])
+        vocab = run.vocab
+    elif isinstance(model, NcclModel):
+        timeline = sim.flop_timeline(cfg, model.topo, mfu=args.mfu)
+    rec = recommend(cfg, model, fitted, timeline, vocab)
+    argv_used = ["--profile", args.profile, "--topology", args.topology] + (["--fit", args.fit] if args.fit else []) \
+        + (["--run", args.run] if args.run else [])
+    text = overlay_yaml(args.profile, rec, argv_used)
     if args.out:
         out = Path(args.out)
         out.write_text(text)
         config_mod.load(out)  # the overlay must be a valid profile
     print(json.dumps(rec, indent=1) if args.json else format_recommend(rec)
-          + (f"\n# profile written to {args.out}" if args.out else "\n# profile overlay (--out to save):\n" + text))
+          + (f"\n# profile written to {args.out}" if args.out else "\n# profile with the recommendation "
+             "(--out to save it):\n" + text))
 
 
 # ---------------------------------------------------------------------------------------------------------------

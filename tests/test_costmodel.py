@@ -218,3 +218,21 @@ def test_cli_bad_topology_is_one_line_exit_2():
     with pytest.raises(SystemExit) as e:
         cm.main(["--topology", "h100x8", "--sizes", "big"])
     assert e.value.code == 2
+
+
+def test_recommend_for_the_base_model_writes_a_valid_profile(tmp_path, capsys):
+    pytest.importorskip("collectives.plan")
+    out = tmp_path / "rec.yaml"
+    cm.main(["recommend", "--profile", "profiles/base.yaml", "--topology", "h100x8-ib:2", "--out", str(out),
+             "--json"])
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["modeled"] is True
+    assert {r["class"] for r in rec["classes"]} == {"embedding", "projection", "ffn", "norm_bias"}
+    # The recommendation never models worse than the per_class plan it starts from.
+    assert rec["recommended"]["exposed_ms"] <= rec["per_class_profile_caps_default"]["exposed_ms"] + 1e-9
+    from dtrain import config as config_mod
+
+    cfg = config_mod.load(out)
+    assert cfg.sync.strategy == "per_class"
+    assert {c: v["bucket_cap_mb"] for c, v in cfg.sync.classes.items()} == {r["class"]: r["cap_mb"]
+                                                                             for r in rec["classes"]}
