@@ -763,7 +763,7 @@ def parse_log(lines) -> tuple[list[Decision], list[EnvSetting]]:
                                       ALGORITHMS[a] if a < len(ALGORITHMS) else str(a),
                                       PROTOCOLS[p] if p < len(PROTOCOLS) else str(p), None))
         elif e := _ENV.search(text):
-            envs.append(EnvSetting(i, source, e["var"], e["value"]))
+            envs.append(EnvSetting(i, source, e["var"], e["value"].rstrip(".")))  # NCCL ends numbers with "."
     return decisions, envs
 
 
@@ -800,7 +800,7 @@ def check_decisions(decisions: list[Decision], buckets: list[dict], want: dict[s
     rows: dict[tuple, int] = {}
     for d in decisions:
         classes = by_size.get(d.nbytes, set()) if d in grads else set()
-        key = ("|".join(sorted(classes)) or "-", d.collective or "?", d.nbytes, d.algo, d.proto,
+        key = ("|".join(sorted(classes)) or "(no bucket)", d.collective or "?", d.nbytes, d.algo, d.proto,
                "?" if d.channels is None else d.channels)
         rows[key] = rows.get(key, 0) + 1
     mismatches = []

@@ -1,0 +1,109 @@
+"""collectives.nccl parse-log: NCCL's TUNING lines in both formats (2.21-2.23 numeric, >= 2.24 named) and its ENV
+lines, read from constructed samples in tests/data/nccl, joined to a bucket plan; buckets off their requested choice
+are listed and make the command exit 1."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from collectives import nccl
+from dtrain import config
+from dtrain.config import NcclSettings
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data" / "nccl"
+
+
+def read(name):
+    return nccl.parse_log((DATA / name).read_text().splitlines())
+
+
+def wanted():
+    cfg = config.load(REPO / "profiles" / "per_group.yaml")
+    return {n: nccl.resolve(cfg, n) for n in nccl.class_names(cfg)}
+
+
+def test_named_format_lines():
+    decisions, envs = read("per_group_2.24.log")
+    first = decisions[0]
+    assert (first.source, first.collective, first.nbytes, first.algo, first.proto, first.channels) == (
+        "gpu0:4711", "allreduce", 4, "Ring", "LL", 1)
+    assert nccl.Decision(20, "gpu0:4711", "allreduce", 1048576, "Ring", "LL", 2) in decisions
+    assert any(d.collective == "broadcast" for d in decisions)
+    assert [(e.var, e.value) for e in envs if e.var in ("NCCL_PROTO", "NCCL_ALGO")][:2] == [
+        ("NCCL_PROTO", "allreduce:Simple"), ("NCCL_ALGO", "allreduce:Ring")]
+    assert ("NCCL_IB_DISABLE", "1") in [(e.var, e.value) for e in envs]
+
+
+def test_numeric_format_lines_and_unprefixed_lines():
+    decisions, _ = read("per_group_2.21.log")
+    assert {(d.nbytes, d.algo, d.proto, d.collective, d.channels) for d in decisions} >= {
+        (8388608, "Ring", "Simple", None, None), (2097152, "Tree", "LL128", None, None)}
+    bare, _ = nccl.parse_log(["AllReduce: 1048576 Bytes -> Algo NVLS_TREE proto SIMPLE channel{Lo..Hi}={0..15}",
+                              "512 Bytes -> Algo 6 proto 2 time 3.5", "NCCL INFO Init COMPLETE"])
+    assert [(d.algo, d.proto, d.channels) for d in bare] == [("NVLSTree", "Simple", 16), ("PAT", "Simple", None)]
+
+
+def test_every_bucket_on_its_requested_choice():
+    buckets = nccl.load_buckets(DATA / "buckets.jsonl")
+    assert len(buckets) == 4  # one per bucket index, whatever the number of steps
+    for log in ("per_group_2.24.log", "per_group_2.21.log"):
+        table, mismatches = nccl.check_decisions(read(log)[0], buckets, wanted())
+        assert mismatches == []
+        rows = {r["communicator"]: r for r in table if r["communicator"] != "(no bucket)"}
+        assert (rows["embedding"]["algorithm"], rows["embedding"]["protocol"]) == ("Ring", "Simple")
+        assert (rows["projection"]["algorithm"], rows["projection"]["protocol"]) == ("Ring", "LL")
+
+
+def test_a_bucket_off_its_choice_is_listed():
+    table, mismatches = nccl.check_decisions(read("per_group_mismatch_2.24.log")[0],
+                                             nccl.load_buckets(DATA / "buckets.jsonl"), wanted())
+    assert [(m["index"], m["class"], m["observed"]) for m in mismatches] == [(2, "embedding", "Ring/LL128")]
+    text = nccl.render_check(table, mismatches)
+    assert "bucket 2 (embedding, 8388608 B): requested proto Simple, algo Ring, max_ctas 16, observed Ring/LL128" in text
+
+
+def test_same_size_in_two_classes_and_unseen_buckets():
+    buckets = [{"index": 0, "class": "a", "nbytes": 4096}, {"index": 1, "class": "b", "nbytes": 4096},
+               {"index": 2, "class": "c", "nbytes": 8192}]
+    want = {"a": NcclSettings(proto="LL"), "b": NcclSettings(proto="Simple"), "c": NcclSettings()}
+    ok = [nccl.Decision(1, "-", "allreduce", 4096, "Ring", "LL", 1),
+          nccl.Decision(2, "-", "allreduce", 4096, "Ring", "Simple", 1),
+          nccl.Decision(3, "-", "allreduce", 8192, "Tree", "LL", 1)]
+    table, mismatches = nccl.check_decisions(ok, buckets, want)
+    assert mismatches == [] and {r["communicator"] for r in table} == {"a|b", "c"}
+    stray = ok + [nccl.Decision(4, "-", "allreduce", 4096, "Ring", "LL128", 1)]
+    assert [m["index"] for m in nccl.check_decisions(stray, buckets, want)[1]] == [0, 1]
+    unseen = nccl.check_decisions(ok[:2], buckets, want)[1]
+    assert [(m["index"], m["observed"]) for m in unseen] == [(2, "no TUNING line of this size")]
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "collectives.nccl", "parse-log", *args], capture_output=True,
+                          text=True, cwd=REPO, env=dict(os.environ))
+
+
+def test_cli_exit_codes():
+    common = ["--profile", "profiles/per_group.yaml", "--buckets", str(DATA / "buckets.jsonl")]
+    ok = run_cli(str(DATA / "per_group_2.24.log"), *common)
+    assert ok.returncode == 0 and "every bucket on its requested choice" in ok.stdout
+    assert "communicator  collective" in ok.stdout
+    bad = run_cli(str(DATA / "per_group_mismatch_2.24.log"), *common)
+    assert bad.returncode == 1 and "1 bucket(s) not on the requested choice" in bad.stdout
+    missing = run_cli(str(DATA / "nope.log"))
+    assert missing.returncode == 2 and missing.stderr.startswith("collectives.nccl: error: ")
+
+
+def test_verify_run_writes_its_check(tmp_path):
+    cfg = config.load(REPO / "profiles" / "per_group.yaml", ["collectives.parse_log=true"])
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    run.mkdir()
+    logs.mkdir()
+    (run / "buckets.jsonl").write_text((DATA / "buckets.jsonl").read_text())
+    (logs / "nccl.gpu0.4711.log").write_text((DATA / "per_group_mismatch_2.24.log").read_text())
+    result = nccl.verify_run(cfg, run, logs)
+    assert result["decisions"] == 16 and [m["class"] for m in result["mismatches"]] == ["embedding"]
+    assert "observed Ring/LL128" in (run / "nccl_check.txt").read_text()
+    assert json.dumps(result)  # fit for a run summary
