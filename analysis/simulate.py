@@ -362,17 +362,20 @@ def ranking_agrees(rows: list[Prediction]) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # The paper's base configuration, projected
 
-# Vendor datasheet peaks of the SXM parts (fp32 TFLOPS without tensor cores, HBM GB/s): the projection's compute
-# side rests on these and an assumed fraction of peak.
-GPU_PEAK = {"P100": (10.6, 732.0), "V100": (15.7, 900.0), "A100": (19.5, 1555.0), "H100": (67.0, 3350.0)}
+# Vendor datasheet peaks of the SXM parts: dense TFLOPS for fp32 (no tensor cores; PyTorch's default for fp32
+# matmuls) and for bf16 autocast (tensor cores; P100 has none: fp16 without tensor cores stands in, V100 has no
+# bf16: its fp16 tensor cores stand in), and HBM GB/s. The projection's compute side rests on these and an assumed
+# fraction of peak.
+GPU_PEAK = {"P100": {"fp32": 10.6, "bf16": 21.2, "hbm": 732.0}, "V100": {"fp32": 15.7, "bf16": 125.0, "hbm": 900.0},
+            "A100": {"fp32": 19.5, "bf16": 312.0, "hbm": 2039.0}, "H100": {"fp32": 67.0, "bf16": 989.0, "hbm": 3350.0}}
 PAPER_STEP_S = 0.4  # "each training step took about 0.4 seconds" (base model, 8 P100), Vaswani et al. 2017 §5.2
 PAPER_TOKENS = 25_000  # source and target tokens per step, each (§5.1)
 
 
 def flop_step(cfg, topo: cm.Topology, src_tokens: float, tgt_tokens: float, vocab: int | None = None,
               mfu: float = 0.3, sentence_len: int = 27) -> tuple[StepProfile, ReadyCurve, list[str]]:
-    """A step of `cfg`'s model on one of the topology's GPUs, from a FLOP count at `mfu` of its fp32 peak, for
-    `src_tokens` + `tgt_tokens` per GPU; gradients ready uniformly over backward."""
+    """A step of `cfg`'s model on one of the topology's GPUs, from a FLOP count at `mfu` of its peak (fp32, or
+    bf16 under autocast), for `src_tokens` + `tgt_tokens` per GPU; gradients ready uniformly over backward."""
     if topo.gpu not in GPU_PEAK:
         raise UserError(f"no peak figures for {topo.gpu} (known: {', '.join(GPU_PEAK)})")
     if not 0 < mfu <= 1:
@@ -387,7 +390,8 @@ def flop_step(cfg, topo: cm.Topology, src_tokens: float, tgt_tokens: float, voca
     # their weighted sum (4·T·d per token, layer and attention block) at an assumed sentence length.
     attn = 4 * sentence_len * d * n_layers * (src_tokens + 2 * tgt_tokens)
     fwd = 2 * (enc * src_tokens + (dec + emb) * tgt_tokens) + attn
-    peak_tflops, hbm = GPU_PEAK[topo.gpu]
+    precision = "bf16" if cfg.train.amp == "bf16" else "fp32"
+    peak_tflops, hbm = GPU_PEAK[topo.gpu][precision], GPU_PEAK[topo.gpu]["hbm"]
     rate = peak_tflops * 1e12 * mfu
     forward_ms, backward_ms = 1e3 * fwd / rate, 1e3 * 2 * fwd / rate
     optimizer_ms = 1e3 * total * 28 / (hbm * 1e9)  # Adam: ~7 fp32 reads/writes per parameter, memory-bound
@@ -395,7 +399,7 @@ def flop_step(cfg, topo: cm.Topology, src_tokens: float, tgt_tokens: float, voca
     notes = [f"{total / 1e6:.1f}M parameters; {src_tokens:.0f} source + {tgt_tokens:.0f} target tokens per GPU "
              f"per step",
              f"compute from FLOPs: {3 * fwd / 1e12:.2f} TFLOP per GPU per step (forward x3) at {mfu:.0%} of the "
-             f"{topo.gpu}'s {peak_tflops:g} TFLOPS fp32 peak (assumed), sentences of {sentence_len} tokens (assumed)",
+             f"{topo.gpu}'s {peak_tflops:g} TFLOPS {precision} peak (assumed), sentences of {sentence_len} tokens (assumed)",
              f"optimizer: Adam, memory-bound at {hbm:g} GB/s; gradients ready uniformly over backward (assumed)"]
     return prof, ReadyCurve.uniform(total, backward_ms), notes
 
@@ -478,7 +482,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-calibrate", action="store_true", help="do not scale the model by the profiled step")
     ap.add_argument("--measured", nargs="*", default=[], help="runs to compare against (their own configs)")
     ap.add_argument("--paper", action="store_true", help="project the paper's base configuration (8 P100)")
-    ap.add_argument("--mfu", type=float, default=0.3, help="--paper: assumed fraction of fp32 peak")
+    ap.add_argument("--mfu", type=float, default=0.3, help="--paper: assumed fraction of the GPU's fp32 peak")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     with exit_on_user_error(PROG):

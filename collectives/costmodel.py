@@ -864,7 +864,9 @@ def _pick_label(model, nbytes: int) -> str:
 
 def format_recommend(rec: dict) -> str:
     lines = [f"# MODELED recommendation for {rec['topology']}: per-class bucket caps minimizing the exposed "
-             f"all-reduce time of a replayed step, then per-class NCCL choices"] + [f"# {n}" for n in rec["timeline"]]
+             f"all-reduce time of a replayed step, then per-class NCCL choices",
+             "# (under NCCL's own analytic model its per-size pick is never beaten; a forced choice can only win "
+             "with --fit from measurements per algo/proto)"] + [f"# {n}" for n in rec["timeline"]]
     lines.append(f"{'class':>11} {'bytes':>7} {'profile bkts':>12} | {'cap MiB':>7} {'buckets':>7} "
                  f"{'NCCL picks':>22} {'default ms':>10} {'best forced':>11} {'choice':>13}")
     for r in rec["classes"]:
