@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import math
 import statistics
 import sys
 from dataclasses import dataclass, field

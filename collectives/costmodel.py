@@ -393,11 +393,8 @@ def _num(v) -> float | None:
     return float(v)
 
 
-def _bench_row(d: dict, where: str) -> Measurement | None:
-    """One benchmark row; None if its correctness check failed or it was not measured."""
+def _bench_row(d: dict, where: str) -> Measurement:
     try:
-        if (_num(d.get("wrong")) or 0) > 0 or _num(d.get("time_us")) is None:
-            return None
         label = d.get("label") or "measured"
         algo, proto = d.get("algo"), d.get("proto")
         if algo or proto:
@@ -422,13 +419,21 @@ def _by_path(dicts: list[dict]) -> list[dict]:
 
 
 def _collect(dicts: list[dict], where: str) -> MeasurementSet:
+    """Rows to fit: out-of-place (or per code path), the sum reduction when several were run, none that failed
+    the correctness check (#wrong > 0, counted) or that a path could not run (N/A, dropped)."""
     rows, skipped = [], 0
+    ops = {str(d.get("redop", "")).lower() for d in dicts}
     for d in _by_path(dicts):
-        m = _bench_row(d, where)
-        if m is None:
+        if len(ops) > 1 and str(d.get("redop", "")).lower() != "sum":
+            continue
+        try:
+            wrong, t = _num(d.get("wrong")) or 0, _num(d.get("time_us"))
+        except ValueError as e:
+            raise UserError(f"{where}: bad benchmark row {d!r} ({e})") from e
+        if wrong > 0:
             skipped += 1
-        else:
-            rows.append(m)
+        elif t is not None:
+            rows.append(_bench_row(d, where))
     coll = {_TEST_NAMES.get(str(d.get("coll", "")).replace("_perf", ""), str(d.get("coll", ""))) for d in dicts}
     coll.discard("")
     ranks = {int(d["world_size"]) for d in dicts if d.get("world_size") not in (None, "")}
