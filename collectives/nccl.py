@@ -189,8 +189,8 @@ def guards(cfg, version, settings: dict[str, NcclSettings]) -> list[str]:
     forced = {n: s for n, s in settings.items() if s.proto or s.algo}
     if c.mode == "per_group" and version and (2, 27, 0) <= version <= (2, 27, 4):
         raise UserError(f"'collectives.mode' per_group cannot work on NCCL {_vs(version)}: 2.27.0-2.27.4 cache "
-                        f"NCCL_PROTO/NCCL_ALGO after the first communicator (fixed in 2.27.5), so every group would get "
-                        f"the first one's settings; use mode tuner or NCCL >= 2.27.5")
+                        f"NCCL_PROTO/NCCL_ALGO after the first communicator (fixed in 2.27.5), so every group would "
+                        f"get the first one's settings; use mode tuner or NCCL >= 2.27.5")
     if c.mode == "tuner" and version and version < (2, 22, 0):
         raise UserError(f"'collectives.mode' tuner needs NCCL >= 2.22 (the plugin exports tuner interfaces v3-v6); "
                         f"this is NCCL {_vs(version)}")
@@ -301,7 +301,7 @@ def build_plan(cfg, version=None, log_dir: str | Path | None = None, tuner_lib: 
     process_env: dict[str, str] = {}
     files: dict[str, str] = {}
     if c.parse_log:
-        log_dir = Path(log_dir) if log_dir is not None else Path("runs") / "nccl-logs"
+        log_dir = Path(log_dir) if log_dir is not None else Path("<run-dir>") / "nccl-logs"
         process_env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="ENV,TUNING",
                            NCCL_DEBUG_FILE=str(log_dir / "nccl.%h.%p.log"))  # %h host, %p pid: one file a rank
     groups = [GroupPlan("world", NcclSettings())]
@@ -624,7 +624,13 @@ def apply_global(cfg, backend: str | None = None, version=..., factory=None, log
 
     backend = backend or choose_backend(cfg.dist)
     applied = backend == "nccl"
+    if applied and dist.is_initialized():
+        raise RuntimeError("collectives.nccl.apply_global must run before init_process_group: the default group's "
+                           "communicator would already exist without the job's NCCL variables")
     version = (nccl_version() if applied else None) if version is ... else version
+    if applied and cfg.collectives.parse_log and log_dir is None:
+        raise UserError("'collectives.parse_log' needs --run-dir: NCCL's log file is named before the first "
+                        "communicator exists, earlier than a run directory is chosen")
     plan = build_plan(cfg, version, log_dir)
     if applied and plan.mode == "tuner":
         build_tuner()
@@ -845,7 +851,10 @@ def verify_run(cfg, run_dir: str | Path, log_dir: str | Path | None = None) -> d
     """After a run with `collectives.parse_log`: parse its NCCL logs, join them to `buckets.jsonl`, write
     `nccl_check.txt` into the run directory. Returns {decisions, mismatches}; None when there is nothing to read."""
     run_dir = Path(run_dir)
-    log_dir = Path(log_dir) if log_dir is not None else Path("runs") / "nccl-logs"
+    if log_dir is None:
+        debug_file = (run_record() or {}).get("job_env", {}).get("NCCL_DEBUG_FILE")
+        log_dir = Path(debug_file).parent if debug_file else run_dir / "nccl-logs"
+    log_dir = Path(log_dir)
     logs = sorted(log_dir.glob("nccl.*.log"))
     if not cfg.collectives.parse_log or not logs or not (run_dir / "buckets.jsonl").exists():
         return None
@@ -858,6 +867,69 @@ def verify_run(cfg, run_dir: str | Path, log_dir: str | Path | None = None) -> d
     table, mismatches = check_decisions(decisions, load_buckets(run_dir / "buckets.jsonl"), want)
     (run_dir / "nccl_check.txt").write_text(render_check(table, mismatches, envs))
     return {"decisions": len(decisions), "mismatches": mismatches}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The one-GPU check: two NCCL ranks on one GPU, each its own NCCL host (facts §6), per_group then tuner mode.
+
+GPU_CHECK_BUCKETS = {"projection": 65536, "embedding": 8 << 20}  # distinct sizes: TUNING lines name no communicator
+
+
+def _gpu_check_config(mode: str):
+    from dtrain.config import from_dict
+
+    return from_dict({"name": f"gpu-check-{mode}", "sync": {"strategy": "per_class"}, "collectives": {
+        "mode": mode, "parse_log": True, "classes": {"projection": {"proto": "LL", "algo": "Ring"},
+                                                     "embedding": {"proto": "Simple", "algo": "Ring"}}}})
+
+
+def _gpu_check_rank(rank: int, mode: str, out_dir: str, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      NCCL_HOSTID=f"rank{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
+    apply_global(_gpu_check_config(mode), backend="nccl", log_dir=Path(out_dir) / mode)
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)  # bound: groups created eagerly
+    try:
+        groups = {name: class_group(name) for name in GPU_CHECK_BUCKETS}
+        for _ in range(3):
+            for name, nbytes in GPU_CHECK_BUCKETS.items():
+                t = torch.full((nbytes // 4,), float(rank + 1), device=device)
+                dist.all_reduce(t, group=groups[name])
+                if not bool((t == 3.0).all()):  # the forced choice must also be correct (the #wrong check)
+                    raise RuntimeError(f"{mode}/{name}: wrong all-reduce result")
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+
+
+def gpu_check(out_dir: str | Path) -> int:
+    """Run both modes, parse their logs, print and write the parse-log tables; 1 when a bucket is off its choice."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if not torch.cuda.is_available():
+        raise UserError("gpu-check needs a CUDA GPU, and none is visible here")
+    out, status = Path(out_dir), 0
+    for mode in ("per_group", "tuner"):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(_gpu_check_rank, args=(mode, str(out), port), nprocs=2, join=True)
+        decisions, envs = [], []
+        for path in sorted((out / mode).glob("nccl.*.log")):
+            d, e = parse_log(path.read_text(errors="replace").splitlines())
+            decisions += d
+            envs += e
+        cfg = _gpu_check_config(mode)
+        buckets = [{"index": i, "class": n, "nbytes": b} for i, (n, b) in enumerate(GPU_CHECK_BUCKETS.items())]
+        table, mismatches = check_decisions(decisions, buckets, {n: resolve(cfg, n) for n in GPU_CHECK_BUCKETS})
+        text = f"== {mode} (NCCL {_vs(nccl_version())}) ==\n" + render_check(table, mismatches, envs)
+        (out / mode / "parse-log.txt").write_text(text)
+        print(text, flush=True)
+        status = max(status, 1 if mismatches else 0)
+    return status
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -892,6 +964,9 @@ def main(argv=None) -> int:
     lg.add_argument("logs", nargs="+")
     lg.add_argument("--profile", help="the run's profile: the requested choices")
     lg.add_argument("--buckets", help="the run's buckets.jsonl (or a JSON list of {index, class, nbytes})")
+    g = sub.add_parser("gpu-check", help="two NCCL ranks on one GPU (distinct NCCL_HOSTID), per_group then tuner "
+                                         "mode, each checked with parse-log; exit 1 when a bucket is off its choice")
+    g.add_argument("--out", default="runs/nccl-gpu-check")
     args = ap.parse_args(argv)
     with exit_on_user_error("collectives.nccl"):
         from dtrain import config as config_mod
@@ -899,6 +974,8 @@ def main(argv=None) -> int:
         if args.cmd == "build-tuner":
             print(build_tuner(force=True))
             return 0
+        if args.cmd == "gpu-check":
+            return gpu_check(args.out)
         if args.cmd == "parse-log":
             decisions, envs = [], []
             for path in args.logs:

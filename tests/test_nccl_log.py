@@ -3,9 +3,6 @@ lines, read from constructed samples in tests/data/nccl, joined to a bucket plan
 are listed and make the command exit 1."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from collectives import nccl
@@ -62,7 +59,8 @@ def test_a_bucket_off_its_choice_is_listed():
                                              nccl.load_buckets(DATA / "buckets.jsonl"), wanted())
     assert [(m["index"], m["class"], m["observed"]) for m in mismatches] == [(2, "embedding", "Ring/LL128")]
     text = nccl.render_check(table, mismatches)
-    assert "bucket 2 (embedding, 8388608 B): requested proto Simple, algo Ring, max_ctas 16, observed Ring/LL128" in text
+    assert ("bucket 2 (embedding, 8388608 B): requested proto Simple, algo Ring, max_ctas 16, observed Ring/LL128"
+            in text)
 
 
 def test_same_size_in_two_classes_and_unseen_buckets():
@@ -80,20 +78,23 @@ def test_same_size_in_two_classes_and_unseen_buckets():
     assert [(m["index"], m["observed"]) for m in unseen] == [(2, "no TUNING line of this size")]
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "collectives.nccl", "parse-log", *args], capture_output=True,
-                          text=True, cwd=REPO, env=dict(os.environ))
+def run_cli(capsys, *args):
+    try:
+        code = nccl.main(["parse-log", *args])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_cli_exit_codes():
+def test_cli_exit_codes(capsys):
     common = ["--profile", "profiles/per_group.yaml", "--buckets", str(DATA / "buckets.jsonl")]
-    ok = run_cli(str(DATA / "per_group_2.24.log"), *common)
-    assert ok.returncode == 0 and "every bucket on its requested choice" in ok.stdout
-    assert "communicator  collective" in ok.stdout
-    bad = run_cli(str(DATA / "per_group_mismatch_2.24.log"), *common)
-    assert bad.returncode == 1 and "1 bucket(s) not on the requested choice" in bad.stdout
-    missing = run_cli(str(DATA / "nope.log"))
-    assert missing.returncode == 2 and missing.stderr.startswith("collectives.nccl: error: ")
+    code, out, _ = run_cli(capsys, str(DATA / "per_group_2.24.log"), *common)
+    assert code == 0 and "every bucket on its requested choice" in out and "communicator  collective" in out
+    code, out, _ = run_cli(capsys, str(DATA / "per_group_mismatch_2.24.log"), *common)
+    assert code == 1 and "1 bucket(s) not on the requested choice" in out
+    code, _, err = run_cli(capsys, str(DATA / "nope.log"))
+    assert code == 2 and err.startswith("collectives.nccl: error: ") and err.count("\n") == 1
 
 
 def test_verify_run_writes_its_check(tmp_path):

@@ -178,22 +178,34 @@ def test_example_plugin_csv_covers_every_size_and_collective_with_explicit_chann
     assert lines["world"][-1] == "allreduce,0,-1,ring,simple,12,2,16,-1,-1"
 
 
-def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "collectives.nccl", *args], capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, **(env or {})})
+def run_cli(capsys, *args):
+    """`python -m collectives.nccl ARGS` in this process: (exit code, stdout, stderr)."""
+    try:
+        code = nccl.main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_cli_plan_and_its_one_line_errors(tmp_path):
-    r = run_cli("plan", "--profile", "profiles/per_group.yaml", "--backend", "nccl")
-    assert r.returncode == 0 and "NCCL_PROTO=allreduce:LL" in r.stdout
-    r = run_cli("plan", "--profile", "profiles/tree.yaml", "--nccl-version", "2.23.4")
-    assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.startswith("collectives.nccl: error: 'collectives.default.algo'") and r.stderr.count("\n") == 1
+def test_cli_plan_and_its_one_line_errors(tmp_path, capsys):
+    code, out, _ = run_cli(capsys, "plan", "--profile", "profiles/per_group.yaml", "--backend", "nccl")
+    assert code == 0 and "NCCL_PROTO=allreduce:LL" in out
+    code, out, err = run_cli(capsys, "plan", "--profile", "profiles/tree.yaml", "--nccl-version", "2.23.4")
+    assert code == 2 and out == ""
+    assert err.startswith("collectives.nccl: error: 'collectives.default.algo'") and err.count("\n") == 1
     bad = tmp_path / "bad.yaml"
     bad.write_text("collectives:\n  mode: per_group\n  classes:\n    ffn: {proto: LL129}\n")
-    r = run_cli("plan", "--profile", str(bad))
-    assert r.returncode == 2 and "'collectives.classes.ffn.proto'" in r.stderr and r.stderr.count("\n") == 1
-    r = run_cli("tuner-config", "--profile", "profiles/tuner.yaml", "--nproc", "8", "--out", str(tmp_path / "csv"))
-    assert r.returncode == 0
+    code, _, err = run_cli(capsys, "plan", "--profile", str(bad))
+    assert code == 2 and "'collectives.classes.ffn.proto'" in err and err.count("\n") == 1
+    code, _, _ = run_cli(capsys, "tuner-config", "--profile", "profiles/tuner.yaml", "--nproc", "8", "--out",
+                         str(tmp_path / "csv"))
+    assert code == 0
     assert sorted(p.name for p in (tmp_path / "csv").iterdir()) == sorted(
         f"nccl_tuner.{n}.conf" for n in ("world", "embedding", "norm_bias", "projection", "ffn", "other"))
+
+
+def test_module_entry_point_runs():
+    r = subprocess.run([sys.executable, "-m", "collectives.nccl", "plan", "--profile", "profiles/ll128.yaml"],
+                       capture_output=True, text=True, cwd=REPO, env=dict(os.environ))
+    assert r.returncode == 0 and "NCCL_PROTO=allreduce:LL128" in r.stdout
