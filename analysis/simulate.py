@@ -227,7 +227,7 @@ def ready_curve(run: Run, prof: StepProfile) -> ReadyCurve:
         return ReadyCurve.uniform(total, prof.sync_backward_ms)
     xs = None
     try:
-        plan, _ = cm.bucket_plan(run.cfg, vocab=run.vocab)
+        plan = cm.bucket_plan(run.cfg, vocab=run.vocab).buckets
         if [b.numel for b in plan] == [r["numel"] for r in prof.records]:
             by_index = dict(zip([b.index for b in plan], through(plan, params)))
             xs = [by_index[r["bucket"]] for r in recs]
@@ -256,7 +256,7 @@ class Calibration:
     note: str = "none"
 
 
-def calibrate(prof: StepProfile, model, overlap: bool) -> Calibration:
+def calibrate(prof: StepProfile, model) -> Calibration:
     recs = prof.records
     if not recs or any(r.get(k) is None for r in recs for k in ("launch_ms", "complete_ms")):
         return Calibration(note="none (the profiled step has no launch/complete times)")
@@ -305,21 +305,40 @@ class Prediction:
         return self.strategy + (f"@{self.cap_mb:g}M" if self.cap_mb is not None else "")
 
 
+def requested_nccl(cfg, class_groups: bool):
+    """bucket -> (algo, proto) as the run would request them (None: NCCL decides): a class's own settings where
+    each class has its communicator (`collectives.nccl.resolve`), else `collectives.default` for every bucket."""
+    from collectives import nccl
+
+    cache: dict = {}
+
+    def of(bucket):
+        name = bucket.tensor_class if class_groups else None
+        if name not in cache:
+            s = nccl.resolve(cfg, name) if name else cfg.collectives.default
+            cache[name] = (s.algo, s.proto)
+        return cache[name]
+
+    return of
+
+
 def predict(cfg, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration, strategy: str,
             cap_mb: float | None = None, vocab: int | None = None, classes: dict | None = None,
-            cost=None) -> Prediction:
+            cost=None, nccl_of=None) -> Prediction:
     """Predicted step of `cfg`'s model under `strategy` (bucket cap, per-class overrides), replayed on the profiled
-    step. `cost(nbytes, algo, proto) -> ms` replaces the model's own cost of one all-reduce."""
+    step. `cost(nbytes, algo, proto) -> ms` replaces the model's cost of one all-reduce; `nccl_of(bucket)` gives
+    the (algo, proto) a bucket is forced to (default: what the profile requests)."""
     if strategy == "powersgd":
         raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
     compute = prof.compute_ms
     if strategy == "noop":
         return Prediction("noop", None, 0, 0.0, 0.0, compute, lossless=False, communicates=False)
-    plan, overlap = cm.bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
+    plan, overlap, class_groups = cm.bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
     params = cm.ready_params(cfg, vocab)
     ready = [curve.at(x) for x in through(plan, params)]
     one = cost or (lambda n, a, p: cost_ms(model, n, a, p))
-    dur = [calib.comm_scale * one(b.nbytes, b.settings.algorithm, b.settings.protocol) for b in plan]
+    nccl_of = nccl_of or requested_nccl(cfg, class_groups)
+    dur = [calib.comm_scale * one(b.nbytes, *nccl_of(b)) for b in plan]
     tl = replay(ready, dur, prof.sync_backward_ms, overlap)
     exposed = tl.exposed_ms + calib.post_ms
     lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
@@ -510,8 +529,7 @@ def _main(args) -> None:
             print(f"# note: the cost model has {model.ranks} ranks, the run {run.world}", file=sys.stderr)
         prof = profiled_step(run, args.step, args.warmup)
         curve = ready_curve(run, prof)
-        _, own_overlap = cm.bucket_plan(run.cfg, vocab=run.vocab) if run.strategy != "noop" else (None, True)
-        calib = Calibration(note="off") if args.no_calibrate else calibrate(prof, model, own_overlap)
+        calib = Calibration(note="off") if args.no_calibrate else calibrate(prof, model)
         rows = sweep(run.cfg, prof, curve, model, calib, strategies, caps, run.vocab)
         rows += measured_runs(args.measured, run, prof, curve, model, calib, args.warmup)
         header = [f"MODELED from run {run.path} (strategy {run.strategy}, world {run.world}), step {prof.step}: "

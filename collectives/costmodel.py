@@ -23,6 +23,7 @@ import statistics
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from dtrain.errors import UserError, exit_on_user_error
 
@@ -741,11 +742,17 @@ def ready_params(cfg, vocab: int | None = None) -> tuple:
     return _ready_params(cfg.model, vocab or cfg.data.vocab_size)
 
 
+class Plan(NamedTuple):
+    buckets: list  # collectives.plan.Bucket, in launch order
+    overlap: bool  # launched from the gradient hooks (else all at wait())
+    class_groups: bool  # each tensor class on its own communicator, with its own NCCL settings
+
+
 def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = None,
-                classes: dict[str, dict] | None = None, vocab: int | None = None):
-    """(buckets, overlap) of `cfg`'s model under `strategy` (default: the profile's), planned on meta tensors in
-    the expected ready order; `classes` overrides `sync.classes.<class>` settings (bucket_cap_mb, protocol ...).
-    `ddp` is planned like DDP's own reducer: `bucketed` with a 1 MiB first bucket."""
+                classes: dict[str, dict] | None = None, vocab: int | None = None) -> Plan:
+    """The plan of `cfg`'s model under `strategy` (default: the profile's), built on meta tensors in the expected
+    ready order; `classes` overrides `sync.classes.<class>` settings (bucket_cap_mb ...). `ddp` is planned like
+    DDP's own reducer: `bucketed` with a 1 MiB first bucket."""
     import dataclasses as dc
 
     from collectives import strategies
@@ -773,7 +780,7 @@ def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = 
                         + ", ".join(n for n in strategies.available()
                                     if isinstance(strategies.get(n), type)
                                     and issubclass(strategies.get(n), BucketingStrategy)) + ")")
-    return strat.plan(named, class_of, settings), strat.overlap
+    return Plan(strat.plan(named, class_of, settings), strat.overlap, strat.class_groups)
 
 
 def recommend(cfg, model, fitted: FittedModel | None = None, timeline=None, vocab: int | None = None) -> dict:
@@ -791,11 +798,14 @@ def recommend(cfg, model, fitted: FittedModel | None = None, timeline=None, voca
     def one_us(nbytes, algo=None, proto=None):
         if algo is None and proto is None and nccl is not None:
             pick = nccl.pick(nbytes)  # what NCCL runs by default, costed by the fit when there is one
-            algo, proto = pick.algo, pick.proto
+            try:
+                return cost_model.time_us(nbytes, "allreduce", algo=pick.algo, proto=pick.proto)
+            except UserError:  # the fit lacks NCCL's pick: the best measured choice stands in
+                return cost_model.time_us(nbytes, "allreduce")
         try:
             return cost_model.time_us(nbytes, "allreduce", algo=algo, proto=proto)
-        except UserError:
-            return cost_model.time_us(nbytes, "allreduce") if (algo, proto) == (None, None) or nccl else math.inf
+        except UserError:  # a forced choice nobody measured cannot be recommended
+            return math.inf
 
     def cost(nbytes, algo=None, proto=None):  # ms, for the replay
         return one_us(nbytes, algo, proto) / 1000.0
@@ -806,11 +816,13 @@ def recommend(cfg, model, fitted: FittedModel | None = None, timeline=None, voca
         timeline = sim.flop_timeline(cfg, nccl.topo, vocab=vocab)
     prof, curve, calib = timeline[:3]
 
-    def run(strategy, classes=None):
-        return sim.predict(cfg, prof, curve, cost_model, calib, strategy, classes=classes, vocab=vocab, cost=cost)
+    def run(strategy, classes=None, forced=None):
+        nccl_of = (lambda b: tuple((forced or {}).get(b.tensor_class, (None, None)))) if forced is not None else None
+        return sim.predict(cfg, prof, curve, cost_model, calib, strategy, classes=classes, vocab=vocab, cost=cost,
+                           nccl_of=nccl_of)
 
     actual = run(cfg.sync.strategy)
-    base_plan, _ = bucket_plan(cfg, "per_class", vocab=vocab)
+    base_plan = bucket_plan(cfg, "per_class", vocab=vocab).buckets
     classes = list(dict.fromkeys(b.tensor_class for b in base_plan))
     totals = {c: sum(b.nbytes for b in base_plan if b.tensor_class == c) for c in classes}
     caps = {c: b.settings.bucket_cap_mb for c in classes for b in base_plan if b.tensor_class == c}
@@ -830,7 +842,7 @@ def recommend(cfg, model, fitted: FittedModel | None = None, timeline=None, voca
                 if cap * 2**20 >= totals[c]:
                     break
     overrides = {c: {"bucket_cap_mb": caps[c]} for c in classes}
-    plan, _ = bucket_plan(cfg, "per_class", classes=overrides, vocab=vocab)
+    plan = bucket_plan(cfg, "per_class", classes=overrides, vocab=vocab).buckets
     options = [(a, p) for a in ALGOS for p in PROTOS if nccl is None or nccl.enabled(a, p)]
     rows, forced = [], {}
     for c in classes:
@@ -839,14 +851,14 @@ def recommend(cfg, model, fitted: FittedModel | None = None, timeline=None, voca
         t, a, p = min((sum(one_us(n, a, p) for n in sizes), a, p) for a, p in options)
         pin = t < default * 0.995  # force only what beats NCCL's own choice by a margin
         if pin:
-            forced[c] = {"algorithm": a, "protocol": p}
+            forced[c] = (a, p)
         rows.append({"class": c, "bytes": totals[c],
                      "profile_buckets": [b.nbytes for b in base_plan if b.tensor_class == c],
                      "cap_mb": caps[c], "buckets": sizes,
                      "picks": sorted({_pick_label(nccl, n) for n in sizes}) if nccl else [],
                      "comm_us_default": round(default, 2), "comm_us_best_forced": round(t, 2),
                      "recommended": {"algo": a, "proto": p} if pin else None})
-    final = run("per_class", {c: {**overrides[c], **forced.get(c, {})} for c in classes}) if forced else best
+    final = run("per_class", overrides, forced) if forced else best
 
     def summary(pred):
         return {"buckets": pred.buckets, "comm_ms": round(pred.comm_ms, 3), "exposed_ms": round(pred.exposed_ms, 3),
@@ -855,7 +867,7 @@ def recommend(cfg, model, fitted: FittedModel | None = None, timeline=None, voca
     overlay = {"sync": {"strategy": "per_class", "classes": {c: {"bucket_cap_mb": caps[c]} for c in classes}}}
     if forced:
         overlay["collectives"] = {"mode": "per_group", "classes": {
-            c: {"algo": v["algorithm"], "proto": v["protocol"]} for c, v in forced.items()}}
+            c: {"algo": a, "proto": p} for c, (a, p) in forced.items()}}
     return {"topology": model.name, "modeled": True, "profile_strategy": cfg.sync.strategy,
             "timeline": list(timeline[3]) if len(timeline) > 3 else [], "classes": rows,
             "profile_plan_default": summary(actual), "per_class_profile_caps_default": summary(at_profile_caps),
@@ -935,7 +947,7 @@ def _cmd_recommend(argv) -> None:
     if args.run:
         run = sim.load_run(args.run)
         prof = sim.profiled_step(run)
-        calib = sim.calibrate(prof, fitted or model, True)
+        calib = sim.calibrate(prof, fitted or model)
         timeline = (prof, sim.ready_curve(run, prof), calib, [f"timeline: step {prof.step} of {args.run}",
                                                                f"calibration: {calib.note}"])
         vocab = run.vocab

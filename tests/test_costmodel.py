@@ -236,3 +236,24 @@ def test_recommend_for_the_base_model_writes_a_valid_profile(tmp_path, capsys):
     assert cfg.sync.strategy == "per_class"
     assert {c: v["bucket_cap_mb"] for c, v in cfg.sync.classes.items()} == {r["class"]: r["cap_mb"]
                                                                              for r in rec["classes"]}
+
+
+def test_recommend_forces_a_protocol_only_where_measurements_beat_nccls_pick():
+    pytest.importorskip("collectives.plan")
+    from dtrain import config as config_mod
+
+    cfg = config_mod.load("profiles/base.yaml")
+    # Measured (synthetic): Simple beats LL and LL128 at every size, where the analytic model picks LL for the
+    # small norm/bias bucket and Simple for the 72 MiB embedding.
+    fit = cm.FittedModel({"Ring/LL": [cm.Regime(math.inf, 15.0, 60.0)],
+                          "Ring/LL128": [cm.Regime(math.inf, 40.0, 150.0)],
+                          "Ring/Simple": [cm.Regime(math.inf, 10.0, 400.0)]}, ranks=8, name="fit")
+    rec = cm.recommend(cfg, H100, fit)
+    by_class = {r["class"]: r for r in rec["classes"]}
+    assert by_class["norm_bias"]["recommended"] == {"algo": "Ring", "proto": "Simple"}
+    assert by_class["embedding"]["recommended"] is None  # NCCL already picks Simple there
+    assert rec["overlay"]["collectives"]["classes"]["norm_bias"] == {"algo": "Ring", "proto": "Simple"}
+    assert rec["recommended"]["comm_ms"] < rec["recommended_caps_default"]["comm_ms"]
+    # Under the analytic model alone NCCL's own pick is never beaten: nothing is forced.
+    plain = cm.recommend(cfg, H100)
+    assert all(r["recommended"] is None for r in plain["classes"]) and "collectives" not in plain["overlay"]

@@ -54,12 +54,12 @@ def test_calibration_from_one_profiled_step():
     recs = [{"bucket": 0, "bytes": 1_000_000, "launch_ms": 1.0, "complete_ms": 5.0, "wait_start_ms": 6.0},
             {"bucket": 1, "bytes": 1_000_000, "launch_ms": 2.0, "complete_ms": 9.0, "wait_start_ms": 6.0}]
     prof = sim.StepProfile(1, 0.0, 1.0, 6.0, 1.0, exposed_ms=3.5, step_ms=11.5, records=recs)
-    cal = sim.calibrate(prof, _Flat(), overlap=True)
+    cal = sim.calibrate(prof, _Flat())
     # Measured on the stream: 4 ms (1 -> 5) and 4 ms (5 -> 9); modeled 2 ms each.
     assert cal.comm_scale == pytest.approx(2.0)
     # wait() started at 6 and the last collective ended at 9: 3 ms; the other 0.5 ms is wait()'s own work.
     assert cal.post_ms == pytest.approx(0.5)
-    assert sim.calibrate(sim.StepProfile(1, 0, 1, 1, 1, 0, 3), _Flat(), True).comm_scale == 1.0
+    assert sim.calibrate(sim.StepProfile(1, 0, 1, 1, 1, 0, 3), _Flat()).comm_scale == 1.0
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
@@ -85,7 +85,7 @@ def _write_run(path, strategy="bucketed", cap=0.25, steps=6):
     path.mkdir()
     (path / "config.yaml").write_text(config_mod.dump(cfg))
     (path / "run.json").write_text(json.dumps({"world_size": 2, "vocab": 1000}))
-    plan, _ = cm.bucket_plan(cfg)
+    plan = cm.bucket_plan(cfg).buckets
     # A hand-built timeline: backward 10 ms, buckets ready evenly over it, each collective taking exactly what the
     # flat model says, launched when ready, on one stream; wait() adds 0.2 ms after the last one.
     params = cm.ready_params(cfg)
@@ -112,7 +112,7 @@ def test_prediction_reproduces_the_profiled_run_itself(tmp_path):
     prof = sim.profiled_step(run)
     curve = sim.ready_curve(run, prof)
     assert curve.source.endswith("re-planned plan")
-    cal = sim.calibrate(prof, _Flat(), overlap=True)
+    cal = sim.calibrate(prof, _Flat())
     assert cal.comm_scale == pytest.approx(1.0) and cal.post_ms == pytest.approx(0.2, abs=1e-6)
     p = sim.predict(run.cfg, prof, curve, _Flat(), cal, "bucketed", 0.25, run.vocab)
     assert p.exposed_ms == pytest.approx(exposed, rel=1e-6)
@@ -146,3 +146,20 @@ def test_paper_projection_runs_and_states_assumptions(capsys):
     assert "MODELED projection" in out and "assumed" in out and "p100x8" in out
     with pytest.raises(UserError):
         sim.predict(None, None, None, None, None, "powersgd")
+
+
+def test_a_profiles_per_class_nccl_choice_is_honoured_by_the_preset():
+    pytest.importorskip("collectives.plan")
+    from dtrain import config as config_mod
+
+    base = {"model": {"preset": "base"}, "data": {"vocab_size": 37000}, "sync": {"strategy": "per_class"}}
+    forced = {**base, "collectives": {"mode": "per_group", "classes": {"ffn": {"algo": "Ring", "proto": "LL"}}}}
+    model = cm.NcclModel(cm.topology("h100x8"))
+    prof, curve, _ = sim.flop_step(config_mod.from_dict(dict(base)), model.topo, 3200, 3200)
+    preds = [sim.predict(config_mod.from_dict(c), prof, curve, model, sim.Calibration(), "per_class")
+             for c in (base, forced)]
+    # 25 MiB ffn buckets: NCCL picks LL128; forcing LL (capped at 141 GB/s bus) costs more.
+    assert preds[1].comm_ms > preds[0].comm_ms
+    ffn = [b for b in cm.bucket_plan(config_mod.from_dict(dict(base))).buckets if b.tensor_class == "ffn"]
+    extra = sum(model.time_us(b.nbytes, algo="Ring", proto="LL") - model.time_us(b.nbytes) for b in ffn) / 1000
+    assert preds[1].comm_ms - preds[0].comm_ms == pytest.approx(extra, rel=1e-6)
