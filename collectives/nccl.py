@@ -49,6 +49,7 @@ BUILD_DIR = REPO / "build" / "nccl-tuner"  # git-ignored: the plugin and its rul
 CLASS_VAR = "DTRAIN_TUNER_CLASS"  # which class a communicator serves, set only while its group is created
 RULES_VAR = "DTRAIN_TUNER_RULES"  # the plugin's rules file, for the whole job
 NONBLOCKING_VAR = "TORCH_NCCL_USE_COMM_NONBLOCKING"
+_PATH_VARS = ("NCCL_TUNER_PLUGIN", RULES_VAR, "NCCL_DEBUG_FILE")
 _NCCL_KEYS = ("proto", "algo", "min_ctas", "max_ctas")
 _SYNC_KEYS = {"protocol": "proto", "algorithm": "algo", "min_ctas": "min_ctas", "max_ctas": "max_ctas"}
 
@@ -183,6 +184,13 @@ def _per_collective_syntax(version) -> bool:
     return version is None or version >= (2, 24, 0)
 
 
+def _creates_class_groups(strategy: str) -> bool:
+    """Whether the strategy sends each class through its own group (`class_groups` of collectives.strategies)."""
+    from collectives.strategies import get
+
+    return bool(getattr(get(strategy), "class_groups", False))
+
+
 def guards(cfg, version, settings: dict[str, NcclSettings]) -> list[str]:
     """Errors (raised as UserError) and warnings (returned) for these settings under this NCCL version."""
     c, warn = cfg.collectives, []
@@ -210,14 +218,15 @@ def guards(cfg, version, settings: dict[str, NcclSettings]) -> list[str]:
     if c.mode in ("global", "per_group"):
         ll128 = sorted(n for n, s in forced.items() if s.proto == "LL128")
         if ll128 and not c.validated:
-            warn.append(f"LL128 is forced for {', '.join(ll128)}: where NCCL disables LL128 by default, forcing it can "
+            who = "every gradient all-reduce" if c.mode == "global" else ", ".join(ll128)
+            warn.append(f"LL128 is forced for {who}: where NCCL disables LL128 by default, forcing it can "
                         f"give wrong results; validate these settings with the benchmark (#wrong must be 0), then set "
                         f"collectives.validated: true")
         for n, s in sorted(forced.items()):
             if s.algo in NEEDS_HARDWARE:
                 warn.append(f"{n}: {s.algo} needs {NEEDS_HARDWARE[s.algo]}; forced through the environment where it "
                             f"is missing, NCCL fails at the first all-reduce")
-    if c.mode in ("per_group", "tuner") and getattr(cfg.sync, "strategy", None) in ("ddp", "noop"):
+    if c.mode in ("per_group", "tuner") and not _creates_class_groups(cfg.sync.strategy):
         warn.append(f"sync.strategy '{cfg.sync.strategy}' creates no per-class process groups: the classes' "
                     f"settings reach no communicator (use sync.strategy per_class)")
     if c.parse_log and version and version < (2, 21, 0):
@@ -251,8 +260,10 @@ class NcclPlan:
         return next((g for g in self.groups if g.name == name), None)
 
     def digest(self) -> str:
-        """Identical on every rank that resolved the same settings (compared before the first class group)."""
-        body = {"mode": self.mode, "env": self.process_env, "files": self.files,
+        """Identical on every rank that resolved the same settings (compared before the first class group); paths
+        count by file name only, as nodes may hold the checkout in different places."""
+        env = {k: os.path.basename(v) if k in _PATH_VARS else v for k, v in self.process_env.items()}
+        body = {"mode": self.mode, "env": env, "files": sorted(self.files.values()),
                 "groups": [[g.name, g.env, g.options] for g in self.groups]}
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
