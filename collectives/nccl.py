@@ -698,15 +698,24 @@ def class_group(name: str, settings=None, ranks: list[int] | None = None):
     if state is None:
         return dist.new_group(ranks=ranks)
     want = resolve(state.cfg, name, settings)
-    entry = {"class": name, "ranks": ranks, "requested": dataclasses.asdict(want)}
-    if not state.backend == "nccl" or state.plan.mode == "global":
+    mode = state.plan.mode
+    g = state.plan.group(name)
+    if g is None or g.settings != want:  # a class the plan did not list, or settings the strategy changed
+        g = GroupPlan(name, want)
+        if mode == "per_group":
+            g = GroupPlan(name, want, _proto_algo_env(want, state.plan.version), _cta_options(want))
+        elif mode == "tuner":
+            g = GroupPlan(name, want, {CLASS_VAR: name}, _cta_options(want),
+                          {"tuner rules": state.plan.process_env[RULES_VAR]})
+    entry = {"class": name, "ranks": ranks, "requested": dataclasses.asdict(want), "env": g.env,
+             "options": g.options, "files": g.files}
+    if state.backend != "nccl" or mode == "global":
         pg = state.factory.new_group(ranks, {}, f"dtrain:{name}")
         entry["applied"] = "job environment" if state.backend == "nccl" and want != NcclSettings() else False
         state.record["groups"].append(entry)
         return pg
     if os.environ.get(NONBLOCKING_VAR, "0") not in ("0", ""):
-        raise UserError(f"'collectives.mode' {state.plan.mode} needs blocking communicator init: unset "
-                        f"{NONBLOCKING_VAR}")
+        raise UserError(f"'collectives.mode' {mode} needs blocking communicator init: unset {NONBLOCKING_VAR}")
     if not state.checked:  # every rank of a communicator must use the same settings (facts §1)
         digests = state.factory.gather(state.plan.digest())
         if len(set(digests)) > 1:
@@ -716,15 +725,10 @@ def class_group(name: str, settings=None, ranks: list[int] | None = None):
     if not state.factory.device_bound():
         state.record["warnings"].append(f"{name}: no device bound at init, so the communicator is created by the "
                                         f"barrier below, still inside the class's variables")
-    g = state.plan.group(name)
-    if g is None or g.settings != want:  # a class the plan did not list, or settings the strategy changed
-        g = GroupPlan(name, want, _proto_algo_env(want, state.plan.version) if state.plan.mode == "per_group"
-                      else {CLASS_VAR: name}, _cta_options(want),
-                      {} if state.plan.mode == "per_group" else {"tuner rules": state.plan.process_env[RULES_VAR]})
     with _scoped_env(g.env):
         pg = state.factory.new_group(ranks, g.options, f"dtrain:{name}")
         state.factory.barrier(pg)  # creates (or finishes creating) the communicator while the variables are set
-    entry.update(env=g.env, options=g.options, files=g.files, applied=True)
+    entry["applied"] = True
     state.record["groups"].append(entry)
     return pg
 

@@ -152,8 +152,10 @@ def test_gloo_records_requested_not_applied_and_sets_nothing():
                                                            "max_ctas": 16}
     nccl.class_group("embedding")
     assert fake.events == [("new_group", "dtrain:embedding", {}, {})]  # no barrier, no variables
-    assert nccl.run_record()["groups"] == [{"class": "embedding", "ranks": None, "applied": False,
-                                            "requested": record["requested"]["classes"]["embedding"]}]
+    assert nccl.run_record()["groups"] == [{
+        "class": "embedding", "ranks": None, "applied": False, "requested": record["requested"]["classes"]["embedding"],
+        "env": {"NCCL_PROTO": "allreduce:Simple", "NCCL_ALGO": "allreduce:Ring"}, "options": {"max_ctas": 16},
+        "files": {}}]  # what an NCCL run would apply
 
 
 def _two_rank_gloo(rank, init_file, out):
