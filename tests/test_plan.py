@@ -1,0 +1,122 @@
+"""Bucketing plans are pure (meta tensors, no process group) and follow each strategy's rules; the registry."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collectives import strategies
+from collectives import tensor_classes as tc
+from collectives.plan import Bucket, BucketingStrategy, pack, ready_order
+from dtrain.config import SyncConfig
+from dtrain.errors import UserError
+from dtrain.model import Transformer
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def named():
+    with torch.device("meta"):  # planning reads numel and dtype only
+        model = Transformer(vocab=1000, N=2, d_model=64, d_ff=256, h=4)
+    return ready_order(model)
+
+
+def plan_of(name, named, **sync):
+    cfg = SyncConfig(strategy=name, **sync)
+    classes = tc.from_config(cfg)
+    class_of = classes.assign(named)
+    settings = {r.name: classes.setting(r.name) for r in classes.rules}
+    return strategies.get(name).from_sync(cfg).plan(named, class_of, settings), class_of
+
+
+def covers_every_parameter_once(buckets, named):
+    names = [n for b in buckets for n in b.names]
+    assert sorted(names) == sorted(n for n, _ in named)
+    assert [b.index for b in buckets] == list(range(len(buckets)))
+    sizes = dict((n, p.numel()) for n, p in named)
+    for b in buckets:
+        assert b.numel == sum(sizes[n] for n in b.names)
+        assert b.nbytes == b.numel * b.settings.torch_wire_dtype.itemsize
+
+
+def test_ready_order_is_reverse_registration_with_the_embedding_last(named):
+    assert named[-1][0] == "embed.weight"
+    assert named[0][0].startswith("decoder.1.")
+
+
+def test_planning_touches_no_process_group(named):
+    assert not dist.is_initialized()
+    for name in ("per_tensor", "flat", "bucketed", "per_class"):
+        buckets, _ = plan_of(name, named, bucket_cap_mb=0.1)
+        covers_every_parameter_once(buckets, named)
+        assert plan_of(name, named, bucket_cap_mb=0.1)[0] == buckets  # deterministic
+    assert not dist.is_initialized()
+
+
+def test_per_tensor_and_flat(named):
+    per_tensor, _ = plan_of("per_tensor", named)
+    assert [b.names for b in per_tensor] == [(n,) for n, _ in named]
+    flat, _ = plan_of("flat", named)
+    assert len(flat) == 1 and flat[0].names == tuple(n for n, _ in named) and flat[0].tensor_class == "mixed"
+    assert not strategies.get("flat").overlap and strategies.get("bucketed").overlap
+
+
+def test_bucketed_caps_in_ready_order_with_a_first_bucket(named):
+    buckets, _ = plan_of("bucketed", named, bucket_cap_mb=0.25, first_bucket_mb=0.05)
+    covers_every_parameter_once(buckets, named)
+    assert [n for b in buckets for n in b.names] == [n for n, _ in named]  # ready order kept
+    sizes = dict((n, p.numel() * 4) for n, p in named)
+    for i, b in enumerate(buckets[:-1]):
+        cap = 0.05 * MiB if i == 0 else 0.25 * MiB
+        assert b.nbytes >= cap  # closed once full ...
+        assert b.nbytes - sizes[b.names[-1]] < cap  # ... and not before
+    assert buckets[0].nbytes < 0.25 * MiB
+    assert buckets[-1].names[-1] == "embed.weight"  # ready last, so in the last bucket
+
+
+def test_per_class_never_mixes_and_uses_each_class_settings(named):
+    buckets, class_of = plan_of("per_class", named, bucket_cap_mb=0.1, classes={
+        "ffn": {"wire_dtype": "bf16", "bucket_cap_mb": 0.2}, "projection": {"wire_dtype": "fp16"}})
+    covers_every_parameter_once(buckets, named)
+    for b in buckets:
+        assert {class_of[n] for n in b.names} == {b.tensor_class}
+    ffn = [b for b in buckets if b.tensor_class == "ffn"]
+    assert all(b.settings.wire_dtype == "bf16" and b.nbytes == 2 * b.numel for b in ffn)
+    assert all(b.nbytes >= 0.2 * MiB for b in ffn[:-1])
+    assert {b.settings.wire_dtype for b in buckets if b.tensor_class == "projection"} == {"fp16"}
+    # Ordered by the moment the bucket is expected complete: its last member's ready position.
+    pos = {n: i for i, (n, _) in enumerate(named)}
+    last = [pos[b.names[-1]] for b in buckets]
+    assert last == sorted(last)
+    assert not strategies.get("per_class")().lossless({"ffn": buckets[0].settings, "x": tc.CollectiveSettings(
+        wire_dtype="bf16")})
+    assert strategies.get("per_class")().lossless({"ffn": tc.CollectiveSettings()})
+
+
+def test_pack_keys_and_oversized_tensors():
+    a, b, c = (torch.empty(n, device="meta") for n in (10, 300, 10))
+    s = tc.CollectiveSettings(bucket_cap_mb=100 * 4 / MiB)  # 100 floats
+    buckets = pack([("a", a), ("b", b), ("c", c)], {"a": "x", "b": "x", "c": "y"}, key=lambda n, p: n == "c",
+                   settings_of=lambda k: s)
+    assert [bk.names for bk in buckets] == [("a", "b"), ("c",)]
+    assert [bk.tensor_class for bk in buckets] == ["x", "y"]
+
+
+def test_registry_errors():
+    with pytest.raises(ValueError, match="already registered"):
+        strategies.register("bucketed")(type("Again", (BucketingStrategy,), {}))
+    with pytest.raises(UserError, match=r"unknown strategy 'bucketd'.*available: bucketed, ddp, flat"):
+        strategies.get("bucketd")
+    with pytest.raises(UserError, match="strategy 'bucketed' has no argument 'bucket_mb'"):
+        strategies.get("bucketed").from_args(bucket_mb=4)
+    s = strategies.get("bucketed").from_args(bucket_cap_mb=4)
+    assert s.config.bucket_cap_mb == 4 and s.name == "bucketed"
+    assert set(strategies.available()) >= {"ddp", "per_tensor", "flat", "bucketed", "per_class", "powersgd", "noop"}
+
+
+def test_bucket_is_a_plain_record():
+    s = tc.CollectiveSettings()
+    b = Bucket(0, ("w",), 4, 16, "ffn", s)
+    assert dataclasses.asdict(b)["settings"]["wire_dtype"] == "fp32" and b.dtype == torch.float32
