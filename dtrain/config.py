@@ -75,6 +75,7 @@ class TrainConfig:
     average_last: int = 1  # average the last k checkpoints for evaluation (the paper: 5 for base)
     amp: str = "fp32"  # "fp32" or "bf16" (autocast)
     threads: int | None = None  # torch intra-op threads per rank; default: torch's (torchrun sets 1 per rank)
+    max_bad_steps: int = 5  # consecutive steps with non-finite gradients (each skipped) before the run stops
     sdpa_backend: str = "auto"  # auto: "math" on CPU (fastest for sentence-length sequences), torch's pick on CUDA
 
 
@@ -110,12 +111,12 @@ class CollectivesConfig:
     mode: str = "global"  # global | per_group | tuner
     default: NcclSettings = field(default_factory=NcclSettings)
     classes: dict[str, NcclSettings] = field(default_factory=dict)  # tensor class → settings
+    parse_log: bool = False  # NCCL_DEBUG=INFO, SUBSYS=ENV,TUNING into a log file, checked against the bucket plan
+    validated: bool = False  # the forced settings passed the benchmark's #wrong check on this platform
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    parse_log: bool = False  # NCCL_DEBUG=INFO, SUBSYS=ENV,TUNING into a log file, checked against the bucket plan
-    validated: bool = False  # the forced settings passed the benchmark's #wrong check on this platform
     at_end: bool = True  # decode and score `split` with the (averaged) final model
     split: str = "test"
     beam: int = 4  # 1 = greedy
@@ -325,6 +326,7 @@ def _validate(cfg: RunConfig, src: _Source) -> None:
     for name in ("max_steps", "accum_steps", "log_every", "ckpt_every", "keep_ckpts", "average_last"):
         check(getattr(t, name) > 0, f"train.{name}", f"must be positive, got {getattr(t, name)}")
     check(t.val_every >= 0, "train.val_every", "must be 0 or positive")
+    check(t.max_bad_steps >= 0, "train.max_bad_steps", "must be 0 or positive")
     check(t.max_minutes is None or t.max_minutes > 0, "train.max_minutes", "must be positive or null")
     check(t.average_last <= t.keep_ckpts, "train.average_last",
           f"cannot exceed train.keep_ckpts ({t.keep_ckpts}): averaged checkpoints must still be on disk")

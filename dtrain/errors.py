@@ -12,12 +12,17 @@ class UserError(Exception):
     """Bad input from the user; the message names the file, line or dotted key at fault."""
 
 
+class JobFailure(Exception):
+    """The job cannot go on (a peer stopped answering, too many non-finite steps); the message says why."""
+
+
 @contextmanager
 def exit_on_user_error(prog: str):
-    """Wrap a `main()` body: a `UserError` becomes `prog: error: <message>` on stderr and exit code 2."""
+    """Wrap a `main()` body: a `UserError` becomes `prog: error: <message>` on stderr and exit code 2, a
+    `JobFailure` the same with exit code 3."""
     try:
         yield
-    except UserError as e:
+    except (UserError, JobFailure) as e:
         msg = " ".join(str(e).split("\n"))
         print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(2 if isinstance(e, UserError) else 3)

@@ -60,15 +60,22 @@ class RunWriter:
                   "versions": versions(), **facts}
         (self.run_dir / "run.json").write_text(json.dumps(header, indent=2) + "\n")
 
-    def truncate_after(self, step: int) -> None:
-        """Keep only step records with step <= `step` (the ones the resumed model has seen)."""
-        path = self.run_dir / "steps.jsonl"
-        if not self.enabled or not path.exists():
-            return
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        tmp = path.with_name(".steps.jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+    def truncate_after(self, step: int) -> int:
+        """Keep only per-step records with step <= `step` (the ones the resumed model has seen); returns how many
+        steps past it had been recorded, i.e. the steps the resumed run computes again."""
+        recomputed = 0
+        for name in ("steps.jsonl", "buckets.jsonl"):
+            path = self.run_dir / name
+            if not self.enabled or not path.exists():
+                continue
+            records = [json.loads(line) for line in path.read_text().splitlines() if line]
+            kept = [r for r in records if r["step"] <= step]
+            if name == "steps.jsonl":
+                recomputed = len(records) - len(kept)
+            tmp = path.with_name(f".{name}.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, path)
+        return recomputed
 
     def _append(self, name: str, record: dict) -> None:
         if self.enabled:

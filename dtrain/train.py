@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 from dtrain import config as config_mod
 from dtrain import dist as ddist
 from dtrain.errors import UserError, exit_on_user_error
+from dtrain.faults import parse as parse_fault
 from dtrain.log import prepare_run_dir
 from dtrain.trainer import Trainer
 
@@ -31,33 +33,49 @@ def parse_args(argv=None):
     ap.add_argument("--run-dir", help="where the run writes (default: runs/<name>-<time>)")
     ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --run-dir")
     ap.add_argument("--dry-run", action="store_true", help="validate the profile, print the resolved config, exit")
+    ap.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                    help="inject a fault (tests, demos): crash@step=S,rank=R | hang@step=S,rank=R | "
+                         "nan@step=S,rank=R | slow@rank=R,ms=M")
     return ap.parse_args(argv)
+
+
+def default_run_dir(name: str, restarted: bool) -> str:
+    """runs/<name>-<time>; a restarted attempt (torchrun --max-restarts) takes the newest run of that name."""
+    if restarted:
+        previous = sorted(Path("runs").glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
+        if previous:
+            return str(previous[-1])
+    return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     with exit_on_user_error("dtrain.train"):
         cfg = config_mod.load(args.profile, args.overrides)
+        faults = [parse_fault(spec) for spec in args.fault]
         if args.dry_run:
             print(config_mod.dump(cfg), end="")
             return 0
         if args.resume and not args.run_dir:
             raise UserError("--resume needs --run-dir (the run to continue)")
+        # Under `torchrun --max-restarts`, a restarted attempt continues from the latest complete checkpoint.
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        resume = args.resume or restarted
         device, backend = ddist.init(cfg.dist)
         try:
-            # Rank 0 names the run directory (a timestamp) and checks it; the others take its word.
-            run_dir = args.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            # Rank 0 names the run directory and checks it; the others take its word.
+            run_dir = args.run_dir or default_run_dir(cfg.name, restarted)
             problem = None
             if ddist.is_main():
                 try:
-                    prepare_run_dir(Path(run_dir), args.resume)
+                    prepare_run_dir(Path(run_dir), resume)
                 except Exception as e:  # shared with the other ranks so all exit alike
                     problem = str(e)
             run_dir, problem = ddist.broadcast_object((run_dir, problem))
             if problem:
                 raise UserError(problem)
-            trainer = Trainer(cfg, Path(run_dir), device, backend)
-            if args.resume:
+            trainer = Trainer(cfg, Path(run_dir), device, backend, faults)
+            if resume:
                 trainer.resume()
             summary = trainer.fit()
             if ddist.is_main():

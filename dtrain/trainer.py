@@ -19,7 +19,8 @@ from dtrain import checkpoint
 from dtrain import dist as ddist
 from dtrain.config import RunConfig
 from dtrain.data import BatchStream, Pairs, TokenBatcher, cache_root, collate, multi30k_dir, multi30k_split
-from dtrain.errors import UserError
+from dtrain.errors import JobFailure, UserError
+from dtrain.faults import Fault, FaultInjector
 from dtrain.log import RunWriter
 from dtrain.loss import LabelSmoothing
 from dtrain.model import Transformer, count_parameters, sdpa_backend
@@ -54,9 +55,12 @@ def set_rng_state(state: dict) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: Path, device: torch.device, backend: str):
+    def __init__(self, cfg: RunConfig, run_dir: Path, device: torch.device, backend: str, faults: list[Fault] = ()):
         self.cfg, self.run_dir, self.device, self.backend = cfg, Path(run_dir), device, backend
         self.rank, self.world = ddist.rank(), ddist.world_size()
+        self.faults = FaultInjector(list(faults), self.rank)
+        self.phase = "start-up"  # named in the error if a collective fails or times out
+        self.bad_steps = 0  # consecutive steps with non-finite gradients
         self.main = self.rank == 0
         self.writer = RunWriter(self.run_dir, self.main)
         if cfg.train.threads:
@@ -83,6 +87,7 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, cfg.model.d_model, o.warmup, o.lr_factor)
         self.criterion = LabelSmoothing(vocab, PAD, o.label_smoothing)
         self.step = 0
+        self.recomputed = 0  # steps recorded by an interrupted attempt and computed again after resuming
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
@@ -125,9 +130,10 @@ class Trainer:
         self.stream.load_state_dict(state["data"])
         set_rng_state(state["rng"][self.rank])
         self.step = state["step"]
-        self.writer.truncate_after(self.step)
+        self.recomputed = self.writer.truncate_after(self.step)
         if self.main:
-            print(f"resumed from {path} at step {self.step}", flush=True)
+            print(f"resumed from {path} at step {self.step} ({self.recomputed} recorded steps past it will be "
+                  "computed again)", flush=True)
 
     # -- the step ---------------------------------------------------------------------------------------------
 
@@ -142,13 +148,17 @@ class Trainer:
         loss_sum, ntokens = 0.0, 0
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if t.amp == "bf16" else nullcontext()
         self.model.train()
+        self.faults.step_start(self.step + 1)
+        poison = self.faults.poison(self.step + 1, self.model)
         t_step = time.perf_counter()
         for micro in range(t.accum_steps):
             t0 = time.perf_counter()
             batch = self.stream.next().to(self.device)
             t1 = time.perf_counter()
             # All but the last micro-batch accumulate locally; the last one communicates.
-            with self.sync.no_sync() if micro < t.accum_steps - 1 else nullcontext():
+            last = micro == t.accum_steps - 1
+            self.phase = "backward (gradient all-reduce)" if last else "forward/backward"
+            with self.sync.no_sync() if not last else nullcontext():
                 with amp:
                     logits = self.sync.module(batch.src, batch.tgt_in)  # (B, T, vocab)
                     loss = self.criterion(logits, batch.tgt_out)  # summed over target tokens
@@ -162,24 +172,34 @@ class Trainer:
             times["backward"] += t3 - t2
             loss_sum += loss.item()
             ntokens += batch.ntokens
+        if poison is not None:
+            poison.remove()
         t4 = time.perf_counter()
+        self.phase = "gradient synchronization (wait)"
         self.sync.wait()
         self._sync_device()
         t5 = time.perf_counter()
-        if self.cfg.optim.clip_norm:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_norm)
+        self.phase = "optimizer step"
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads)  # of the synchronized gradients: equal on every rank
+        # A non-finite gradient reached every rank through the all-reduce, so all ranks skip this step alike.
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            if self.cfg.optim.clip_norm:
+                torch.nn.utils.clip_grads_with_norm_(grads, self.cfg.optim.clip_norm, grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._sync_device()
         t6 = time.perf_counter()
         self.step += 1
+        self.bad_steps = 0 if finite else self.bad_steps + 1
         ms = lambda s: round(s * 1000, 3)  # noqa: E731
         return {"step": self.step, "epoch": self.stream.epoch, "loss": loss_sum / max(ntokens, 1),
-                "tokens": ntokens, "lr": lr, "data_ms": ms(times["data"]), "forward_ms": ms(times["forward"]),
+                "tokens": ntokens, "lr": lr, "grad_norm": float(grad_norm), "skipped": not finite, "data_ms": ms(times["data"]), "forward_ms": ms(times["forward"]),
                 "backward_ms": ms(times["backward"]), "comm_exposed_ms": ms(t5 - t4), "optimizer_ms": ms(t6 - t5),
-                "step_ms": ms(t6 - t_step)}
+                "step_ms": ms(t6 - t_step), "time": round(time.time(), 3)}
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -221,9 +241,15 @@ class Trainer:
         window_loss, window_tokens, window_time = 0.0, 0, 0.0
         val = None
         while self.step < t.max_steps:
-            rec = self.train_step()
+            rec = self._guarded(self.train_step)
             self.writer.step(rec)
             self.writer.buckets(self.step, self.sync.step_records())
+            if rec["skipped"]:
+                bar.write(f"step {self.step}: non-finite gradients (norm {rec['grad_norm']}); update skipped "
+                          f"({self.bad_steps} in a row, limit {t.max_bad_steps})")
+                if self.bad_steps > t.max_bad_steps:
+                    raise JobFailure(f"stopping at step {self.step}: {self.bad_steps} consecutive steps with "
+                                     f"non-finite gradients (train.max_bad_steps = {t.max_bad_steps})")
             window_loss += rec["loss"] * rec["tokens"]
             window_tokens += rec["tokens"]
             window_time += rec["step_ms"] / 1000
@@ -232,8 +258,10 @@ class Trainer:
                 # One small all-reduce per log interval: the global loss and throughput, and the stop decision of
                 # the wall-clock budget, taken on rank 0 and shared so every rank stops at the same step.
                 over = t.max_minutes is not None and (time.perf_counter() - t_start) / 60 >= t.max_minutes
-                loss_sum, toks, stop = ddist.all_reduce_sum(
-                    [window_loss, window_tokens, float(over and self.main)], self.device)
+                self.phase = "log all-reduce"
+                loss_sum, toks, stop = self._guarded(ddist.all_reduce_sum,
+                                                     [window_loss, window_tokens, float(over and self.main)],
+                                                     self.device)
                 bar.set_postfix(loss=f"{loss_sum / max(toks, 1):.3f}", tok_s=f"{toks / max(window_time, 1e-9):,.0f}",
                                 step_ms=f"{rec['step_ms']:.0f}")
                 window_loss, window_tokens, window_time = 0.0, 0, 0.0
@@ -242,10 +270,12 @@ class Trainer:
                         bar.write(f"wall-clock budget of {t.max_minutes} min reached at step {self.step}")
                     break
             if t.val_every and self.step % t.val_every == 0:
-                val = self.validate()
+                self.phase = "validation"
+                val = self._guarded(self.validate)
                 self.writer.eval(val)
             if self.step % t.ckpt_every == 0:
-                self.save()
+                self.phase = "checkpoint"
+                self._guarded(self.save)
         bar.close()
         train_s = time.perf_counter() - t_start
         if self.step % t.ckpt_every != 0:  # the final state, unless the loop just saved it
@@ -253,13 +283,29 @@ class Trainer:
         if val is None or val["step"] != self.step:
             val = self.validate()
             self.writer.eval(val)
-        summary = {"steps": self.step, "steps_this_run": self.step - start_step, "train_s": round(train_s, 1),
+        summary = {"steps": self.step, "steps_this_run": self.step - start_step, "recomputed": self.recomputed,
+                   "train_s": round(train_s, 1),
                    "val_nll": round(val["val_nll"], 4)}
         if t.average_last > 1:
             self._average()
         if cfg.eval.at_end and self.sync.communicates:
             summary.update(self.final_eval())
         return summary
+
+    def _guarded(self, fn, *args):
+        """Run `fn`; a failed or timed-out collective becomes a one-line JobFailure naming the phase and step."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        except RuntimeError as e:  # torch.distributed.DistError and gloo/NCCL errors derive from it
+            text = str(e)
+            if not (isinstance(e, dist.DistError) or any(w in text.lower() for w in ("gloo", "nccl", "timed out"))):
+                raise
+            first = next((line for line in text.splitlines() if line.strip()), type(e).__name__)
+            raise JobFailure(
+                f"rank {self.rank}: {self.phase} at step {self.step + 1} failed after "
+                f"{time.perf_counter() - t0:.1f} s (dist.timeout_s = {self.cfg.dist.timeout_s:g}); a peer may have "
+                f"stopped or died: {first[:200]}") from None
 
     def _average(self) -> None:
         """Average the last k complete checkpoints into <run>/averaged.pt and evaluate with it."""

@@ -1,6 +1,9 @@
 """Shared fixtures: the Multi30k directory (from $DTRAIN_DATA_DIR, as in CI) and a tiny model."""
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,3 +28,35 @@ def tiny_model():
     model = Transformer(vocab=50, N=2, d_model=32, d_ff=64, h=4, dropout=0.0)
     model.eval()
     return model
+
+
+def torchrun(*args, nproc=2, check=True, extra=(), timeout=300):
+    """`torchrun --standalone` of dtrain.train on profiles/smoke.yaml (a free port, so runs never collide)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra,
+           "-m", "dtrain.train", "--profile", "profiles/smoke.yaml", *args]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if check:
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+def records(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+NO_EVAL = ("--set", "eval.at_end=false", "--set", "train.average_last=1")
+
+
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory):
+    """40 uninterrupted smoke steps without the final decoding: the reference for resume and restart tests."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    torchrun("--run-dir", str(run), *NO_EVAL)
+    return run
+
+
+def checkpoint_diff(a, b) -> str:
+    r = subprocess.run([sys.executable, "-m", "dtrain.checkpoint", "diff", str(a), str(b)],
+                       capture_output=True, text=True, cwd=REPO)
+    return r.stdout + r.stderr

@@ -1,29 +1,12 @@
 """End to end: 2-rank torchrun runs of profiles/smoke.yaml (about 15 s each here)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import NO_EVAL, checkpoint_diff, records, torchrun
 
 pytestmark = pytest.mark.slow
-
-
-def torchrun(*args, nproc=2, check=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "dtrain.train", "--profile", "profiles/smoke.yaml", *args]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if check:
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return r
-
-
-def records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -58,19 +41,16 @@ def test_smoke_loss_decreases(smoke_run):
     assert last < first - 0.5, (first, last)
 
 
-def test_resume_continues_exactly(tmp_path):
+def test_resume_continues_exactly(tmp_path, straight_run):
     """20 steps, stop, resume to 40 == 40 steps straight: same parameters, bit for bit."""
-    fast = ["--set", "eval.at_end=false", "--set", "train.average_last=1"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    torchrun("--run-dir", str(straight), *fast)
-    torchrun("--run-dir", str(split), "--set", "train.max_steps=20", *fast)
-    r = torchrun("--run-dir", str(split), "--resume", *fast)
+    split = tmp_path / "split"
+    torchrun("--run-dir", str(split), "--set", "train.max_steps=20", *NO_EVAL)
+    r = torchrun("--run-dir", str(split), "--resume", *NO_EVAL)
     assert "resumed from" in r.stdout and "at step 20" in r.stdout
     assert [s["step"] for s in records(split / "steps.jsonl")] == list(range(1, 41))
-    diff = subprocess.run([sys.executable, "-m", "dtrain.checkpoint", "diff", str(straight), str(split)],
-                          capture_output=True, text=True, cwd=REPO)
-    assert "max |A - B| over parameters: 0 " in diff.stdout, diff.stdout + diff.stderr
-    assert "optimizer states: identical" in diff.stdout
+    diff = checkpoint_diff(straight_run, split)
+    assert "max |A - B| over parameters: 0 " in diff, diff
+    assert "optimizer states: identical" in diff
 
 
 def test_fresh_run_refuses_existing_run_dir(smoke_run):

@@ -1,0 +1,112 @@
+"""Faults on 2 gloo ranks: crash and restart, a hung peer, NaN gradients, corrupt checkpoints, bad input."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun
+from dtrain.faults import Fault, parse
+
+
+def test_fault_specs_parse_and_reject():
+    assert parse("crash@step=7,rank=1") == Fault("crash", rank=1, step=7)
+    assert parse("slow@rank=0,ms=50") == Fault("slow", rank=0, ms=50)
+    for bad in ("boom@step=1,rank=0", "crash@step=1", "hang@step=x,rank=0", "nan@step=0,rank=0"):
+        with pytest.raises(Exception, match="--fault"):
+            parse(bad)
+
+
+@pytest.mark.slow
+def test_crash_and_restart_matches_uninterrupted_run(tmp_path, straight_run):
+    run = tmp_path / "crashed"
+    r = torchrun("--run-dir", str(run), "--fault", "crash@step=25,rank=1", *NO_EVAL, extra=["--max-restarts=1"])
+    assert "[fault] crash at step 25" in r.stderr
+    assert re.search(r"resumed from .*step-0000020.pt at step 20 \(4 recorded steps", r.stdout), r.stdout
+    assert "recomputed=4" in r.stdout
+    assert [s["step"] for s in records(run / "steps.jsonl")] == list(range(1, 41))
+    diff = checkpoint_diff(straight_run, run)
+    assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
+
+
+@pytest.mark.slow
+def test_hung_peer_fails_within_the_timeout(tmp_path):
+    timeout = 6
+    r = torchrun("--run-dir", str(tmp_path / "hang"), "--fault", "hang@step=5,rank=1",
+                 "--set", f"dist.timeout_s={timeout}", *NO_EVAL, check=False, timeout=120)
+    assert r.returncode != 0
+    m = re.search(r"rank 0: (.*) at step 5 failed after ([\d.]+) s \(dist.timeout_s = 6\)", r.stderr)
+    assert m, r.stderr[-3000:]
+    assert "all-reduce" in m.group(1)
+    assert float(m.group(2)) <= timeout + 3
+
+
+@pytest.mark.slow
+def test_nan_gradient_skips_the_step_on_every_rank(tmp_path):
+    run = tmp_path / "nan"
+    torchrun("--run-dir", str(run), "--fault", "nan@step=5,rank=0", *NO_EVAL)
+    steps = records(run / "steps.jsonl")
+    assert [s["step"] for s in steps if s["skipped"]] == [5]
+    assert len(steps) == 40 and steps[-1]["grad_norm"] == steps[-1]["grad_norm"]  # finite again after
+    r = torchrun("--run-dir", str(tmp_path / "nan2"), "--fault", "nan@step=5,rank=1",
+                 "--set", "train.max_bad_steps=0", *NO_EVAL, check=False)
+    assert r.returncode != 0
+    assert "stopping at step 5: 1 consecutive steps with non-finite gradients" in r.stderr
+
+
+@pytest.mark.slow
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
+    run = tmp_path / "corrupt"
+    torchrun("--run-dir", str(run), "--set", "train.max_steps=20", *NO_EVAL)
+    latest = run / "checkpoints" / "step-0000020.pt"
+    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])  # truncated on disk
+    r = torchrun("--run-dir", str(run), "--resume", "--set", "train.max_steps=30", *NO_EVAL)
+    assert "skipping checkpoint" in r.stderr and "checksum mismatch" in r.stderr
+    assert "at step 10" in r.stdout
+    assert [s["step"] for s in records(run / "steps.jsonl")] == list(range(1, 31))
+
+
+def run_train(*args, env=None):
+    """Single-process dtrain.train (no torchrun): bad-input cases fail before any training."""
+    return subprocess.run([sys.executable, "-m", "dtrain.train", *args], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def assert_one_line_error(r, pattern):
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and re.search(pattern, lines[0]), r.stderr[-2000:]
+
+
+def test_bad_fault_spec_is_one_line_error():
+    assert_one_line_error(run_train("--profile", "profiles/smoke.yaml", "--fault", "crash@rank=1"),
+                          r"--fault 'crash@rank=1': crash takes exactly rank, step")
+
+
+def test_unwritable_run_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert_one_line_error(run_train("--profile", "profiles/smoke.yaml", "--run-dir", str(blocker / "run")),
+                          r"run directory is not writable")
+
+
+def test_missing_corpus_without_network(tmp_path):
+    # No data anywhere; the download points at a closed local port, so it fails at once like an offline machine.
+    r = run_train("--profile", "profiles/smoke.yaml", "--run-dir", str(tmp_path / "r"),
+                  "--set", f"data.dir={tmp_path / 'nowhere'}", "--set", f"data.cache_dir={tmp_path / 'cache'}",
+                  env={"DTRAIN_DATA_DIR": "", "https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"})
+    assert_one_line_error(r, r"Multi30k not found .* download of .* failed")
+
+
+@pytest.mark.slow
+def test_resume_with_a_different_model_shape(tmp_path):
+    run = tmp_path / "shape"
+    torchrun("--run-dir", str(run), "--set", "train.max_steps=10", *NO_EVAL, nproc=1)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    r = run_train("--profile", "profiles/smoke.yaml", "--run-dir", str(run), "--resume",
+                  "--set", "model.d_model=128", *NO_EVAL)
+    assert_one_line_error(r, r"checkpoint is of a different model shape")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
