@@ -309,6 +309,8 @@ def build_plan(cfg, version=None, log_dir: str | Path | None = None, tuner_lib: 
     names = class_names(cfg)
     settings = {n: resolve(cfg, n) for n in names}
     warnings = guards(cfg, version, settings)
+    if not _creates_class_groups(cfg.sync.strategy):  # only the default group will exist
+        names, settings = [], {}
     process_env: dict[str, str] = {}
     files: dict[str, str] = {}
     if c.parse_log:
