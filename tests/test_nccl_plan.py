@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from collectives import nccl
 from dtrain import config
@@ -209,3 +210,13 @@ def test_module_entry_point_runs():
     r = subprocess.run([sys.executable, "-m", "collectives.nccl", "plan", "--profile", "profiles/ll128.yaml"],
                        capture_output=True, text=True, cwd=REPO, env=dict(os.environ))
     assert r.returncode == 0 and "NCCL_PROTO=allreduce:LL128" in r.stdout
+
+
+def test_gpu_check_profiles_are_valid_and_it_refuses_without_a_gpu(capsys):
+    for mode in ("per_group", "tuner"):
+        plan = nccl.build_plan(nccl._gpu_check_config(mode), log_dir="out")
+        assert plan.group("projection").settings == NcclSettings(proto="LL", algo="Ring")
+        assert plan.process_env["NCCL_DEBUG_SUBSYS"] == "ENV,TUNING"
+    if not torch.cuda.is_available():
+        code, _, err = run_cli(capsys, "gpu-check", "--out", "unused")
+        assert code == 2 and "needs a CUDA GPU" in err
