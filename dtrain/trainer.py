@@ -236,8 +236,10 @@ class Trainer:
             torch_threads=torch.get_num_threads(),
         )
         start_step, t_start = self.step, time.perf_counter()
-        bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.main, desc=cfg.name, unit="step",
-                   dynamic_ncols=True, mininterval=1.0)
+        # Under a wall-clock budget the step count is open, so the bar counts steps without an ETA.
+        desc = cfg.name if t.max_minutes is None else f"{cfg.name} (budget {t.max_minutes:g} min)"
+        bar = tqdm(total=None if t.max_minutes else t.max_steps, initial=self.step, disable=not self.main, desc=desc,
+                   unit="step", dynamic_ncols=True, mininterval=1.0)
         window_loss, window_tokens, window_time = 0.0, 0, 0.0
         val = None
         while self.step < t.max_steps:

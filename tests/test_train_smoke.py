@@ -59,3 +59,18 @@ def test_fresh_run_refuses_existing_run_dir(smoke_run):
     r = torchrun("--run-dir", str(run), check=False)
     assert r.returncode != 0 and "already holds a run" in r.stderr
     assert (run / "steps.jsonl").read_bytes() == before
+
+
+def test_evaluate_cli_scores_a_saved_run(smoke_run):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    run, _ = smoke_run
+    r = subprocess.run([sys.executable, "-m", "dtrain.evaluate", "--run", str(run), "--split", "val", "--beam", "1"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("BLEU ") and "beam 1, model averaged" in r.stdout and "nrefs:1" in r.stdout
+    last = records(run / "eval.jsonl")[-1]
+    assert last["kind"] == "bleu" and last["beam"] == 1 and last["sentences"] == 1014
