@@ -31,7 +31,7 @@ class _BucketState:
     launch_t: float | None = None
     complete_t: float | None = None
     wait_s: float = 0.0
-    work: object = None
+    work: object = None  # the future of the all-reduce followed by the averaging
     wire: torch.Tensor | None = None  # what goes on the wire: the buffer itself, or its cast to the wire dtype
     seen: set = field(default_factory=set)
 
@@ -157,14 +157,24 @@ class Reducer:
             st.wire = st.buffer.to(wire_dtype)  # (numel,) cast: the one copy compression costs
             if wire_dtype == torch.float16:
                 st.wire.div_(self.world)  # average before summing so the fp16 sum cannot overflow
-        st.work = dist.all_reduce(st.wire, group=st.group, async_op=True)
-        st.work.get_future().add_done_callback(lambda _f, st=st: setattr(st, "complete_t", now()))
+        work = dist.all_reduce(st.wire, group=st.group, async_op=True)
+        # Averaging (and casting back) runs in the backend's callback as each bucket completes, not in wait():
+        # on CPU that is the idle tail of the backward; `finish()` waits for the chained future.
+        st.work = work.get_future().then(lambda fut, st=st: self._averaged(st, fut))
+
+    def _averaged(self, st: _BucketState, fut) -> None:
+        st.complete_t = now()
+        fut.value()  # re-raises a failed collective
+        if st.wire is not st.buffer:
+            st.buffer.copy_(st.wire)
+        if st.wire is st.buffer or st.wire.dtype != torch.float16:
+            st.buffer.div_(self.world)  # sum, then divide: the reference's order of operations
 
     # -- wait -------------------------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Launch what is left (all buckets without overlap; buckets with unused parameters), wait for every bucket,
-        average, and cast back from the wire dtype. The time blocked per bucket is its exposed time."""
+        """Launch what is left (all buckets without overlap; buckets with unused parameters) and wait for every
+        bucket to be all-reduced, averaged and cast back. The time blocked per bucket is its exposed time."""
         if not hasattr(self, "_next"):  # no synchronized forward yet: reduce what there is
             self.prepare(True)
         self.wait_t = now()
@@ -175,12 +185,6 @@ class Reducer:
             t0 = now()
             st.work.wait()
             st.wait_s = now() - t0
-            if st.complete_t is None:  # the done-callback may trail wait() by a moment
-                st.complete_t = t0 + st.wait_s
-            if st.wire is not st.buffer:
-                st.buffer.copy_(st.wire)
-            if st.wire is st.buffer or st.wire.dtype != torch.float16:
-                st.buffer.div_(self.world)  # sum, then divide: the reference's order of operations
         self.armed = False
 
     def records(self) -> list[dict]:

@@ -120,3 +120,13 @@ def test_bucket_is_a_plain_record():
     s = tc.CollectiveSettings()
     b = Bucket(0, ("w",), 4, 16, "ffn", s)
     assert dataclasses.asdict(b)["settings"]["wire_dtype"] == "fp32" and b.dtype == torch.float32
+
+
+def test_bucketed_defaults_to_ddps_layout():
+    with torch.device("meta"):
+        named = ready_order(Transformer(vocab=8000, N=3, d_model=256, d_ff=1024, h=4))
+    default, _ = plan_of("bucketed", named)
+    assert MiB <= default[0].nbytes < 2 * MiB  # DDP's 1 MiB first bucket ...
+    assert all(b.nbytes >= 25 * MiB for b in default[1:-1])  # ... then 25 MiB ones
+    capped, _ = plan_of("bucketed", named, bucket_cap_mb=4)
+    assert capped[0].nbytes >= 4 * MiB  # a cap given: the first bucket too (as DDP)

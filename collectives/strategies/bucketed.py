@@ -10,18 +10,23 @@ from collectives.plan import BucketingStrategy, pack
 from collectives.strategies import register
 from collectives.tensor_classes import DEFAULT_BUCKET_CAP_MB, CollectiveSettings
 
+DDP_FIRST_BUCKET_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
 
 @register("bucketed")
 class Bucketed(BucketingStrategy):
     @dataclass(frozen=True)
     class Config:
-        bucket_cap_mb: float | None = None  # None: 25 MiB, DDP's default
-        first_bucket_mb: float | None = None  # None: the same as bucket_cap_mb
+        bucket_cap_mb: float | None = None  # None: DDP's defaults, 25 MiB with a 1 MiB first bucket
+        first_bucket_mb: float | None = None  # None: as bucket_cap_mb (as DDP does once a cap is given)
 
     def plan(self, named_params, classes, settings):
         c = self.config
+        first_mb = c.first_bucket_mb
+        if first_mb is None and c.bucket_cap_mb is None:
+            first_mb = DDP_FIRST_BUCKET_MB  # the same layout as stock DDP, for a like-for-like comparison
         fp32 = CollectiveSettings(bucket_cap_mb=c.bucket_cap_mb or DEFAULT_BUCKET_CAP_MB)
-        first = None if c.first_bucket_mb is None else int(c.first_bucket_mb * 2**20)
+        first = None if first_mb is None else int(first_mb * 2**20)
         # Classes mix freely; only the gradients' dtype separates buckets.
         return pack(named_params, classes, key=lambda n, p: p.dtype, settings_of=lambda k: fp32,
                     first_cap_bytes=first)
