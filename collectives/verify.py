@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-import yaml
 
 from dtrain.errors import UserError, exit_on_user_error
 
@@ -40,7 +39,7 @@ def sync_config(name: str, bucket_mb: float, overrides: list[str]):
     for assignment in overrides:
         key, sep, _ = assignment.partition("=")
         if not key.startswith("sync.") or not sep:
-            raise UserError(f"--set '{assignment}': only sync.* keys apply here (e.g. sync.classes.ffn.wire_dtype=bf16)")
+            raise UserError(f"--set '{assignment}': only sync.* keys apply here, e.g. sync.classes.ffn.wire_dtype=bf16")
         config.apply_override(raw, assignment[len("sync."):])
     return config.from_dict({"sync": raw}, "verify").sync
 
