@@ -152,6 +152,23 @@ def test_a_replaced_gradient_is_copied_into_its_view(one_rank):
     torch.testing.assert_close(p.grad, plain_grads()["embed.weight"] + 1)  # accumulated onto the replaced one
 
 
+@pytest.mark.parametrize("hook", [None, "allreduce"])
+def test_ddp_records_its_buckets(one_rank, hook):
+    model = verify.tiny_model()
+    handle = attach(model, SyncConfig(strategy="ddp", bucket_cap_mb=0.01, hook=hook))
+    for s in range(3):
+        step(handle, model, step_no=s)
+        recs = handle.step_records()
+        model.zero_grad(set_to_none=True)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert len(recs) > 3 and sum(r["bytes"] for r in recs) == total  # DDP's rebuilt buckets
+    assert sum(r["tensors"] for r in recs) == len(list(model.parameters()))
+    if hook is None:  # DDP's own C++ all-reduce: sizes known, no timings
+        assert all(r["launch_ms"] is None for r in recs)
+    else:
+        assert all(0 <= r["ready_ms"] <= r["launch_ms"] <= r["complete_ms"] for r in recs)
+
+
 # -- several ranks --------------------------------------------------------------------------------------------
 
 

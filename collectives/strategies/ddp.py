@@ -59,8 +59,8 @@ class DDPSync(GradSync):
         self.class_of = tc.from_config(cfg).assign(model.named_parameters())
         self._records: list[dict] = []
         self._backward_t: float | None = None
-        self._bucket_bytes: list[int] | None = None
-        self._steps = 0
+        self._layout: list[dict] | None = None  # built-in all-reduce: DDP's buckets, from its logging data
+        self._layout_final = False
         self._inflight = None  # the previous bucket's future, for serialize_buckets
         # The output's gradient is among the first computed: its hook marks the start of the backward.
         self.module.register_forward_hook(self._mark_backward_start)
@@ -117,7 +117,6 @@ class DDPSync(GradSync):
 
     def wait(self) -> None:
         # DDP has already waited inside backward; what is left is turning the timestamps into a record.
-        self._steps += 1
         if self.comm_hook() is None:
             self._records = self._size_records()
             return
@@ -133,13 +132,25 @@ class DDPSync(GradSync):
         self._records.sort(key=lambda r: r["bucket"])
 
     def _size_records(self) -> list[dict]:
-        """Built-in all-reduce: the bucket sizes from DDP's logging data (they settle after its rebuild at step 2)."""
-        if self._bucket_bytes is None or self._steps <= 3:
-            sizes = self.module._get_ddp_logging_data().get("bucket_sizes", "")
-            self._bucket_bytes = [int(s) for s in str(sizes).split(",") if s.strip()]
-        return [{"bucket": i, "class": "mixed", "dtype": "float32", "wire_dtype": "fp32", "tensors": None,
-                 "numel": n // 4, "bytes": n, "ready_ms": None, "launch_ms": None, "complete_ms": None,
-                 "wait_start_ms": None, "wait_ms": None} for i, n in enumerate(self._bucket_bytes)]
+        """Built-in all-reduce: the bucket layout from DDP's logging data, once DDP has rebuilt its buckets in the
+        order of the first backward (logged from step 3 on; before that: its initial layout, sizes only)."""
+        if self._layout is None or not self._layout_final:
+            data = self.module._get_ddp_logging_data()
+            sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", "")
+            members = data.get("rebuilt_per_bucket_param_indices")
+            self._layout_final = members is not None
+            names = [n for n, p in self.model.named_parameters() if p.requires_grad]  # DDP's parameter indices
+            self._layout = []
+            for i, nbytes in enumerate(int(v) for v in str(sizes).split(",") if v.strip()):
+                entry = {"bytes": nbytes, "tensors": None, "class": "mixed"}
+                if members is not None:
+                    idx = [int(v) for v in str(members).split(",")[i].split()]
+                    classes = {self.class_of[names[j]] for j in idx}
+                    entry.update(tensors=len(idx), **{"class": classes.pop() if len(classes) == 1 else "mixed"})
+                self._layout.append(entry)
+        return [{"bucket": i, "class": e["class"], "dtype": "float32", "wire_dtype": "fp32", "tensors": e["tensors"],
+                 "numel": e["bytes"] // 4, "bytes": e["bytes"], "ready_ms": None, "launch_ms": None,
+                 "complete_ms": None, "wait_start_ms": None, "wait_ms": None} for i, e in enumerate(self._layout)]
 
     def step_records(self) -> list[dict]:
         records, self._records = self._records, []
