@@ -236,7 +236,7 @@ def down(names: Names) -> list[str]:
     left = names.existing()[0]
     if left:
         raise UserError(f"could not remove {', '.join(left)}")
-    return ours
+    return sorted(ours)
 
 
 def _json(*args: str) -> list:
