@@ -1,0 +1,170 @@
+"""The report's figures, one function per figure, each drawn from the table (a pandas frame) behind it.
+
+Sits at the end of the pipeline: `analysis.report` builds the tables and the captions, these functions only draw.
+They use matplotlib's object API (a `Figure`, no pyplot state), so a test can build a figure and inspect its
+artists: every line, bar group and span carries the label of the series it shows.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+CLASS_COLORS = {"embedding": "tab:purple", "projection": "tab:blue", "ffn": "tab:orange", "norm_bias": "tab:green",
+                "mixed": "tab:gray", "other": "tab:brown"}
+PHASE_COLORS = {"data_ms": "tab:gray", "forward_ms": "tab:blue", "backward_ms": "tab:orange",
+                "comm_exposed_ms": "tab:red", "optimizer_ms": "tab:green", "other_ms": "lightgray"}
+PHASE_NAMES = {"data_ms": "data", "forward_ms": "forward", "backward_ms": "backward",
+               "comm_exposed_ms": "exposed communication", "optimizer_ms": "optimizer", "other_ms": "other"}
+PROTO_STYLES = {"LL": (0, (1, 1)), "LL128": "--", "Simple": "-."}
+HEADROOM = "no communication: headroom"
+
+
+def _figure(width: float = 7.0, height: float = 4.2) -> Figure:
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def step_vs_bucket(table: pd.DataFrame, title: str = "") -> Figure:
+    """Median step time against the bucket cap, one line per strategy (p95 as whiskers). Strategies without a cap,
+    and the no-communication baseline, are horizontal lines across the whole axis.
+
+    Columns: series, bucket_cap_mb (NaN: no cap), median_ms, p95_ms, headroom (bool)."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    capped = table[table["bucket_cap_mb"].notna() & ~table["headroom"]]
+    for i, (series, g) in enumerate(capped.groupby("series", sort=True)):
+        g = g.sort_values("bucket_cap_mb")
+        (line,) = ax.plot(g["bucket_cap_mb"], g["median_ms"], marker="o", label=series, gid=f"series:{series}")
+        ax.vlines(g["bucket_cap_mb"], g["median_ms"], g["p95_ms"], color=line.get_color(), linewidth=1, alpha=0.6)
+    flat = table[table["bucket_cap_mb"].isna() | table["headroom"]]
+    for series, g in flat.groupby("series", sort=True):
+        headroom = bool(g["headroom"].iloc[0])
+        label = f"{series} ({HEADROOM})" if headroom else f"{series} (no bucket cap)"
+        ax.axhline(g["median_ms"].median(), linestyle=":" if headroom else "--", linewidth=1.2,
+                   color="black" if headroom else None, label=label, gid=f"series:{series}")
+    if not capped.empty:
+        ax.set_xscale("log")
+        ticks = sorted(capped["bucket_cap_mb"].unique())
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{t:g}" for t in ticks])
+    ax.set_xlabel("bucket size cap (MiB, sync.bucket_cap_mb)")
+    ax.set_ylabel("step time (ms): median, whisker to p95")
+    ax.set_title(title or "Step time vs bucket size", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    return fig
+
+
+def busbw(table: pd.DataFrame, title: str = "") -> Figure:
+    """Bus bandwidth against message size: measured curves solid, the cost model's per-protocol curves dashed and
+    labelled modeled. Columns: kind ("measured" | "modeled"), curve, size (B), busbw (GB/s)."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    for (kind, curve), g in table.groupby(["kind", "curve"], sort=False):
+        g = g.sort_values("size")
+        if kind == "measured":
+            ax.plot(g["size"], g["busbw"], marker="o", markersize=3, label=f"measured: {curve}",
+                    gid=f"measured:{curve}")
+        else:
+            proto = curve.rsplit(" ", 1)[-1]
+            ax.plot(g["size"], g["busbw"], linestyle=PROTO_STYLES.get(proto, "--"), label=f"modeled: {curve}",
+                    gid=f"modeled:{curve}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes, log scale)")
+    ax.set_ylabel("bus bandwidth (GB/s, nccl-tests convention)")
+    ax.set_title(title or "All-reduce bus bandwidth: measured and modeled", fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    return fig
+
+
+def breakdown(table: pd.DataFrame, title: str = "") -> Figure:
+    """Stacked median phase times per configuration; the no-communication baseline hatched as headroom.
+    Columns: label, headroom, and the phase columns of PHASE_NAMES (ms)."""
+    fig = _figure(max(6.0, 0.55 * len(table) + 3), 4.6)
+    ax = fig.add_subplot()
+    x = range(len(table))
+    bottom = pd.Series(0.0, index=table.index)
+    hatches = ["//" if h else None for h in table["headroom"]]
+    for phase, name in PHASE_NAMES.items():
+        if phase not in table:
+            continue
+        bars = ax.bar(x, table[phase], bottom=bottom, color=PHASE_COLORS[phase], label=name, gid=f"phase:{phase}",
+                      edgecolor="white", linewidth=0.5)
+        for bar, hatch in zip(bars, hatches):
+            bar.set_hatch(hatch)
+        bottom = bottom + table[phase]
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([f"{lab}\n({HEADROOM})" if h else lab for lab, h in zip(table["label"], table["headroom"])],
+                       rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("median time per step (ms)")
+    ax.set_xlabel("configuration (run)")
+    ax.set_title(title or "Where a step's time goes", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def timeline(table: pd.DataFrame, backward_end_ms: float | None, title: str = "") -> Figure:
+    """One step's buckets against its backward pass: a thin line from ready to launch (waiting for the buckets
+    before it), a bar from launch to completion coloured by tensor class. Columns: bucket, class, ready_ms,
+    launch_ms, complete_ms (ms from the start of the synchronized backward), wait_start_ms."""
+    fig = _figure(7.5, max(3.0, 0.22 * len(table) + 1.8))
+    ax = fig.add_subplot()
+    if backward_end_ms:
+        ax.axvspan(0, backward_end_ms, color="0.92", label="backward pass", gid="backward")
+    wait = table["wait_start_ms"].dropna()
+    if not wait.empty:
+        ax.axvline(wait.iloc[0], color="black", linewidth=1, linestyle="--", label="wait() called", gid="wait")
+    for _, r in table.iterrows():
+        color = CLASS_COLORS.get(r["class"], "tab:cyan")
+        y = r["bucket"]
+        if pd.notna(r["ready_ms"]) and pd.notna(r["launch_ms"]) and r["launch_ms"] > r["ready_ms"]:
+            ax.hlines(y, r["ready_ms"], r["launch_ms"], color=color, linewidth=1)
+        if pd.notna(r["ready_ms"]):
+            ax.plot([r["ready_ms"]], [y], marker="|", color=color, markersize=8)
+        if pd.notna(r["launch_ms"]) and pd.notna(r["complete_ms"]):
+            ax.barh(y, r["complete_ms"] - r["launch_ms"], left=r["launch_ms"], height=0.6, color=color,
+                    gid=f"bucket:{int(y)}")
+    classes = list(dict.fromkeys(table["class"]))
+    handles = [Patch(color=CLASS_COLORS.get(c, "tab:cyan"), label=c) for c in classes]
+    extra, labels = ax.get_legend_handles_labels()
+    ax.legend(handles=handles + extra, labels=classes + labels, fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.0, 1.0))
+    ax.invert_yaxis()  # bucket 0 (ready first) on top
+    ax.set_xlabel("time since the start of the synchronized backward (ms)")
+    ax.set_ylabel("bucket index")
+    ax.set_title(title or "One step's gradient buckets", fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3)
+    return fig
+
+
+def pareto(table: pd.DataFrame, title: str = "") -> Figure:
+    """BLEU against median step time, and against training time to a target validation loss; the Pareto front
+    (faster and at least as good as everything slower) drawn through its points. Columns: label, step_ms, bleu,
+    to_target_s, on_front_step, on_front_wall."""
+    fig = _figure(10.0, 4.2)
+    panels = [("step_ms", "on_front_step", "median step time (ms)"),
+              ("to_target_s", "on_front_wall", "training time to the target validation loss (s)")]
+    for i, (x, front, xlabel) in enumerate(panels):
+        ax = fig.add_subplot(1, 2, i + 1)
+        d = table.dropna(subset=[x, "bleu"])
+        ax.scatter(d[x], d["bleu"], color="tab:blue", zorder=3, label="configuration", gid=f"points:{x}")
+        for k, (_, r) in enumerate(d.sort_values(x).iterrows()):
+            # Neighbours alternate between three heights so close points keep readable labels.
+            ax.annotate(r["label"], (r[x], r["bleu"]), textcoords="offset points", xytext=(4, 3 + 9 * (k % 3)),
+                        fontsize=7)
+        f = d[d[front]].sort_values(x)
+        if not f.empty:
+            ax.plot(f[x], f["bleu"], color="tab:red", marker="o", markerfacecolor="none", markersize=10,
+                    drawstyle="steps-post", label="Pareto front", gid=f"front:{x}")
+        if d.empty:
+            ax.text(0.5, 0.5, "no run reached the target", transform=ax.transAxes, ha="center", fontsize=8)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("BLEU (sacreBLEU)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title or "What communication savings cost in quality", fontsize=10)
+    return fig

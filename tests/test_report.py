@@ -1,0 +1,179 @@
+"""analysis.report from small recorded runs (tests/data/runs/smoke: trimmed records of real 2-rank smoke runs and a
+loopback benchmark): the files, the series each figure holds, the captions, and figures skipped when data is missing.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.colors import to_rgba
+
+from analysis import plots, report
+from collectives import costmodel as cm
+from analysis.records import load_run, load_runs
+
+from conftest import REPO
+
+RUNS = REPO / "tests" / "data" / "runs" / "smoke"
+KEYS = ["step_vs_bucket", "busbw", "breakdown", "timeline", "pareto"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    sections = report.build([RUNS], out, topology="h100x8", warmup=3)
+    return out, {s.key: s for s in sections}
+
+
+def test_files_and_pages(built):
+    out, sections = built
+    assert list(sections) == KEYS
+    for key, s in sections.items():
+        assert s.figure is not None, s.note
+        assert (out / f"{key}.png").read_bytes()[:4] == b"\x89PNG"
+        assert (out / f"{key}.svg").read_text().lstrip().startswith("<?xml")
+        assert len(pd.read_csv(out / f"{key}.csv")) == len(s.table)
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    for s in sections.values():
+        assert s.title in md and f"]({s.key}.png)" in md and f'<img src="{s.key}.svg"' in page
+    assert "skipped" not in md
+    assert len(pd.read_csv(out / "summary.csv")) == len(load_runs([RUNS]))
+
+
+def test_every_caption_gives_axes_units_and_machine(built):
+    _, sections = built
+    host = json.loads(next(RUNS.glob("*/run.json")).read_text())["host"]
+    for key, s in sections.items():
+        assert "x:" in s.caption and "y:" in s.caption, key
+        assert any(u in s.caption for u in ("(ms", "(GB/s", "(MiB")), key
+        if key != "busbw":  # the benchmark figure names its measurement file and the modeled topology instead
+            assert host in s.caption and "gloo" in s.caption, key
+    assert "MODELED" in sections["busbw"].caption and "bench.json" in sections["busbw"].caption
+
+
+def test_step_time_vs_bucket_size(built):
+    _, sections = built
+    s = sections["step_vs_bucket"]
+    ax = s.figure.axes[0]
+    lines = {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+    assert {"bucketed", "per_class", "ddp"} <= set(lines)
+    for series in ("bucketed", "per_class"):
+        rows = s.table[s.table["series"] == series].sort_values("bucket_cap_mb")
+        assert list(lines[series].get_xdata()) == [0.05, 1.0]
+        np.testing.assert_allclose(lines[series].get_ydata(), rows["median_ms"])
+    assert list(lines["ddp"].get_xdata()) == [25.0]  # DDP's default cap
+    assert "flat (no bucket cap)" in lines
+    headroom = lines[f"noop ({plots.HEADROOM})"]
+    assert headroom.get_linestyle() == ":" and s.table.loc[s.table["series"] == "noop", "headroom"].all()
+
+
+def test_bus_bandwidth_measured_beside_modeled(built):
+    _, sections = built
+    s = sections["busbw"]
+    labels = {ln.get_label() for ln in s.figure.axes[0].get_lines()}
+    assert {"measured: raw", "measured: reducer"} <= labels
+    assert {f"modeled: h100x8 {p}" for p in ("LL", "LL128", "Simple")} <= labels
+    t = s.table
+    modeled = t[t["kind"] == "modeled"]
+    # At the measured sizes, each protocol's curve is the cost model's fastest algorithm for that protocol.
+    assert set(modeled["size"]) == set(t.loc[t["kind"] == "measured", "size"])
+    model = cm.NcclModel(cm.topology("h100x8"))
+    for _, r in modeled.iterrows():
+        proto = r["curve"].split()[-1]
+        best = min((c for c in model.choices(r["size"]) if c.proto == proto), key=lambda c: c.time_us)
+        assert r["busbw"] == pytest.approx(best.busbw)
+
+
+def test_breakdown_stacks_the_phases_and_marks_headroom(built):
+    _, sections = built
+    s = sections["breakdown"]
+    ax = s.figure.axes[0]
+    phases = [c.get_label() for c in ax.containers]
+    assert phases == list(plots.PHASE_NAMES.values())
+    assert all(len(c) == len(s.table) == len(load_runs([RUNS])) for c in ax.containers)
+    total = s.table[list(plots.PHASE_NAMES)].sum(axis=1)
+    assert (total >= s.table["step_ms"] - 1e-6).all()  # "other" closes the gap to the median step
+    noop = list(s.table["label"]).index("noop")
+    assert all(c[noop].get_hatch() == "//" for c in ax.containers)
+    assert "headroom" in ax.get_xticklabels()[noop].get_text()
+
+
+def test_timeline_colours_buckets_by_class(built):
+    _, sections = built
+    s = sections["timeline"]
+    assert "per_class" in s.caption  # the per_class run is preferred: its buckets never mix classes
+    ax = s.figure.axes[0]
+    bars = {p.get_gid(): p for p in ax.patches if (p.get_gid() or "").startswith("bucket:")}
+    assert len(bars) == len(s.table) > 3
+    for _, r in s.table.iterrows():
+        bar = bars[f"bucket:{r['bucket']}"]
+        assert bar.get_facecolor() == to_rgba(plots.CLASS_COLORS[r["class"]])
+        assert bar.get_x() == pytest.approx(r["launch_ms"])
+        assert bar.get_width() == pytest.approx(r["complete_ms"] - r["launch_ms"])
+    assert {"embedding", "projection", "ffn", "norm_bias"} <= set(s.table["class"])
+    assert any(p.get_gid() == "backward" for p in ax.patches)
+
+
+def test_pareto_leaves_out_the_baseline(built):
+    _, sections = built
+    t = sections["pareto"].table
+    assert "noop" not in set(t["label"]) and len(t) == len(load_runs([RUNS])) - 1
+    assert t["bleu"].notna().all() and t["to_target_s"].notna().all()  # default target: every run reaches it
+    assert "noop" in set(sections["breakdown"].table["label"])  # timing figures keep it, as headroom
+
+
+def test_pareto_front_is_marked(tmp_path):
+    # The smoke runs are too short to translate (BLEU 0): give them distinct scores to see the front drawn.
+    runs = tmp_path / "runs"
+    shutil.copytree(RUNS, runs)
+    for i, run in enumerate(sorted(p for p in runs.iterdir() if (p / "eval.jsonl").exists())):
+        lines = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+        for e in lines:
+            if e["kind"] == "bleu":
+                e["bleu"] = float((7 * i) % 5 + i / 10)  # not monotone in the order of the runs
+        (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    s = {x.key: x for x in report.build([runs], tmp_path / "out", topology=None, warmup=3)}["pareto"]
+    t = s.table
+    for x, front in (("step_ms", "on_front_step"), ("to_target_s", "on_front_wall")):
+        on = t[t[front]]
+        for _, p in t.iterrows():  # on the front exactly when nothing is at least as fast and strictly better
+            better = (t[x] <= p[x]) & (t["bleu"] > p["bleu"]) | (t[x] < p[x]) & (t["bleu"] >= p["bleu"])
+            assert p[front] == (not better.any()), (x, p["label"])
+        assert t.loc[t["bleu"].idxmax(), front] and t.loc[t[x].idxmin(), front]
+        line = next(ln for ax in s.figure.axes for ln in ax.get_lines() if ln.get_gid() == f"front:{x}")
+        np.testing.assert_allclose(line.get_xdata(), on.sort_values(x)[x])
+
+
+def test_pareto_front_and_time_to_target_by_hand():
+    x = pd.Series([1.0, 2.0, 3.0, 2.0])
+    y = pd.Series([10.0, 12.0, 11.0, 9.0])
+    assert list(report.pareto_front(x, y)) == [True, True, False, False]
+    run = load_run(next(p for p in RUNS.iterdir() if (p / "eval.jsonl").exists()))
+    first = run.val.iloc[0]
+    want = run.steps.loc[run.steps["step"] <= first["step"], "step_ms"].sum() / 1000
+    assert report.time_to_target(run, first["val_nll"]) == pytest.approx(want)
+    assert np.isnan(report.time_to_target(run, 0.0))
+
+
+def test_missing_data_skips_figures_with_a_note(tmp_path):
+    run = tmp_path / "runs" / "bare"
+    run.mkdir(parents=True)
+    src = RUNS / "smoke-noop"
+    shutil.copy(src / "run.json", run / "run.json")
+    shutil.copy(src / "steps.jsonl", run / "steps.jsonl")  # no buckets, no evals, no config
+    sections = {s.key: s for s in report.build([tmp_path / "runs"], tmp_path / "out", topology=None)}
+    for key in ("busbw", "timeline", "pareto"):
+        assert sections[key].figure is None and sections[key].note.startswith("skipped: "), key
+    assert sections["breakdown"].figure is not None and sections["step_vs_bucket"].figure is not None
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert md.count("*skipped: ") == 3 and not (tmp_path / "out" / "timeline.png").exists()
+
+
+def test_cli(tmp_path, capsys):
+    assert report.main([str(RUNS), "--out", str(tmp_path / "r"), "--topology", "none", "--warmup", "2"]) == 0
+    assert "report: " in capsys.readouterr().out and (tmp_path / "r" / "report.html").exists()
+    with pytest.raises(SystemExit) as e:
+        report.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and "no run directories" in capsys.readouterr().err
