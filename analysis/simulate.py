@@ -131,8 +131,11 @@ class StepProfile:
 
     @property
     def sync_backward_ms(self) -> float:
-        """The synchronized (last) micro-batch's backward, the one the ready times refer to."""
-        return self.backward_ms / self.accum_steps
+        """When the synchronized (last) micro-batch's backward ends, on the clock of the ready times: the
+        reducer's clock starts at the first gradient hook, after the loss and generator backward, so it is when
+        `wait()` started where the records say, else the trainer's backward time."""
+        starts = [r["wait_start_ms"] for r in self.records if r.get("wait_start_ms") is not None]
+        return max(starts) if starts else self.backward_ms / self.accum_steps
 
     @property
     def compute_ms(self) -> float:

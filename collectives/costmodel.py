@@ -378,8 +378,10 @@ def read_measurements(path: str | Path) -> MeasurementSet:
 
 
 def _ranks_from_bus_factor(ms: MeasurementSet) -> int | None:
-    """Recover the rank count from busbw/algbw (facts §5) where the bandwidths are large enough to print."""
-    ratios = [m.busbw / m.algbw for m in ms.rows if m.algbw and m.busbw and m.algbw >= 0.1]
+    """Recover the rank count from busbw/algbw (facts §5), using the third of the rows with the largest algbw:
+    printed bandwidths are rounded, so small ones say little."""
+    rows = sorted((m for m in ms.rows if m.algbw and m.busbw), key=lambda m: m.algbw)
+    ratios = [m.busbw / m.algbw for m in rows[-max(1, len(rows) // 3):]]
     if not ratios or ms.coll == "broadcast":
         return None
     r = statistics.median(ratios)
@@ -751,8 +753,8 @@ class Plan(NamedTuple):
 def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = None,
                 classes: dict[str, dict] | None = None, vocab: int | None = None) -> Plan:
     """The plan of `cfg`'s model under `strategy` (default: the profile's), built on meta tensors in the expected
-    ready order; `classes` overrides `sync.classes.<class>` settings (bucket_cap_mb ...). `ddp` is planned like
-    DDP's own reducer: `bucketed` with a 1 MiB first bucket."""
+    ready order; `classes` overrides `sync.classes.<class>` settings (bucket_cap_mb ...). `ddp` is planned as
+    `bucketed`, which mirrors DDP's layout."""
     import dataclasses as dc
 
     from collectives import strategies
@@ -770,9 +772,8 @@ def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = 
     class_of = tc.assign(named)
     settings = {r.name: tc.setting(r.name) for r in tc.rules}
     cls = strategies.get(name)
-    if name == "ddp":
-        first = sync.first_bucket_mb if sync.first_bucket_mb is not None else 1.0
-        strat = strategies.get("bucketed").from_args(bucket_cap_mb=sync.bucket_cap_mb, first_bucket_mb=first)
+    if name == "ddp":  # `bucketed` lays buckets out as DDP's rebuilt reducer does, from the same two knobs
+        strat = strategies.get("bucketed").from_sync(sync)
     elif isinstance(cls, type) and issubclass(cls, BucketingStrategy):
         strat = cls.from_sync(sync)
     else:

@@ -86,8 +86,9 @@ def _write_run(path, strategy="bucketed", cap=0.25, steps=6):
     (path / "config.yaml").write_text(config_mod.dump(cfg))
     (path / "run.json").write_text(json.dumps({"world_size": 2, "vocab": 1000}))
     plan = cm.bucket_plan(cfg).buckets
-    # A hand-built timeline: backward 10 ms, buckets ready evenly over it, each collective taking exactly what the
-    # flat model says, launched when ready, on one stream; wait() adds 0.2 ms after the last one.
+    # A hand-built timeline: backward 12 ms on the trainer's clock, of which the last 10 ms run on the reducer's
+    # (its clock starts at the first gradient hook, after the loss); buckets ready evenly over those 10 ms, each
+    # collective taking exactly what the flat model says, launched when ready, on one stream; wait() adds 0.2 ms.
     params = cm.ready_params(cfg)
     total = sum(p.numel() for _, p in params)
     ready = [10.0 * x / total for x in sim.through(plan, params)]
@@ -96,9 +97,9 @@ def _write_run(path, strategy="bucketed", cap=0.25, steps=6):
     exposed = tl.exposed_ms + 0.2
     with open(path / "steps.jsonl", "w") as f, open(path / "buckets.jsonl", "w") as g:
         for s in range(1, steps + 1):
-            f.write(json.dumps({"step": s, "data_ms": 1.0, "forward_ms": 5.0, "backward_ms": 10.0,
+            f.write(json.dumps({"step": s, "data_ms": 1.0, "forward_ms": 5.0, "backward_ms": 12.0,
                                 "comm_exposed_ms": exposed, "optimizer_ms": 2.0,
-                                "step_ms": 18.0 + exposed}) + "\n")
+                                "step_ms": 20.0 + exposed}) + "\n")
             for b, r, ln, st, e in zip(plan, ready, tl.launch, tl.start, tl.end):
                 g.write(json.dumps({"step": s, "bucket": b.index, "class": b.tensor_class, "numel": b.numel,
                                     "bytes": b.nbytes, "ready_ms": r, "launch_ms": ln, "complete_ms": e,
@@ -116,11 +117,11 @@ def test_prediction_reproduces_the_profiled_run_itself(tmp_path):
     assert cal.comm_scale == pytest.approx(1.0) and cal.post_ms == pytest.approx(0.2, abs=1e-6)
     p = sim.predict(run.cfg, prof, curve, _Flat(), cal, "bucketed", 0.25, run.vocab)
     assert p.exposed_ms == pytest.approx(exposed, rel=1e-6)
-    assert p.step_ms == pytest.approx(18.0 + exposed, rel=1e-6)
+    assert p.step_ms == pytest.approx(20.0 + exposed, rel=1e-6)
     # flat sends everything after backward: all of its communication is exposed.
     f = sim.predict(run.cfg, prof, curve, _Flat(), cal, "flat", None, run.vocab)
     assert f.buckets == 1 and f.exposed_ms == pytest.approx(f.comm_ms + 0.2)
-    assert sim.predict(run.cfg, prof, curve, _Flat(), cal, "noop").step_ms == pytest.approx(18.0)
+    assert sim.predict(run.cfg, prof, curve, _Flat(), cal, "noop").step_ms == pytest.approx(20.0)
 
 
 def test_measured_runs_line_up_with_predictions(tmp_path, capsys):
