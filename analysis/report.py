@@ -301,7 +301,8 @@ def build(run_paths: list[str | Path], out: str | Path, bench: list[str | Path] 
     runs = [load_run(p) for p in paths]
     _unique_labels(runs)
     # A sweep that ran the benchmark left bench.json in its folder: used unless --bench names files.
-    bench = [Path(b) for b in bench] or [Path(p) / "bench.json" for p in run_paths if (Path(p) / "bench.json").is_file()]
+    found = [Path(p) / "bench.json" for p in run_paths if (Path(p) / "bench.json").is_file()]
+    bench = [Path(b) for b in bench] or found
     for b in bench:
         if not b.is_file():
             raise UserError(f"--bench {b}: no such file")
