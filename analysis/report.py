@@ -233,14 +233,17 @@ def section_step_vs_bucket(runs: list[Run], summary: pd.DataFrame, warmup: int) 
     return Section(key, title, caption, t, plots.step_vs_bucket(t))
 
 
-def section_busbw(bench: list[Path], topology: str | None) -> Section:
+def section_busbw(bench: list[Path], topology: str | None, runs: list[Run] = ()) -> Section:
     key, title = "busbw", "Bus bandwidth versus message size: measured and modeled"
     if not bench and not topology:
         return _missing(key, title, "no benchmark file (--bench) and no --topology")
     t, described = busbw_table(bench, topology)
     if t.empty:
         return _missing(key, title, "the benchmark files hold no rows")
-    measured = ("measured with collectives.bench: " + ", ".join(map(str, bench))) if bench else \
+    # The benchmark's rows do not say where they ran; one a sweep ran sits beside that sweep's runs.
+    beside = [r for r in runs if r.path.parent in {b.parent for b in bench}]
+    where = f"measured on: {machines(beside)}" if beside else "machine not recorded in the benchmark file"
+    measured = (f"collectives.bench ({', '.join(map(str, bench))}), {where}") if bench else \
         "nothing measured (no --bench given): modeled curves only"
     model = (f"Dashed curves are MODELED, not measured: the NCCL cost model's fastest algorithm per protocol "
              f"(LL, LL128, Simple) for {described}.") if topology else ""
@@ -307,7 +310,7 @@ def build(run_paths: list[str | Path], out: str | Path, bench: list[str | Path] 
         if not b.is_file():
             raise UserError(f"--bench {b}: no such file")
     summary = summary_table(runs, warmup)
-    sections = [section_step_vs_bucket(runs, summary, warmup), section_busbw(bench, topology),
+    sections = [section_step_vs_bucket(runs, summary, warmup), section_busbw(bench, topology, runs),
                 section_breakdown(runs, warmup), section_timeline(runs, warmup, timeline),
                 section_pareto(runs, warmup, target)]
     write(Path(out), runs, summary, sections)
