@@ -40,7 +40,13 @@ def init(cfg: DistConfig) -> tuple[torch.device, str]:
         return device, backend
     kwargs = {"device_id": device} if backend == "nccl" else {}
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world, **kwargs)
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
+        # A restarted attempt (torchrun --max-restarts) can be handed the previous attempt's store, keys and all:
+        # a rank would then read its peer's stale gloo address before the peer rewrote it and fail to connect
+        # (seen here about one restart in two). A per-attempt prefix keeps the attempts apart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"dtrain/attempt-{attempt}", store)
+        dist.init_process_group(backend, store=store, timeout=timeout, rank=rank, world_size=world, **kwargs)
     else:  # a plain `python -m dtrain.train`: a one-rank group, so the same code path runs
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
     return device, backend

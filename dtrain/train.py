@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from collectives import nccl
 from dtrain import config as config_mod
 from dtrain import dist as ddist
 from dtrain.errors import UserError, exit_on_user_error
@@ -55,12 +56,15 @@ def main(argv=None) -> int:
         faults = [parse_fault(spec) for spec in args.fault]
         if args.dry_run:
             print(config_mod.dump(cfg), end="")
+            print(nccl.plan_text(cfg), end="")  # what each process group would get from NCCL
             return 0
         if args.resume and not args.run_dir:
             raise UserError("--resume needs --run-dir (the run to continue)")
         # Under `torchrun --max-restarts`, a restarted attempt continues from the latest complete checkpoint.
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         resume = args.resume or restarted
+        # The job's NCCL variables must exist before the first communicator does (no-op on gloo: recorded only).
+        nccl.apply_global(cfg, log_dir=Path(args.run_dir) / "nccl-logs" if args.run_dir else None)
         device, backend = ddist.init(cfg.dist)
         try:
             # Rank 0 names the run directory and checks it; the others take its word.

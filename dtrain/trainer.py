@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from collectives import nccl
 from collectives.sync import attach
 from dtrain import checkpoint
 from dtrain import dist as ddist
@@ -28,16 +30,18 @@ from dtrain.schedule import make_scheduler
 from dtrain.tokenizer import PAD, Tokenizer, train_or_load
 
 
-def prepare_tokenizer(cfg: RunConfig) -> tuple[Tokenizer, Path]:
-    """Rank 0 finds (or downloads) the corpus and trains the BPE model; the others wait, then load the cache."""
+def locate_corpus(cfg: RunConfig) -> Path:
+    """Rank 0 finds (or downloads) the corpus; the others take its word, so only one rank ever downloads."""
     d = cfg.data
-    tokenizer = directory = None
-    if ddist.is_main():
-        directory = multi30k_dir(d.dir, d.cache_dir, d.src, d.tgt)
-        src, tgt = multi30k_split(directory, "train", d.src, d.tgt)
-        tokenizer = train_or_load(src, tgt, d.vocab_size, cache_root(d.cache_dir) / "bpe")
-    paths = ddist.broadcast_object((str(directory), str(tokenizer.model_file)) if tokenizer else None)
-    return Tokenizer(paths[1]), Path(paths[0])
+    found = str(multi30k_dir(d.dir, d.cache_dir, d.src, d.tgt)) if ddist.is_main() else None
+    return Path(ddist.broadcast_object(found))
+
+
+def shared_tokenizer(cfg: RunConfig, src: list[str], tgt: list[str]) -> Tokenizer:
+    """Rank 0 trains (or loads the cached) BPE model; the others load the file it names."""
+    path = str(train_or_load(src, tgt, cfg.data.vocab_size, cache_root(cfg.data.cache_dir) / "bpe").model_file
+               ) if ddist.is_main() else None
+    return Tokenizer(ddist.broadcast_object(path))
 
 
 def rng_state() -> dict:
@@ -66,9 +70,10 @@ class Trainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
 
-        self.tokenizer, self.data_dir = prepare_tokenizer(cfg)
         d = cfg.data
+        self.data_dir = locate_corpus(cfg)
         train_src, train_tgt = multi30k_split(self.data_dir, "train", d.src, d.tgt)
+        self.tokenizer = shared_tokenizer(cfg, train_src, train_tgt)  # on the whole split, before train_limit
         if d.train_limit:
             train_src, train_tgt = train_src[: d.train_limit], train_tgt[: d.train_limit]
         self.train_pairs = Pairs.encode(self.tokenizer, train_src, train_tgt, d.max_len)
@@ -233,13 +238,13 @@ class Trainer:
             cfg, backend=self.backend, world_size=self.world, device=str(self.device),
             parameters=count_parameters(self.model), vocab=self.tokenizer.vocab_size,
             train_pairs=len(self.train_pairs), data_dir=str(self.data_dir), sync=self.sync.stats(),
-            torch_threads=torch.get_num_threads(),
+            torch_threads=torch.get_num_threads(), nccl=nccl.run_record(),
         )
         start_step, t_start = self.step, time.perf_counter()
         # Under a wall-clock budget the step count is open, so the bar counts steps without an ETA.
         desc = cfg.name if t.max_minutes is None else f"{cfg.name} (budget {t.max_minutes:g} min)"
         bar = tqdm(total=None if t.max_minutes else t.max_steps, initial=self.step, disable=not self.main, desc=desc,
-                   unit="step", dynamic_ncols=True, mininterval=1.0)
+                   unit="step", dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 60.0)
         window_loss, window_tokens, window_time = 0.0, 0, 0.0
         val = None
         while self.step < t.max_steps:

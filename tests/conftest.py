@@ -50,9 +50,9 @@ NO_EVAL = ("--set", "eval.at_end=false", "--set", "train.average_last=1")
 
 @pytest.fixture(scope="session")
 def straight_run(tmp_path_factory):
-    """40 uninterrupted smoke steps without the final decoding: the reference for resume and restart tests."""
+    """30 uninterrupted smoke steps without the final decoding: the reference for resume and restart tests."""
     run = tmp_path_factory.mktemp("straight") / "run"
-    torchrun("--run-dir", str(run), *NO_EVAL)
+    torchrun("--run-dir", str(run), "--set", "train.max_steps=30", *NO_EVAL)
     return run
 
 
