@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from analysis.profiling import StepProfiler
+from analysis.telemetry import Telemetry
 from collectives import nccl
 from collectives.sync import attach
 from dtrain import checkpoint
@@ -87,6 +89,10 @@ class Trainer:
         torch.manual_seed(cfg.seed * 1000 + self.rank)
         random.seed(cfg.seed * 1000 + self.rank)
         self.sync = attach(self.model, cfg.sync)
+        # GPU utilization, memory and power in rank 0's step records (off without a GPU); DTRAIN_PROFILE=START:COUNT
+        # traces that window of steps on every rank into <run>/profile/.
+        self.telemetry = Telemetry.for_device(device) if self.main else Telemetry.off("rank 0 writes the records")
+        self.profiler = StepProfiler.from_env(self.run_dir, self.rank)
         o = cfg.optim
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1.0, betas=o.betas, eps=o.eps)
         self.scheduler = make_scheduler(self.optimizer, cfg.model.d_model, o.warmup, o.lr_factor)
@@ -241,6 +247,8 @@ class Trainer:
             torch_threads=torch.get_num_threads(), nccl=nccl.run_record(),
         )
         start_step, t_start = self.step, time.perf_counter()
+        self.telemetry.start()
+        self.profiler.start(self.step)
         # Under a wall-clock budget the step count is open, so the bar counts steps without an ETA.
         desc = cfg.name if t.max_minutes is None else f"{cfg.name} (budget {t.max_minutes:g} min)"
         bar = tqdm(total=None if t.max_minutes else t.max_steps, initial=self.step, disable=not self.main, desc=desc,
@@ -249,8 +257,10 @@ class Trainer:
         val = None
         while self.step < t.max_steps:
             rec = self._guarded(self.train_step)
+            self.telemetry.sample_into(rec)
             self.writer.step(rec)
             self.writer.buckets(self.step, self.sync.step_records())
+            self.profiler.step()
             if rec["skipped"]:
                 bar.write(f"step {self.step}: non-finite gradients (norm {rec['grad_norm']}); update skipped "
                           f"({self.bad_steps} in a row, limit {t.max_bad_steps})")
@@ -284,6 +294,8 @@ class Trainer:
                 self.phase = "checkpoint"
                 self._guarded(self.save)
         bar.close()
+        self.profiler.stop()
+        self.telemetry.stop()
         train_s = time.perf_counter() - t_start
         if self.step % t.ckpt_every != 0:  # the final state, unless the loop just saved it
             self.save()
