@@ -8,7 +8,6 @@ about `max_tokens` padded tokens → (`collate`) tensors for the model. The batc
 from __future__ import annotations
 
 import gzip
-import hashlib
 import os
 import random
 import urllib.error
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from dtrain.checkpoint import sha256_file
 from dtrain.errors import UserError
 from dtrain.tokenizer import BOS, EOS, PAD
 
@@ -116,14 +116,6 @@ def multi30k_dir(data_dir: str | None, cache_dir: str | None, src: str = "en", t
     return cache
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def download_multi30k(cache: Path, src: str, tgt: str, searched: list[Path] = ()) -> None:
     from tqdm import tqdm
 
@@ -151,7 +143,7 @@ def download_multi30k(cache: Path, src: str, tgt: str, searched: list[Path] = ()
                     f"Multi30k not found (searched {where}, {cache}) and download of {name} failed "
                     f"({getattr(e, 'reason', e)}); set data.dir or DTRAIN_DATA_DIR to a folder with the files"
                 ) from None
-            digest = _sha256(tmp)
+            digest = sha256_file(tmp)
             if digest != MULTI30K_SHA256[name]:
                 tmp.unlink(missing_ok=True)
                 raise UserError(f"downloaded {name} has sha256 {digest[:12]}…, expected {MULTI30K_SHA256[name][:12]}…")
