@@ -192,9 +192,14 @@ def steady_steps(run: Run, warmup: int | None = None) -> list[dict]:
     return kept
 
 
-def profiled_step(run: Run, step: int | None = None, warmup: int | None = None) -> StepProfile:
-    """The step to replay: `step`, or the one with the median step time among steady steps with bucket records."""
+def profiled_step(run: Run, step: int | None = None, warmup: int | None = None, median: bool = False
+                  ) -> StepProfile:
+    """The step to replay: `step`, or the one with the median step time among steady steps with bucket records;
+    with `median`, a synthetic step of the steady steps' medians, phase by phase and bucket time by bucket time
+    (a steadier basis on a noisy machine than any single step)."""
     steady = steady_steps(run, warmup)
+    if median:
+        return _median_step(run, steady)
     if step is not None:
         chosen = next((s for s in run.steps if s["step"] == step), None)
         if chosen is None:
@@ -207,6 +212,30 @@ def profiled_step(run: Run, step: int | None = None, warmup: int | None = None) 
                        chosen["optimizer_ms"], chosen.get("comm_exposed_ms", 0.0), chosen["step_ms"],
                        run.cfg.train.accum_steps, sorted(run.buckets.get(chosen["step"], []),
                                                          key=lambda r: r["bucket"]))
+    return _ddp_backward(run, prof)
+
+
+def _median_step(run: Run, steady: list[dict]) -> StepProfile:
+    med = lambda rows, k: statistics.median(r.get(k) or 0.0 for r in rows)  # noqa: E731
+    prof = StepProfile(0, med(steady, "data_ms"), med(steady, "forward_ms"), med(steady, "backward_ms"),
+                       med(steady, "optimizer_ms"), med(steady, "comm_exposed_ms"), med(steady, "step_ms"),
+                       run.cfg.train.accum_steps)
+    layouts = [sorted(run.buckets[s["step"]], key=lambda r: r["bucket"]) for s in steady if s["step"] in run.buckets]
+    if layouts:
+        shape = statistics.mode(tuple(r["numel"] for r in lay) for lay in layouts)
+        layouts = [lay for lay in layouts if tuple(r["numel"] for r in lay) == shape]
+        for i, first in enumerate(layouts[0]):
+            rec = dict(first)
+            for k in ("ready_ms", "launch_ms", "complete_ms", "wait_start_ms"):
+                vals = [lay[i][k] for lay in layouts if lay[i].get(k) is not None]
+                rec[k] = statistics.median(vals) if vals else None
+            prof.records.append(rec)
+    prof.notes.append(f"profile: medians of {len(steady)} steady steps ({len(layouts)} with bucket records)")
+    return _ddp_backward(run, prof)
+
+
+def _ddp_backward(run: Run, prof: StepProfile) -> StepProfile:
+    """A DDP profile's backward without the communication DDP waits for inside it."""
     if run.strategy == "ddp":
         # DDP waits for its buckets inside backward(): its backward time holds exposed communication. The last
         # gradient's ready time is the end of the compute.
@@ -499,6 +528,7 @@ def main(argv=None) -> None:
     ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES))
     ap.add_argument("--bucket-sizes", default=",".join(f"{c:g}" for c in DEFAULT_CAPS_MB), help="MiB, comma list")
     ap.add_argument("--step", type=int, help="the step to replay (default: the median steady step)")
+    ap.add_argument("--median", action="store_true", help="replay the medians of the steady steps instead of one")
     ap.add_argument("--warmup", type=int, help="steps dropped as warm-up (default max(3, 10%%))")
     ap.add_argument("--no-calibrate", action="store_true", help="do not scale the model by the profiled step")
     ap.add_argument("--measured", nargs="*", default=[], help="runs to compare against (their own configs)")
@@ -530,12 +560,13 @@ def _main(args) -> None:
         model = cm.load_model(args.topology)
         if model.ranks and run.world > 1 and model.ranks != run.world:
             print(f"# note: the cost model has {model.ranks} ranks, the run {run.world}", file=sys.stderr)
-        prof = profiled_step(run, args.step, args.warmup)
+        prof = profiled_step(run, args.step, args.warmup, args.median)
         curve = ready_curve(run, prof)
         calib = Calibration(note="off") if args.no_calibrate else calibrate(prof, model)
         rows = sweep(run.cfg, prof, curve, model, calib, strategies, caps, run.vocab)
         rows += measured_runs(args.measured, run, prof, curve, model, calib, args.warmup)
-        header = [f"MODELED from run {run.path} (strategy {run.strategy}, world {run.world}), step {prof.step}: "
+        which = "medians of its steady steps" if args.median else f"step {prof.step}"
+        header = [f"MODELED from run {run.path} (strategy {run.strategy}, world {run.world}), {which}: "
                   f"data {prof.data_ms:.1f} + forward {prof.forward_ms:.1f} + backward {prof.backward_ms:.1f} + "
                   f"optimizer {prof.optimizer_ms:.1f} ms (measured {prof.step_ms:.1f} ms, exposed "
                   f"{prof.exposed_ms:.1f})", f"ready times: {curve.source}", f"calibration: {calib.note}",

@@ -118,6 +118,11 @@ def test_prediction_reproduces_the_profiled_run_itself(tmp_path):
     p = sim.predict(run.cfg, prof, curve, _Flat(), cal, "bucketed", 0.25, run.vocab)
     assert p.exposed_ms == pytest.approx(exposed, rel=1e-6)
     assert p.step_ms == pytest.approx(20.0 + exposed, rel=1e-6)
+    # The medians of identical steps are that step.
+    med = sim.profiled_step(run, median=True)
+    assert med.step_ms == pytest.approx(prof.step_ms) and len(med.records) == len(prof.records)
+    assert sim.predict(run.cfg, med, sim.ready_curve(run, med), _Flat(), sim.calibrate(med, _Flat()), "bucketed",
+                       0.25, run.vocab).exposed_ms == pytest.approx(exposed, rel=1e-6)
     # flat sends everything after backward: all of its communication is exposed.
     f = sim.predict(run.cfg, prof, curve, _Flat(), cal, "flat", None, run.vocab)
     assert f.buckets == 1 and f.exposed_ms == pytest.approx(f.comm_ms + 0.2)
