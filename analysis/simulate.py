@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -53,19 +54,30 @@ class Timeline:
         return max(0.0, max(self.end, default=0.0) - self.backward_ms)
 
 
-def replay(ready_ms: list[float], durations_ms: list[float], backward_ms: float, overlap: bool = True) -> Timeline:
+def finish(start: float, work: float, backward_ms: float, slowdown: float = 1.0) -> float:
+    """When a collective of `work` ms (at the benchmark's speed) that starts at `start` ends, if it runs
+    `slowdown` times slower while backward still computes (on CPUs, compute and gloo share the cores)."""
+    if start >= backward_ms or slowdown == 1.0:
+        return start + work
+    contended = (backward_ms - start) / slowdown  # work done before backward ends
+    return start + work * slowdown if work <= contended else backward_ms + (work - contended)
+
+
+def replay(ready_ms: list[float], durations_ms: list[float], backward_ms: float, overlap: bool = True,
+           slowdown: float = 1.0) -> Timeline:
     """One communication stream. With `overlap` bucket i launches once it is ready and bucket i-1 has launched (every
     rank launches in index order); otherwise all launch when backward ends. A bucket starts when launched and the
-    stream is free."""
+    stream is free, and runs `slowdown` times slower while backward computes."""
     launch, start, end = [], [], []
     prev_launch = free = 0.0
     for r, d in zip(ready_ms, durations_ms):
         t = max(r, prev_launch) if overlap else max(backward_ms, r)
         s = max(t, free)
+        e = finish(s, d, backward_ms, slowdown)
         launch.append(t)
         start.append(s)
-        end.append(s + d)
-        prev_launch, free = t, s + d
+        end.append(e)
+        prev_launch, free = t, e
     return Timeline(list(ready_ms), launch, start, end, backward_ms)
 
 
@@ -280,31 +292,49 @@ def ready_curve(run: Run, prof: StepProfile) -> ReadyCurve:
 
 @dataclass
 class Calibration:
-    """What the profiled step says about the cost model on this run: measured/modeled collective time, and the
-    time `wait()` spends after the last collective (averaging, copies)."""
+    """What the profiled step says about the cost model on this run: how much slower collectives run while
+    backward computes (or, when none overlapped it, measured/modeled collective time), and the time `wait()`
+    spends after the last collective."""
 
     comm_scale: float = 1.0
     post_ms: float = 0.0
     note: str = "none"
+    slowdown: float = 1.0
 
 
 def calibrate(prof: StepProfile, model) -> Calibration:
     recs = prof.records
     if not recs or any(r.get(k) is None for r in recs for k in ("launch_ms", "complete_ms")):
         return Calibration(note="none (the profiled step has no launch/complete times)")
-    measured, modeled, free = 0.0, 0.0, 0.0
-    for r in recs:
-        start = max(r["launch_ms"], free)
-        measured += max(0.0, r["complete_ms"] - start)
-        modeled += cost_ms(model, r["bytes"])
+    backward = prof.sync_backward_ms
+    starts, free = [], 0.0
+    for r in recs:  # on the measured stream: a bucket starts once launched and the previous one is done
+        starts.append(max(r["launch_ms"], free))
         free = max(free, r["complete_ms"])
-    scale = measured / modeled if modeled > 0 else 1.0
+    work = [cost_ms(model, r["bytes"]) for r in recs]
+    ends = [r["complete_ms"] for r in recs]
     wait_start = recs[0].get("wait_start_ms")
     post = 0.0
     if wait_start is not None:
-        post = max(0.0, prof.exposed_ms - max(0.0, max(r["complete_ms"] for r in recs) - wait_start))
-    return Calibration(scale, post, f"comm x{scale:.3f} (measured {measured:.2f} ms / modeled {modeled:.2f} ms "
-                                    f"in step {prof.step}), +{post:.2f} ms after the last collective")
+        post = max(0.0, prof.exposed_ms - max(0.0, max(ends) - wait_start))
+    if any(s < backward for s in starts):
+        # Fit the slowdown during backward (log-scale golden section on [1/4, 8]) to the measured completions.
+        def err(log_k):
+            return sum((finish(s, w, backward, math.exp(log_k)) - e) ** 2 for s, w, e in zip(starts, work, ends))
+
+        lo, hi = math.log(0.25), math.log(8.0)
+        g = (math.sqrt(5) - 1) / 2
+        for _ in range(60):
+            a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+            lo, hi = (lo, b) if err(a) < err(b) else (a, hi)
+        k = math.exp((lo + hi) / 2)
+        return Calibration(1.0, post, f"collectives x{k:.3f} slower while backward computes (fitted to the "
+                                      f"{len(recs)} completions of the profiled step), +{post:.2f} ms after the "
+                                      f"last collective", slowdown=k)
+    measured = sum(e - s for s, e in zip(starts, ends))
+    scale = measured / sum(work) if sum(work) > 0 else 1.0
+    return Calibration(scale, post, f"comm x{scale:.3f} (measured {measured:.2f} ms / modeled {sum(work):.2f} ms, "
+                                    f"none overlapped backward), +{post:.2f} ms after the last collective")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -371,7 +401,7 @@ def predict(cfg, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration
     one = cost or (lambda n, a, p: cost_ms(model, n, a, p))
     nccl_of = nccl_of or requested_nccl(cfg, class_groups)
     dur = [calib.comm_scale * one(b.nbytes, *nccl_of(b)) for b in plan]
-    tl = replay(ready, dur, prof.sync_backward_ms, overlap)
+    tl = replay(ready, dur, prof.sync_backward_ms, overlap, calib.slowdown)
     exposed = tl.exposed_ms + calib.post_ms
     lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
     return Prediction(strategy, cap_mb if strategy in CAPPED else None, len(plan), tl.comm_ms, exposed,

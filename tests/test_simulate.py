@@ -51,14 +51,22 @@ class _Flat:
 
 
 def test_calibration_from_one_profiled_step():
+    # Backward ends at 6 ms (wait() starts). Each collective is 2 ms of work at the benchmark's speed (_Flat).
+    # Bucket 0 runs 1 -> 5 inside backward: 2x slower. Bucket 1 starts at 5, does 0.5 ms of work by 6 at that
+    # pace, the remaining 1.5 ms at full speed: ends at 7.5.
     recs = [{"bucket": 0, "bytes": 1_000_000, "launch_ms": 1.0, "complete_ms": 5.0, "wait_start_ms": 6.0},
-            {"bucket": 1, "bytes": 1_000_000, "launch_ms": 2.0, "complete_ms": 9.0, "wait_start_ms": 6.0}]
-    prof = sim.StepProfile(1, 0.0, 1.0, 6.0, 1.0, exposed_ms=3.5, step_ms=11.5, records=recs)
+            {"bucket": 1, "bytes": 1_000_000, "launch_ms": 2.0, "complete_ms": 7.5, "wait_start_ms": 6.0}]
+    prof = sim.StepProfile(1, 0.0, 1.0, 6.0, 1.0, exposed_ms=2.0, step_ms=10.0, records=recs)
     cal = sim.calibrate(prof, _Flat())
-    # Measured on the stream: 4 ms (1 -> 5) and 4 ms (5 -> 9); modeled 2 ms each.
-    assert cal.comm_scale == pytest.approx(2.0)
-    # wait() started at 6 and the last collective ended at 9: 3 ms; the other 0.5 ms is wait()'s own work.
+    assert cal.slowdown == pytest.approx(2.0, rel=1e-4) and cal.comm_scale == 1.0
+    # wait() started at 6 and the last collective ended at 7.5: the other 0.5 ms is wait()'s own work.
     assert cal.post_ms == pytest.approx(0.5)
+    tl = sim.replay([1.0, 2.0], [2.0, 2.0], 6.0, slowdown=cal.slowdown)
+    assert tl.end == pytest.approx([5.0, 7.5], rel=1e-4)
+    # Nothing overlapped backward (flat): the measured/modeled ratio scales the collectives instead.
+    flat = [{"bucket": 0, "bytes": 1_000_000, "launch_ms": 6.0, "complete_ms": 10.0, "wait_start_ms": 6.0}]
+    cal = sim.calibrate(sim.StepProfile(1, 0.0, 1.0, 6.0, 1.0, 4.0, 12.0, records=flat), _Flat())
+    assert cal.comm_scale == pytest.approx(2.0) and cal.slowdown == 1.0
     assert sim.calibrate(sim.StepProfile(1, 0, 1, 1, 1, 0, 3), _Flat()).comm_scale == 1.0
 
 
@@ -114,7 +122,7 @@ def test_prediction_reproduces_the_profiled_run_itself(tmp_path):
     curve = sim.ready_curve(run, prof)
     assert curve.source.endswith("re-planned plan")
     cal = sim.calibrate(prof, _Flat())
-    assert cal.comm_scale == pytest.approx(1.0) and cal.post_ms == pytest.approx(0.2, abs=1e-6)
+    assert cal.slowdown == pytest.approx(1.0, rel=1e-3) and cal.post_ms == pytest.approx(0.2, abs=1e-6)
     p = sim.predict(run.cfg, prof, curve, _Flat(), cal, "bucketed", 0.25, run.vocab)
     assert p.exposed_ms == pytest.approx(exposed, rel=1e-6)
     assert p.step_ms == pytest.approx(20.0 + exposed, rel=1e-6)
