@@ -6,6 +6,7 @@ step time and exposed communication per strategy and bucket size. Everything it 
 
     python -m analysis.simulate --run runs/m30k --topology local:bench.json --strategies flat,bucketed,per_class
     python -m analysis.simulate --run runs/m30k --topology local:bench.json --measured runs/flat runs/b5 runs/b25
+    python -m analysis.simulate --run runs/m30k --topology local:bench.json --median   # medians of steady steps
     python -m analysis.simulate --paper                  # the paper's base configuration projected on 8 P100
 """
 

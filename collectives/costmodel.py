@@ -8,6 +8,7 @@ prints is modeled, not measured, unless a row says otherwise.
     python -m collectives.costmodel --topology h100x8-ib:2 --sizes 8:1G --json
     python -m collectives.costmodel fit all_reduce_perf.log [--topology h100x8] [--out local.json]
     python -m collectives.costmodel --topology local:local.json --sizes 1K:64M  # gloo / fitted model
+    python -m collectives.costmodel recommend --profile profiles/base.yaml --topology h100x8-ib:2 --out rec.yaml
 """
 
 from __future__ import annotations
