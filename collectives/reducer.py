@@ -2,8 +2,8 @@
 
 Each bucket owns one flat buffer and the parameters' `.grad` are views into it, so backward accumulates straight into
 the buffer and no copy is made. Post-accumulate-grad hooks count a bucket's gradients down; a complete bucket is
-launched asynchronously (in bucket order, the same on every rank) and `finish()` waits for all of them, averages,
-casts back from the wire dtype and leaves per-bucket timing records.
+launched asynchronously (in bucket order, the same on every rank), averaged and cast back from its wire dtype in the
+collective's completion callback; `finish()` waits for all of them and leaves per-bucket timing records.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Reducer:
         self.backward_t: float | None = None
         self.wait_t: float | None = None
         self.observed: list[str] = []  # parameter names in the order their gradients became ready
+        self._next = 0  # the next bucket to launch
         self._layout(buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(self._ready_hook(name))
                        for name, p in named_params.items() if p.requires_grad]
@@ -175,7 +176,7 @@ class Reducer:
     def finish(self) -> None:
         """Launch what is left (all buckets without overlap; buckets with unused parameters) and wait for every
         bucket to be all-reduced, averaged and cast back. The time blocked per bucket is its exposed time."""
-        if not hasattr(self, "_next"):  # no synchronized forward yet: reduce what there is
+        if not self.armed:  # no synchronized forward since the last finish: reduce what there is
             self.prepare(True)
         self.wait_t = now()
         for st in self.buckets[self._next:]:
