@@ -133,18 +133,27 @@ def _resolve(target: str) -> tuple[Path, dict]:
     return path, load(path)
 
 
-def _cmd_inspect(args) -> None:
+def _cmd_inspect(args) -> int:
     path = Path(args.checkpoint)
-    state = load(path)
+    if not path.is_file():
+        raise UserError(f"{path}: checkpoint not found")
     problem = verify(path)
-    n = sum(v.numel() for v in state.get("model", {}).values())
     print(f"checkpoint  {path}")
+    try:
+        state = load(path)
+    except UserError as e:  # a truncated file still gets its checksum status reported
+        print(f"checksum    {'ok' if problem is None else problem}")
+        print(f"contents    unreadable: {str(e).split(': ', 1)[-1]}")
+        return 1
+    n = sum(v.numel() for v in state.get("model", {}).values())
     print(f"step        {state.get('step')}")
+    print(f"config hash {state.get('config_hash')}")
     print(f"model hash  {state.get('model_hash')}")
     print(f"parameters  {n:,}")
     print(f"data        epoch {state.get('data', {}).get('epoch')}, step {state.get('data', {}).get('step')}")
     print(f"world size  {state.get('world_size')}")
     print(f"checksum    {'ok' if problem is None else problem}")
+    return 0 if problem is None else 1
 
 
 def _cmd_diff(args) -> None:
@@ -178,7 +187,7 @@ def main(argv=None) -> None:
     p.add_argument("b")
     args = ap.parse_args(argv)
     with exit_on_user_error("dtrain.checkpoint"):
-        {"inspect": _cmd_inspect, "diff": _cmd_diff}[args.cmd](args)
+        return {"inspect": _cmd_inspect, "diff": _cmd_diff}[args.cmd](args)
 
 
 if __name__ == "__main__":

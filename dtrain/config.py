@@ -141,6 +141,10 @@ class RunConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def config_hash(self) -> str:
+        """Identifies the whole resolved profile (recorded in checkpoints, shown by `checkpoint inspect`)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
     def model_hash(self) -> str:
         """Identifies the parameter shapes: a checkpoint only loads into a run with the same hash."""
         shape = {k: v for k, v in dataclasses.asdict(self.model).items() if k not in ("dropout", "preset")}

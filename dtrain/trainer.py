@@ -113,7 +113,7 @@ class Trainer:
             return None
         return {"step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "rng": rngs,
-                "model_hash": self.cfg.model_hash(), "world_size": self.world, "config": self.cfg.to_dict()}
+                "model_hash": self.cfg.model_hash(), "config_hash": self.cfg.config_hash(), "world_size": self.world, "config": self.cfg.to_dict()}
 
     def save(self) -> None:
         state = self.state()

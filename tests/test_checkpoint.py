@@ -48,9 +48,15 @@ def test_diff_and_inspect_cli(tmp_path, capsys):
     assert "step        5" in out and "checksum    ok" in out
 
 
-def test_unreadable_checkpoint_is_a_user_error(tmp_path):
-    bad = tmp_path / "x.pt"
-    bad.write_bytes(b"not a checkpoint")
+def test_inspect_reports_a_truncated_checkpoint(tmp_path, capsys):
+    path = checkpoint.save(tmp_path, 5, _state(1, step=5), keep=1)
+    path.write_bytes(path.read_bytes()[:50])
+    assert checkpoint.main(["inspect", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "checksum    checksum mismatch" in out and "contents    unreadable" in out
+
+
+def test_missing_checkpoint_is_a_user_error(tmp_path):
     with pytest.raises(SystemExit) as e:
-        checkpoint.main(["inspect", str(bad)])
+        checkpoint.main(["inspect", str(tmp_path / "x.pt")])
     assert e.value.code == 2
