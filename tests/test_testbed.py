@@ -234,7 +234,7 @@ def test_ctrl_c_stops_the_job(bed, tmp_path):
             assert time.monotonic() < deadline and p.poll() is None, "the job did not start"
             time.sleep(0.2)
         p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=30) == 130
+        assert p.wait(timeout=90) == 130
     finally:
         if p.poll() is None:
             p.kill()
