@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from analysis.profiling import comm_span
 from collectives.plan import Bucket
 
 
@@ -158,10 +159,13 @@ class Reducer:
             st.wire = st.buffer.to(wire_dtype)  # (numel,) cast: the one copy compression costs
             if wire_dtype == torch.float16:
                 st.wire.div_(self.world)  # average before summing so the fp16 sum cannot overflow
-        work = dist.all_reduce(st.wire, group=st.group, async_op=True)
+        b = st.bucket
+        with comm_span(b.index, b.tensor_class, b.nbytes, b.settings.wire_dtype) as span:  # profiler label
+            work = dist.all_reduce(st.wire, group=st.group, async_op=True)
+            fut = span.until(work.get_future())  # inside a profiled window the span ends at completion
         # Averaging (and casting back) runs in the backend's callback as each bucket completes, not in wait():
         # on CPU that is the idle tail of the backward; `finish()` waits for the chained future.
-        st.work = work.get_future().then(lambda fut, st=st: self._averaged(st, fut))
+        st.work = fut.then(lambda fut, st=st: self._averaged(st, fut))
 
     def _averaged(self, st: _BucketState, fut) -> None:
         st.complete_t = now()

@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from analysis.profiling import SPAN_PREFIX, StepProfiler, comm_span, parse_window
 from collectives import verify
-from collectives.reducer import Reducer
 from collectives.sync import attach
 from dtrain.config import SyncConfig
 from dtrain.errors import UserError
@@ -47,22 +46,7 @@ def one_rank():
     dist.destroy_process_group()
 
 
-@pytest.fixture
-def labelled_reducer(monkeypatch):
-    """The reducer with the lines the integration adds to `Reducer._launch`: the launch inside `comm_span`, and
-    the bucket's future routed through `span.until` so the span ends when its all-reduce does."""
-    launch = Reducer._launch
-
-    def _launch(self, st):
-        b = st.bucket
-        with comm_span(b.index, b.tensor_class, b.nbytes, b.settings.wire_dtype) as span:
-            launch(self, st)
-            st.work = span.until(st.work)
-
-    monkeypatch.setattr(Reducer, "_launch", _launch)
-
-
-def test_trace_of_a_one_rank_run_has_labelled_spans(tmp_path, one_rank, labelled_reducer):
+def test_trace_of_a_one_rank_run_has_labelled_spans(tmp_path, one_rank):
     model = verify.tiny_model()
     handle = attach(model, SyncConfig(strategy="per_class", bucket_cap_mb=0.01))
     optimizer = torch.optim.Adam(model.parameters())
