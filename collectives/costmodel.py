@@ -298,8 +298,8 @@ class NcclModel:
         return min(c.time_us for c in cands)
 
     def header(self) -> list[str]:
-        return [f"MODELED (not measured): NCCL 2.30 analytical cost model, Ring/Tree x LL/LL128/Simple only "
-                f"(NVLS, CollNet, PAT not modeled)",
+        return ["MODELED (not measured): NCCL 2.30 analytical cost model, Ring/Tree x LL/LL128/Simple only "
+                "(NVLS, CollNet, PAT not modeled)",
                 self.topo.describe()]
 
 

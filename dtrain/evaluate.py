@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from dtrain import checkpoint, config as config_mod, dist as ddist
