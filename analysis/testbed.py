@@ -585,13 +585,15 @@ class _shielded:
 
 
 class _signals_as_interrupt:
-    """SIGTERM/SIGHUP behave like Ctrl-C, so the same cleanup paths run whichever way we are stopped."""
+    """Ctrl-C, SIGTERM and SIGHUP all raise KeyboardInterrupt, so the same cleanup paths run whichever way we are
+    stopped. SIGINT is set explicitly: a process started with SIGINT ignored (a shell's background job, or a parent
+    that ignored it) would otherwise never see Ctrl-C."""
 
     def __enter__(self):
         def raise_interrupt(signum, frame):
             raise KeyboardInterrupt
 
-        self._old = {s: signal.signal(s, raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+        self._old = {s: signal.signal(s, raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
