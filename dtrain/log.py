@@ -77,20 +77,20 @@ class RunWriter:
             os.replace(tmp, path)
         return recomputed
 
-    def _append(self, name: str, record: dict) -> None:
-        if self.enabled:
+    def _append(self, name: str, records: list[dict]) -> None:
+        """One open and one write per call, however many records (a step can carry a hundred bucket records)."""
+        if self.enabled and records:
             with open(self.run_dir / name, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write("".join(json.dumps(r) + "\n" for r in records))
 
     def step(self, record: dict) -> None:
-        self._append("steps.jsonl", record)
+        self._append("steps.jsonl", [record])
 
     def buckets(self, step: int, records: list[dict]) -> None:
-        for record in records:
-            self._append("buckets.jsonl", {"step": step, **record})
+        self._append("buckets.jsonl", [{"step": step, **r} for r in records])
 
     def eval(self, record: dict) -> None:
-        self._append("eval.jsonl", record)
+        self._append("eval.jsonl", [record])
 
 
 def read_jsonl(path: Path) -> list[dict]:

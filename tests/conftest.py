@@ -1,6 +1,5 @@
 """Shared fixtures: the Multi30k directory (from $DTRAIN_DATA_DIR, as in CI) and a tiny model."""
 
-import json
 import os
 import subprocess
 import sys
@@ -8,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from dtrain.log import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +43,7 @@ def torchrun(*args, nproc=2, check=True, extra=(), timeout=300):
 
 
 def records(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return read_jsonl(path)
 
 
 NO_EVAL = ("--set", "eval.at_end=false", "--set", "train.average_last=1")
