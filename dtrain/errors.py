@@ -4,6 +4,7 @@ Every command-line entry point catches `UserError`, prints its message on one li
 bad input never shows a traceback. Anything else escaping is a bug in dtrain and keeps its traceback.
 """
 
+import os
 import sys
 from contextlib import contextmanager
 
@@ -19,9 +20,14 @@ class JobFailure(Exception):
 @contextmanager
 def exit_on_user_error(prog: str):
     """Wrap a `main()` body: a `UserError` becomes `prog: error: <message>` on stderr and exit code 2, a
-    `JobFailure` the same with exit code 3."""
+    `JobFailure` the same with exit code 3. A reader that stops early (`... | head`) ends the command quietly."""
     try:
         yield
+        sys.stdout.flush()  # here, so that a closed pipe is caught below rather than at interpreter exit
+    except BrokenPipeError:
+        # Python's documented recipe: point stdout at /dev/null so the flush at exit cannot fail a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     except (UserError, JobFailure) as e:
         msg = " ".join(str(e).split("\n"))
         print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)

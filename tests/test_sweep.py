@@ -160,3 +160,18 @@ def test_next_attempt(tmp_path):
     checkpoint.save(run, 2, {"step": 2}, keep=1)
     assert sweep.next_attempt(run) == "resume"
     assert sweep.next_attempt(tmp_path / "never-started") == "fresh"
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`... --dry-run | head -1`: the reader is gone before the listing is written; no traceback, exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    proc = subprocess.run([sys.executable, "-m", "analysis.sweep", "--matrix", str(write_matrix(tmp_path)),
+                           "--dry-run"], stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    os.close(write_end)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
