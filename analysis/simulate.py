@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import json
 import math
 import statistics
@@ -361,6 +362,7 @@ class Prediction:
     communicates: bool = True
     measured_step_ms: float | None = None
     measured_exposed_ms: float | None = None
+    measured_ci: tuple[float, float] | None = None  # ~95% interval of the measured median
     run: str | None = None
 
     @property
@@ -417,27 +419,72 @@ def sweep(cfg, prof, curve, model, calib, strategies, caps, vocab=None) -> list[
     return out
 
 
+def median_ci(values: list[float], z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free ~95% confidence interval of the median: the order statistics n/2 ± z·√n/2."""
+    v = sorted(values)
+    n = len(v)
+    half = z * math.sqrt(n) / 2
+    return v[max(0, math.floor(n / 2 - half))], v[min(n - 1, math.ceil(n / 2 + half) - 1)]
+
+
 def measured_runs(paths: list[str], prof_run: Run, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration,
                   warmup: int | None) -> list[Prediction]:
-    """For each measured run: its median steady step and exposed time, next to the prediction for its own
-    configuration (same strategy, caps and classes) replayed on the profiled step."""
-    out = []
+    """For each measured configuration: the median steady step and exposed time, next to the prediction for its own
+    configuration (same strategy, caps and classes) replayed on the profiled step. Runs of the same resolved profile
+    (repeats, e.g. the rounds of a sweep run twice into two folders) are pooled: one median over all their steps."""
+    groups: dict[str, list[Run]] = {}
     for p in paths:
         run = load_run(p)
-        steady = steady_steps(run, warmup)
-        cap = run.cfg.sync.bucket_cap_mb
-        pred = predict(run.cfg, prof, curve, model, calib, run.strategy, cap, prof_run.vocab)
-        pred.cap_mb = cap if run.strategy in CAPPED else None
-        pred.measured_step_ms = statistics.median(s["step_ms"] for s in steady)
+        groups.setdefault(run.cfg.config_hash(), []).append(run)
+    out = []
+    for runs in groups.values():
+        cfg = runs[0].cfg
+        steady = [s for run in runs for s in steady_steps(run, warmup)]
+        step_ms = [s["step_ms"] for s in steady]
+        cap = cfg.sync.bucket_cap_mb
+        pred = predict(cfg, prof, curve, model, calib, runs[0].strategy, cap, prof_run.vocab)
+        pred.cap_mb = cap if runs[0].strategy in CAPPED else None
+        pred.measured_step_ms = statistics.median(step_ms)
+        pred.measured_ci = median_ci(step_ms)
         pred.measured_exposed_ms = statistics.median(s.get("comm_exposed_ms", 0.0) for s in steady)
-        pred.run = str(p)
+        pred.run = str(runs[0].path) if len(runs) == 1 else f"{len(runs)} runs pooled: " + ", ".join(
+            str(r.path) for r in runs)
         out.append(pred)
     return out
 
 
-def ranking_agrees(rows: list[Prediction]) -> bool:
+@dataclass
+class Ranking:
+    """Predicted against measured order, pair by pair. A pair is a tie, and cannot disagree, when the measured
+    medians' confidence intervals overlap (measurement cannot order them) or the predictions are within
+    `PREDICTED_TIE` of each other (the model does not order them)."""
+
+    pairs: int
+    ties: int
+    discordant: list[tuple[str, str]]
+
+    @property
+    def agrees(self) -> bool:
+        return not self.discordant
+
+
+PREDICTED_TIE = 0.005  # relative
+
+
+def ranking(rows: list[Prediction]) -> Ranking:
     m = [r for r in rows if r.measured_step_ms is not None]
-    return sorted(m, key=lambda r: r.step_ms) == sorted(m, key=lambda r: r.measured_step_ms)
+    pairs, ties, bad = 0, 0, []
+    for i, a in enumerate(m):
+        for b in m[i + 1:]:
+            pairs += 1
+            lo_a, hi_a = a.measured_ci or (a.measured_step_ms,) * 2
+            lo_b, hi_b = b.measured_ci or (b.measured_step_ms,) * 2
+            if (lo_a <= hi_b and lo_b <= hi_a) or abs(a.step_ms - b.step_ms) <= PREDICTED_TIE * min(a.step_ms,
+                                                                                                    b.step_ms):
+                ties += 1
+            elif (a.step_ms < b.step_ms) != (a.measured_step_ms < b.measured_step_ms):
+                bad.append((a.label, b.label))
+    return Ranking(pairs, ties, bad)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -517,13 +564,15 @@ def format_rows(rows: list[Prediction], header: list[str]) -> str:
     has_meas = any(r.measured_step_ms is not None for r in rows)
     head = (f"{'strategy':>16} {'buckets':>7} {'comm ms':>9} {'exposed ms':>10} {'step ms':>9}")
     if has_meas:
-        head += f" {'meas. step':>10} {'err %':>6} {'meas. exp.':>10}  run"
+        head += f" {'meas. step':>10} {'95% CI of median':>17} {'err %':>6} {'meas. exp.':>10}  run"
     lines.append(head + "   (modeled)")
     for r in rows:
         ln = f"{r.label:>16} {r.buckets:>7} {r.comm_ms:9.2f} {r.exposed_ms:10.2f} {r.step_ms:9.2f}"
         if r.measured_step_ms is not None:
             err = 100 * (r.step_ms - r.measured_step_ms) / r.measured_step_ms
-            ln += f" {r.measured_step_ms:10.2f} {err:6.1f} {r.measured_exposed_ms:10.2f}  {r.run}"
+            lo, hi = r.measured_ci or (r.measured_step_ms,) * 2
+            ln += (f" {r.measured_step_ms:10.2f} {f'{lo:.0f}-{hi:.0f}':>17} {err:6.1f} {r.measured_exposed_ms:10.2f}"
+                   f"  {r.run}")
         if not r.lossless:
             ln += "  (lossy)" if r.communicates else "  (no communication: headroom only)"
         lines.append(ln)
@@ -534,8 +583,12 @@ def format_rows(rows: list[Prediction], header: list[str]) -> str:
     if has_meas:
         m = [r for r in rows if r.measured_step_ms is not None]
         errs = [abs(r.step_ms - r.measured_step_ms) / r.measured_step_ms * 100 for r in m]
-        lines.append(f"# against measurement: max |err| {max(errs):.1f}%, same ranking: "
-                     f"{'yes' if ranking_agrees(m) else 'no'}")
+        rk = ranking(m)
+        lines.append(f"# against measurement: max |err| {max(errs):.1f}% (mean {statistics.mean(errs):.1f}%), same "
+                     f"ranking: {'yes' if rk.agrees else 'no'} ({rk.pairs} pairs, {rk.ties} ties: measured medians' "
+                     f"95% intervals overlap or predictions within {PREDICTED_TIE:.1%})")
+        for a, b in rk.discordant:
+            lines.append(f"#   ordered differently: {a} vs {b}")
     return "\n".join(lines)
 
 
@@ -603,8 +656,10 @@ def _main(args) -> None:
                   f"{prof.exposed_ms:.1f})", f"ready times: {curve.source}", f"calibration: {calib.note}",
                   *model.header(), *prof.notes]
     if args.json:
-        print(json.dumps({"modeled": True, "notes": header, "rows": [dict(vars(r), label=r.label) for r in rows]},
-                         indent=1))
+        doc = {"modeled": True, "notes": header, "rows": [dict(vars(r), label=r.label) for r in rows]}
+        if any(r.measured_step_ms is not None for r in rows):
+            doc["ranking"] = dataclasses.asdict(ranking(rows)) | {"agrees": ranking(rows).agrees}
+        print(json.dumps(doc, indent=1))
     else:
         print(format_rows(rows, header))
 

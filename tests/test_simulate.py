@@ -3,6 +3,7 @@ profiled step, and a prediction end to end on a small hand-written run directory
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -144,13 +145,39 @@ def test_measured_runs_line_up_with_predictions(tmp_path, capsys):
     bench.write_text("path,size,count,type,redop,time_us,algbw,busbw,wrong\n"
                      + "".join(f"out-of-place,{s},{s // 4},float,sum,{1000 + s / 1000},0,0,0\n"
                                for s in (1024, 65536, 1 << 20, 1 << 24)))
+    shutil.copytree(tmp_path / "a", tmp_path / "a-repeat")  # a second run of a's profile: pooled with it
     sim.main(["--run", str(tmp_path / "a"), "--topology", f"local:{bench}", "--strategies", "flat,bucketed",
-              "--bucket-sizes", "0.25", "--measured", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+              "--bucket-sizes", "0.25", "--measured", str(tmp_path / "a"), str(tmp_path / "b"),
+              str(tmp_path / "a-repeat"), "--json"])
     doc = json.loads(capsys.readouterr().out)
     measured = [r for r in doc["rows"] if r["measured_step_ms"] is not None]
     assert len(measured) == 2
+    assert measured[0]["run"].startswith("2 runs pooled: ") and "a-repeat" in measured[0]["run"]
     for r in measured:
         assert math.isclose(r["step_ms"], r["measured_step_ms"], rel_tol=0.01)
+        lo, hi = r["measured_ci"]
+        assert lo <= r["measured_step_ms"] <= hi
+    assert doc["ranking"]["pairs"] == 1 and doc["ranking"]["agrees"]
+
+
+def test_median_ci_uses_order_statistics():
+    assert sim.median_ci([float(v) for v in range(1, 101)]) == (41.0, 60.0)  # n/2 ± 1.96·√100/2 = 50 ± 9.8
+    assert sim.median_ci([5.0]) == (5.0, 5.0)
+
+
+def _row(label, predicted, measured, ci):
+    return sim.Prediction(label, None, 1, 0.0, 0.0, predicted, measured_step_ms=measured, measured_ci=ci)
+
+
+def test_ranking_counts_only_pairs_that_measurement_or_model_can_order():
+    a = _row("a", 100.0, 110.0, (105.0, 115.0))
+    b = _row("b", 120.0, 106.0, (103.0, 107.0))  # measured faster than a, but inside a's interval: a tie
+    c = _row("c", 120.3, 200.0, (190.0, 210.0))  # predicted within 0.5% of b: a tie with b
+    rk = sim.ranking([a, b, c])
+    assert (rk.pairs, rk.ties, rk.agrees) == (3, 2, True)
+    d = _row("d", 90.0, 150.0, (140.0, 160.0))  # predicted fastest, measured slower than a and b beyond noise
+    rk = sim.ranking([a, b, c, d])
+    assert not rk.agrees and sorted(rk.discordant) == [("a", "d"), ("b", "d")]
 
 
 def test_paper_projection_runs_and_states_assumptions(capsys):
