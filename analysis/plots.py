@@ -7,6 +7,7 @@ artists: every line, bar group and span carries the label of the series it shows
 
 from __future__ import annotations
 
+import matplotlib
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -32,17 +33,22 @@ def step_vs_bucket(table: pd.DataFrame, title: str = "") -> Figure:
     Columns: series, bucket_cap_mb (NaN: no cap), median_ms, p95_ms, headroom (bool)."""
     fig = _figure()
     ax = fig.add_subplot()
+    # One colour per strategy, whether it is drawn as a line over the caps or as a horizontal line (axhline does
+    # not advance the colour cycle by itself).
+    cycle = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {s: cycle[i % len(cycle)] for i, s in enumerate(sorted(table["series"].unique()))}
     capped = table[table["bucket_cap_mb"].notna() & ~table["headroom"]]
-    for i, (series, g) in enumerate(capped.groupby("series", sort=True)):
+    for series, g in capped.groupby("series", sort=True):
         g = g.sort_values("bucket_cap_mb")
-        (line,) = ax.plot(g["bucket_cap_mb"], g["median_ms"], marker="o", label=series, gid=f"series:{series}")
-        ax.vlines(g["bucket_cap_mb"], g["median_ms"], g["p95_ms"], color=line.get_color(), linewidth=1, alpha=0.6)
+        ax.plot(g["bucket_cap_mb"], g["median_ms"], marker="o", color=color[series], label=series,
+                gid=f"series:{series}")
+        ax.vlines(g["bucket_cap_mb"], g["median_ms"], g["p95_ms"], color=color[series], linewidth=1, alpha=0.6)
     flat = table[table["bucket_cap_mb"].isna() | table["headroom"]]
     for series, g in flat.groupby("series", sort=True):
         headroom = bool(g["headroom"].iloc[0])
         label = f"{series} ({HEADROOM})" if headroom else f"{series} (no bucket cap)"
         ax.axhline(g["median_ms"].median(), linestyle=":" if headroom else "--", linewidth=1.2,
-                   color="black" if headroom else None, label=label, gid=f"series:{series}")
+                   color="black" if headroom else color[series], label=label, gid=f"series:{series}")
     if not capped.empty:
         ax.set_xscale("log")
         ticks = sorted(capped["bucket_cap_mb"].unique())

@@ -66,6 +66,19 @@ def test_step_time_vs_bucket_size(built):
     assert "flat (no bucket cap)" in lines
     headroom = lines[f"noop ({plots.HEADROOM})"]
     assert headroom.get_linestyle() == ":" and s.table.loc[s.table["series"] == "noop", "headroom"].all()
+    # every strategy its own colour, horizontal lines included
+    colours = [to_rgba(ln.get_color()) for label, ln in lines.items() if not label.startswith("noop")]
+    assert len(set(colours)) == len(colours)
+
+
+def test_uncapped_strategies_get_distinct_colours():
+    table = pd.DataFrame({"series": ["bucketed", "flat", "per_tensor", "noop"], "bucket_cap_mb": [1.0, np.nan, np.nan,
+                                                                                                  np.nan],
+                          "median_ms": [10.0, 12.0, 11.0, 9.0], "p95_ms": [11.0, 13.0, 12.0, 9.5],
+                          "headroom": [False, False, False, True]})
+    ax = plots.step_vs_bucket(table).axes[0]
+    lines = {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+    assert to_rgba(lines["flat (no bucket cap)"].get_color()) != to_rgba(lines["per_tensor (no bucket cap)"].get_color())
 
 
 def test_bus_bandwidth_measured_beside_modeled(built):
