@@ -105,7 +105,7 @@ def breakdown(table: pd.DataFrame, title: str = "") -> Figure:
     ax.set_xticks(list(x))
     ax.set_xticklabels([f"{lab}\n({HEADROOM})" if h else lab for lab, h in zip(table["label"], table["headroom"])],
                        rotation=35, ha="right", fontsize=7)
-    ax.set_ylabel("median time per step (ms)")
+    ax.set_ylabel("mean time per step (ms)")
     ax.set_xlabel("configuration (run)")
     ax.set_title(title or "Where a step's time goes", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)

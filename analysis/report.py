@@ -87,14 +87,15 @@ def step_vs_bucket_table(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 def breakdown_table(runs: list[Run], warmup: int) -> pd.DataFrame:
-    """Median of each phase per run; 'other' is what the median step holds beyond them (never negative)."""
+    """Mean of each phase per run: means add up (medians do not: the median step is not the sum of the phases'
+    medians), so 'other' is the time a step spends outside the timed phases (loss readback, zero_grad)."""
     rows = []
     for r in runs:
         m = r.measured(warmup)
         if m.empty or not all(p in m for p in PHASES):
             continue
-        row = {"label": r.label, "headroom": not r.communicates, **{p: float(m[p].median()) for p in PHASES}}
-        row["step_ms"] = float(m["step_ms"].median())
+        row = {"label": r.label, "headroom": not r.communicates, **{p: float(m[p].mean()) for p in PHASES}}
+        row["step_ms"] = float(m["step_ms"].mean())
         row["other_ms"] = max(0.0, row["step_ms"] - sum(row[p] for p in PHASES))
         rows.append(row)
     return pd.DataFrame(rows)
@@ -257,9 +258,10 @@ def section_breakdown(runs: list[Run], warmup: int) -> Section:
     t = breakdown_table(runs, warmup)
     if t.empty:
         return _missing(key, title, "no run has per-phase step times")
-    caption = ("x: configuration (run); y: median time per step (ms), stacked: data loading, forward, backward, "
-               "exposed communication (time in wait() before the optimizer), optimizer, and what the median step "
-               f"holds beyond them (other). Medians over the steps after the first {warmup}. DDP all-reduces inside "
+    caption = ("x: configuration (run); y: mean time per step (ms), stacked: data loading, forward, backward, "
+               "exposed communication (time in wait() before the optimizer), optimizer, and the rest of the step "
+               f"(other). Means over the steps after the first {warmup}, so the stack adds up to the mean step. "
+               "DDP all-reduces inside "
                "its backward, so its communication shows in 'backward'. Hatched bars: the no-communication "
                f"baseline, headroom only. Measured on: {machines(runs)}.")
     return Section(key, title, caption, t, plots.breakdown(t))

@@ -106,7 +106,11 @@ def test_breakdown_stacks_the_phases_and_marks_headroom(built):
     assert phases == list(plots.PHASE_NAMES.values())
     assert all(len(c) == len(s.table) == len(load_runs([RUNS])) for c in ax.containers)
     total = s.table[list(plots.PHASE_NAMES)].sum(axis=1)
-    assert (total >= s.table["step_ms"] - 1e-6).all()  # "other" closes the gap to the median step
+    assert (total >= s.table["step_ms"] - 1e-6).all()  # "other" closes the gap to the mean step
+    run = load_runs([RUNS])[0]
+    row, steps = report.breakdown_table([run], 3).iloc[0], run.measured(3)
+    assert row["forward_ms"] == pytest.approx(steps["forward_ms"].mean())  # means: the stack adds up to the step
+    assert row["step_ms"] == pytest.approx(steps["step_ms"].mean())
     noop = list(s.table["label"]).index("noop")
     assert all(c[noop].get_hatch() == "//" for c in ax.containers)
     assert "headroom" in ax.get_xticklabels()[noop].get_text()
