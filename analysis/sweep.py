@@ -7,6 +7,7 @@ is recorded (exit code, last error line) in its `launch.json` and in `sweep.json
 
     python -m analysis.sweep --matrix profiles/sweeps/lossless-buckets.yaml            # runs/sweep-lossless-buckets
     python -m analysis.sweep --matrix profiles/sweeps/bleu-cost.yaml --dry-run        # the runs and commands only
+    python -m analysis.sweep --matrix m.yaml --out runs/m/round2 --shuffle 2         # a repeat, in another order
     python -m analysis.report runs/sweep-lossless-buckets --out reports/lossless-buckets
 
 A matrix (YAML; only `profiles` is required):
@@ -34,6 +35,7 @@ import dataclasses
 import itertools
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -438,6 +440,9 @@ def parse_args(argv=None):
     ap.add_argument("--matrix", required=True, help="the matrix YAML (see the module docstring)")
     ap.add_argument("--out", help="folder of the runs (default runs/sweep-<matrix name>); re-running resumes it")
     ap.add_argument("--dry-run", action="store_true", help="list the runs and their commands, run nothing")
+    ap.add_argument("--shuffle", type=int, metavar="SEED",
+                    help="run in an order shuffled with this seed, so that a drift in the machine's speed does not "
+                         "follow the matrix order (use a different seed for each round of a repeated sweep)")
     return ap.parse_args(argv)
 
 
@@ -446,6 +451,8 @@ def main(argv=None) -> int:
     with exit_on_user_error(PROG):
         m = load_matrix(args.matrix)
         jobs = expand(m)
+        if args.shuffle is not None:
+            random.Random(args.shuffle).shuffle(jobs)
         out = Path(args.out or f"runs/sweep-{m.name}")
         if args.dry_run:
             from dtrain import config as config_mod

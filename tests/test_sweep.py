@@ -175,3 +175,15 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     os.close(write_end)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+
+
+def test_shuffle_reorders_the_runs_by_seed(tmp_path, capsys):
+    path = write_matrix(tmp_path, strategies=["bucketed"], knobs={"sync.bucket_cap_mb": [0.5, 1, 2, 4, 8, 16]})
+
+    def order(*extra):
+        sweep.main(["--matrix", str(path), "--dry-run", "--out", str(tmp_path / "o"), *extra])
+        return [ln.split()[0] for ln in capsys.readouterr().out.splitlines() if ln.startswith("smoke-")]
+
+    plain, one, again, other = order(), order("--shuffle", "1"), order("--shuffle", "1"), order("--shuffle", "2")
+    assert sorted(one) == sorted(plain) and len(plain) == 6
+    assert one == again and one != plain and other != one
