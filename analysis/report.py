@@ -326,10 +326,11 @@ def _unique_labels(runs: list[Run]) -> None:
     for r in runs:
         if names.count(r.label) > 1:
             r.label = f"{r.path.parent.name}/{r.path.name}"
-    heads = {r.label.split("-", 1)[0] for r in runs}
-    if len(heads) == 1 and all("-" in r.label for r in runs):
+    profiles = {r.config.get("name") for r in runs}  # a sweep names its runs "<profile name>-<settings>"
+    prefix = f"{profiles.pop()}-" if len(profiles) == 1 else None
+    if prefix and all(r.label.startswith(prefix) and r.label != prefix for r in runs):
         for r in runs:
-            r.label = r.label.split("-", 1)[1]
+            r.label = r.label[len(prefix):]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -194,3 +194,14 @@ def test_cli(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         report.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
     assert e.value.code == 2 and "no run directories" in capsys.readouterr().err
+
+
+def test_labels_drop_a_hyphenated_profile_name(tmp_path):
+    for name in ("smoke-ddp", "smoke-bucketed-bucket_cap_mb=1"):
+        dst = tmp_path / name.replace("smoke-", "multi30k-cpu-")
+        shutil.copytree(RUNS / name, dst)
+        cfg = dst / "config.yaml"
+        cfg.write_text(cfg.read_text().replace("name: smoke\n", "name: multi30k-cpu\n", 1))
+    runs = load_runs([tmp_path])
+    report._unique_labels(runs)
+    assert sorted(r.label for r in runs) == ["bucketed-bucket_cap_mb=1", "ddp"]
