@@ -148,29 +148,31 @@ def timeline(table: pd.DataFrame, backward_end_ms: float | None, title: str = ""
 
 
 def pareto(table: pd.DataFrame, title: str = "") -> Figure:
-    """BLEU against median step time, and against training time to a target validation loss; the Pareto front
-    (faster and at least as good as everything slower) drawn through its points. Columns: label, step_ms, bleu,
-    to_target_s, on_front_step, on_front_wall."""
-    fig = _figure(10.0, 4.2)
-    panels = [("step_ms", "on_front_step", "median step time (ms)"),
+    """BLEU against the median step time per 1,000 target tokens, and against training time to a target validation
+    loss; the Pareto front (faster and at least as good as everything slower) drawn through its points. One colour
+    per configuration, named in the legend (labels written next to close points overlap). Columns: label, ms_per_ktok,
+    bleu, to_target_s, on_front_step, on_front_wall."""
+    fig = _figure(11.0, 4.2)
+    cmap = matplotlib.colormaps["tab10" if len(table) <= 10 else "tab20"]
+    color = {lab: cmap(i % cmap.N) for i, lab in enumerate(table["label"])}
+    panels = [("ms_per_ktok", "on_front_step", "median step time per 1,000 target tokens (ms)"),
               ("to_target_s", "on_front_wall", "training time to the target validation loss (s)")]
     for i, (x, front, xlabel) in enumerate(panels):
         ax = fig.add_subplot(1, 2, i + 1)
         d = table.dropna(subset=[x, "bleu"])
-        ax.scatter(d[x], d["bleu"], color="tab:blue", zorder=3, label="configuration", gid=f"points:{x}")
-        for k, (_, r) in enumerate(d.sort_values(x).iterrows()):
-            # Neighbours alternate between three heights so close points keep readable labels.
-            ax.annotate(r["label"], (r[x], r["bleu"]), textcoords="offset points", xytext=(4, 3 + 9 * (k % 3)),
-                        fontsize=7)
+        for _, r in d.iterrows():
+            ax.scatter([r[x]], [r["bleu"]], color=color[r["label"]], zorder=3, s=36, label=r["label"],
+                       gid=f"point:{x}:{r['label']}")
         f = d[d[front]].sort_values(x)
         if not f.empty:
-            ax.plot(f[x], f["bleu"], color="tab:red", marker="o", markerfacecolor="none", markersize=10,
+            ax.plot(f[x], f["bleu"], color="tab:red", marker="o", markerfacecolor="none", markersize=11,
                     drawstyle="steps-post", label="Pareto front", gid=f"front:{x}")
         if d.empty:
             ax.text(0.5, 0.5, "no run reached the target", transform=ax.transAxes, ha="center", fontsize=8)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("BLEU (sacreBLEU)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="outside right center")
     fig.suptitle(title or "What communication savings cost in quality", fontsize=10)
     return fig

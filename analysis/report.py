@@ -171,13 +171,16 @@ def quality_table(runs: list[Run], warmup: int, target: float | None) -> tuple[p
     for r in scored:
         m = r.measured(warmup)
         rows.append({"label": r.label, "series": r.series, "step_ms": float(m["step_ms"].median()),
+                     # per 1,000 target tokens (rank 0's): comparable across accumulation and batch sizes
+                     "tokens_per_step": float(m["tokens"].mean()),
+                     "ms_per_ktok": float((m["step_ms"] / m["tokens"] * 1000).median()),
                      "bleu": float(r.bleu["bleu"]), "steps": len(r.steps),
                      "train_s": float(r.steps["step_ms"].sum() / 1000),
                      "best_val_nll": float(r.val["val_nll"].min()) if len(r.val) else np.nan,
                      "to_target_s": time_to_target(r, target) if target is not None else np.nan,
                      "split": r.bleu.get("split"), "signature": r.bleu.get("signature")})
     t = pd.DataFrame(rows)
-    t["on_front_step"] = pareto_front(t["step_ms"], t["bleu"])
+    t["on_front_step"] = pareto_front(t["ms_per_ktok"], t["bleu"])
     reached = t.dropna(subset=["to_target_s"])
     t["on_front_wall"] = False
     if len(reached):
@@ -288,7 +291,9 @@ def section_pareto(runs: list[Run], warmup: int, target: float | None) -> Sectio
         return _missing(key, title, "no communicating run has a BLEU score (eval.jsonl kind 'bleu')")
     splits = ", ".join(sorted({str(s) for s in t["split"].dropna()})) or "?"
     shown = [r for r in runs if r.label in set(t["label"])]
-    caption = (f"y: BLEU (sacreBLEU, split {splits}). Left, x: median step time (ms, first {warmup} steps left out); "
+    caption = (f"y: BLEU (sacreBLEU, split {splits}). Left, x: median step time per 1,000 target tokens of rank 0 "
+               f"(ms, first {warmup} steps left out; with equal batches this orders runs as step time does, and it "
+               "stays comparable when a run accumulates several micro-batches per step); "
                f"right, x: training time to a validation loss of {target:.3f} nats/token (s, the sum of step times "
                "up to the first validation at or below it; the default target is the worst of the runs' best "
                "validation losses, so every run reaches it). Red: the Pareto front (nothing else is both faster and "

@@ -152,7 +152,7 @@ def test_pareto_front_is_marked(tmp_path):
         (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
     s = report.section_pareto(load_runs([runs]), warmup=3, target=None)
     t = s.table
-    for x, front in (("step_ms", "on_front_step"), ("to_target_s", "on_front_wall")):
+    for x, front in (("ms_per_ktok", "on_front_step"), ("to_target_s", "on_front_wall")):
         on = t[t[front]]
         for _, p in t.iterrows():  # on the front exactly when nothing is at least as fast and strictly better
             better = (t[x] <= p[x]) & (t["bleu"] > p["bleu"]) | (t[x] < p[x]) & (t["bleu"] >= p["bleu"])
@@ -160,6 +160,14 @@ def test_pareto_front_is_marked(tmp_path):
         assert t.loc[t["bleu"].idxmax(), front] and t.loc[t[x].idxmin(), front]
         line = next(ln for ax in s.figure.axes for ln in ax.get_lines() if ln.get_gid() == f"front:{x}")
         np.testing.assert_allclose(line.get_xdata(), on.sort_values(x)[x])
+    # one colour per configuration, each named in the figure's legend
+    points = [c for c in s.figure.axes[0].collections if str(c.get_gid()).startswith("point:ms_per_ktok:")]
+    assert len(points) == len(t) and len({tuple(c.get_facecolor()[0]) for c in points}) == len(t)
+    assert set(t["label"]) <= {txt.get_text() for txt in s.figure.legends[0].get_texts()}
+    run = next(r for r in load_runs([runs]) if r.communicates and r.bleu is not None)
+    (q, _), m = report.quality_table([run], 3, None), run.measured(3)
+    assert q["ms_per_ktok"].iloc[0] == pytest.approx((m["step_ms"] / m["tokens"] * 1000).median())
+    assert q["tokens_per_step"].iloc[0] == pytest.approx(m["tokens"].mean())
 
 
 def test_pareto_front_and_time_to_target_by_hand():
