@@ -138,9 +138,9 @@ def download_multi30k(cache: Path, src: str, tgt: str, searched: list[Path] = ()
                             bar.update(len(chunk))
             except (urllib.error.URLError, OSError, TimeoutError) as e:
                 tmp.unlink(missing_ok=True)
-                where = ", ".join(str(p) for p in searched) or "nowhere"
+                where = ", ".join(str(p) for p in [*searched, cache])
                 raise UserError(
-                    f"Multi30k not found (searched {where}, {cache}) and download of {name} failed "
+                    f"Multi30k not found (searched {where}) and download of {name} failed "
                     f"({getattr(e, 'reason', e)}); set data.dir or DTRAIN_DATA_DIR to a folder with the files"
                 ) from None
             digest = sha256_file(tmp)

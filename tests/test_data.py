@@ -111,3 +111,6 @@ def test_multi30k_lookup_order_and_no_network(tmp_path, monkeypatch, multi30k_di
     with pytest.raises(UserError, match="Multi30k not found .* download of train.en.gz failed"):
         data.multi30k_dir(str(tmp_path / "nowhere"), str(tmp_path / "cache"))
     assert not list((tmp_path / "cache" / "multi30k").glob("*"))
+    # With no data.dir and no DTRAIN_DATA_DIR, the cache is the one place searched, and the message says so.
+    with pytest.raises(UserError, match=r"\(searched [^,]*cache/multi30k\) and download"):
+        data.multi30k_dir(None, str(tmp_path / "cache"))
