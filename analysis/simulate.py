@@ -363,6 +363,7 @@ class Prediction:
     measured_step_ms: float | None = None
     measured_exposed_ms: float | None = None
     measured_ci: tuple[float, float] | None = None  # ~95% interval of the measured median
+    measured_optimizer_ms: float | None = None  # the optimizer step: compute only, a probe of the machine's speed
     run: str | None = None
 
     @property
@@ -447,10 +448,20 @@ def measured_runs(paths: list[str], prof_run: Run, prof: StepProfile, curve: Rea
         pred.measured_step_ms = statistics.median(step_ms)
         pred.measured_ci = median_ci(step_ms)
         pred.measured_exposed_ms = statistics.median(s.get("comm_exposed_ms", 0.0) for s in steady)
+        pred.measured_optimizer_ms = statistics.median(s["optimizer_ms"] for s in steady)
         pred.run = str(runs[0].path) if len(runs) == 1 else f"{len(runs)} runs pooled: " + ", ".join(
             str(r.path) for r in runs)
         out.append(pred)
     return out
+
+
+def speed_probe(prof: StepProfile, measured: list[Prediction]) -> str:
+    """The optimizer step does the same local compute under every strategy: when its time differs between the
+    profiled step and the measured runs, the machine's speed changed between them, and that shows up as error."""
+    opt = [r.measured_optimizer_ms for r in measured]
+    return (f"machine-speed probe (the optimizer step, compute only): profiled {prof.optimizer_ms:.1f} ms, measured "
+            f"configurations {min(opt):.1f}-{max(opt):.1f} ms (median each); a drift in the machine's speed between "
+            "the runs shows up as prediction error")
 
 
 @dataclass
@@ -648,13 +659,16 @@ def _main(args) -> None:
         curve = ready_curve(run, prof)
         calib = Calibration(note="off") if args.no_calibrate else calibrate(prof, model)
         rows = sweep(run.cfg, prof, curve, model, calib, strategies, caps, run.vocab)
-        rows += measured_runs(args.measured, run, prof, curve, model, calib, args.warmup)
+        measured = measured_runs(args.measured, run, prof, curve, model, calib, args.warmup)
+        rows += measured
         which = "medians of its steady steps" if args.median else f"step {prof.step}"
         header = [f"MODELED from run {run.path} (strategy {run.strategy}, world {run.world}), {which}: "
                   f"data {prof.data_ms:.1f} + forward {prof.forward_ms:.1f} + backward {prof.backward_ms:.1f} + "
                   f"optimizer {prof.optimizer_ms:.1f} ms (measured {prof.step_ms:.1f} ms, exposed "
                   f"{prof.exposed_ms:.1f})", f"ready times: {curve.source}", f"calibration: {calib.note}",
                   *model.header(), *prof.notes]
+        if measured:
+            header.append(speed_probe(prof, measured))
     if args.json:
         doc = {"modeled": True, "notes": header, "rows": [dict(vars(r), label=r.label) for r in rows]}
         if any(r.measured_step_ms is not None for r in rows):

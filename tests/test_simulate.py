@@ -158,6 +158,9 @@ def test_measured_runs_line_up_with_predictions(tmp_path, capsys):
         lo, hi = r["measured_ci"]
         assert lo <= r["measured_step_ms"] <= hi
     assert doc["ranking"]["pairs"] == 1 and doc["ranking"]["agrees"]
+    probe = next(n for n in doc["notes"] if n.startswith("machine-speed probe"))
+    opt = sorted(r["measured_optimizer_ms"] for r in measured)
+    assert f"measured configurations {opt[0]:.1f}-{opt[-1]:.1f} ms" in probe
 
 
 def test_median_ci_uses_order_statistics():
