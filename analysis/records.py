@@ -8,6 +8,7 @@ test), the sweep's launch record of a run, and benchmark rows of `collectives.be
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,8 +149,13 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
         if is_run_dir(p):
             found.append(p)
         elif p.is_dir():
-            found += sorted(c for c in p.iterdir() if c.is_dir() and is_run_dir(c))
+            found += sorted((c for c in p.iterdir() if c.is_dir() and is_run_dir(c)), key=natural_key)
     return list(dict.fromkeys(found))
+
+
+def natural_key(path: Path) -> list:
+    """Numbers in a name compare as numbers: bucket_cap_mb=2 before bucket_cap_mb=32 before ...=128."""
+    return [float(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+(?:\.\d+)?)", path.name))]
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:

@@ -213,3 +213,13 @@ def test_labels_drop_a_hyphenated_profile_name(tmp_path):
     runs = load_runs([tmp_path])
     report._unique_labels(runs)
     assert sorted(r.label for r in runs) == ["bucketed-bucket_cap_mb=1", "ddp"]
+
+
+def test_runs_of_a_sweep_load_in_natural_order(tmp_path):
+    for name in ("s-bucketed-bucket_cap_mb=32", "s-bucketed-bucket_cap_mb=8", "s-bucketed-bucket_cap_mb=0.5",
+                 "s-flat"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text("{}")
+    from analysis.records import find_runs
+    assert [p.name for p in find_runs([tmp_path])] == ["s-bucketed-bucket_cap_mb=0.5", "s-bucketed-bucket_cap_mb=8",
+                                                      "s-bucketed-bucket_cap_mb=32", "s-flat"]
