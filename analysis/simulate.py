@@ -672,7 +672,8 @@ def _main(args) -> None:
     if args.json:
         doc = {"modeled": True, "notes": header, "rows": [dict(vars(r), label=r.label) for r in rows]}
         if any(r.measured_step_ms is not None for r in rows):
-            doc["ranking"] = dataclasses.asdict(ranking(rows)) | {"agrees": ranking(rows).agrees}
+            rk = ranking(rows)
+            doc["ranking"] = dataclasses.asdict(rk) | {"agrees": rk.agrees}
         print(json.dumps(doc, indent=1))
     else:
         print(format_rows(rows, header))
