@@ -146,7 +146,8 @@ def download_multi30k(cache: Path, src: str, tgt: str, searched: list[Path] = ()
             digest = sha256_file(tmp)
             if digest != MULTI30K_SHA256[name]:
                 tmp.unlink(missing_ok=True)
-                raise UserError(f"downloaded {name} has sha256 {digest[:12]}…, expected {MULTI30K_SHA256[name][:12]}…")
+                raise UserError(f"downloaded {name} has sha256 {digest[:12]}…, "
+                                f"expected {MULTI30K_SHA256[name][:12]}…")
             os.replace(tmp, target)
 
 

@@ -113,7 +113,8 @@ class Trainer:
             return None
         return {"step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "rng": rngs,
-                "model_hash": self.cfg.model_hash(), "config_hash": self.cfg.config_hash(), "world_size": self.world, "config": self.cfg.to_dict()}
+                "model_hash": self.cfg.model_hash(), "config_hash": self.cfg.config_hash(), "world_size": self.world,
+                "config": self.cfg.to_dict()}
 
     def save(self) -> None:
         state = self.state()
@@ -208,8 +209,9 @@ class Trainer:
         self.bad_steps = 0 if finite else self.bad_steps + 1
         ms = lambda s: round(s * 1000, 3)  # noqa: E731
         return {"step": self.step, "epoch": self.stream.epoch, "loss": loss_sum / max(ntokens, 1),
-                "tokens": ntokens, "lr": lr, "grad_norm": float(grad_norm), "skipped": not finite, "data_ms": ms(times["data"]), "forward_ms": ms(times["forward"]),
-                "backward_ms": ms(times["backward"]), "comm_exposed_ms": ms(t5 - t4), "optimizer_ms": ms(t6 - t5),
+                "tokens": ntokens, "lr": lr, "grad_norm": float(grad_norm), "skipped": not finite,
+                "data_ms": ms(times["data"]), "forward_ms": ms(times["forward"]), "backward_ms": ms(times["backward"]),
+                "comm_exposed_ms": ms(t5 - t4), "optimizer_ms": ms(t6 - t5),
                 "step_ms": ms(t6 - t_step), "time": round(time.time(), 3)}
 
     @torch.no_grad()
