@@ -3,12 +3,12 @@
 Each bucket owns one flat buffer and the parameters' `.grad` are views into it, so backward accumulates straight into
 the buffer and no copy is made. Post-accumulate-grad hooks count a bucket's gradients down; a complete bucket is
 launched asynchronously (in bucket order, the same on every rank), averaged and cast back from its wire dtype in the
-collective's completion callback; `finish()` waits for all of them and leaves per-bucket timing records.
+collective's completion callback; `finish()` waits for all of them and leaves per-bucket timing records. Times are
+`collectives.timing` stamps: host clock on CPU, CUDA events on a GPU, where hooks and callbacks fire at enqueue time.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 
 from analysis.profiling import comm_span
 from collectives.plan import Bucket
+from collectives.timing import Stamp, ms_between, stamp
 
 
 @dataclass
@@ -28,17 +29,13 @@ class _BucketState:
     group: dist.ProcessGroup | None
     # -- per step
     pending: int = 0  # members whose gradient is not ready yet in this backward
-    ready_t: float | None = None
-    launch_t: float | None = None
-    complete_t: float | None = None
-    wait_s: float = 0.0
+    ready_t: Stamp | None = None
+    launch_t: Stamp | None = None
+    complete_t: Stamp | None = None  # the collective done (on CUDA: on the stream synchronized with it)
+    wait_s: float = 0.0  # host time blocked in finish(); on CUDA finish() blocks nothing and records() derives it
     work: object = None  # the future of the all-reduce followed by the averaging
     wire: torch.Tensor | None = None  # what goes on the wire: the buffer itself, or its cast to the wire dtype
     seen: set = field(default_factory=set)
-
-
-def now() -> float:
-    return time.perf_counter()
 
 
 class Reducer:
@@ -54,10 +51,11 @@ class Reducer:
         self.named_params, self.world, self.overlap = named_params, world_size, overlap
         self.groups, self.default_group = groups or {}, default_group
         self.armed = False  # the current backward synchronizes (set at forward, outside no_sync)
-        self.backward_t: float | None = None
-        self.wait_t: float | None = None
+        self.backward_t: Stamp | None = None
+        self.wait_t: Stamp | None = None
         self.observed: list[str] = []  # parameter names in the order their gradients became ready
         self._next = 0  # the next bucket to launch
+        self.device = next(iter(named_params.values())).device if named_params else None
         self._layout(buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(self._ready_hook(name))
                        for name, p in named_params.items() if p.requires_grad]
@@ -123,7 +121,7 @@ class Reducer:
 
     def mark_backward_start(self) -> None:
         if self.armed and self.backward_t is None:
-            self.backward_t = now()
+            self.backward_t = stamp(self.device)
 
     # -- during backward --------------------------------------------------------------------------------------
 
@@ -138,7 +136,7 @@ class Reducer:
             self.observed.append(name)
             st.pending -= 1
             if st.pending == 0:
-                st.ready_t = now()
+                st.ready_t = stamp(self.device)
                 if self.overlap:
                     self._launch_ready()
 
@@ -151,7 +149,7 @@ class Reducer:
             self._next += 1
 
     def _launch(self, st: _BucketState) -> None:
-        st.launch_t = now()
+        st.launch_t = stamp(self.device)
         wire_dtype = st.bucket.settings.torch_wire_dtype
         if wire_dtype == st.buffer.dtype:
             st.wire = st.buffer  # in place: the gradients themselves go on the wire
@@ -167,13 +165,18 @@ class Reducer:
         # on CPU that is the idle tail of the backward; `finish()` waits for the chained future.
         st.work = fut.then(lambda fut, st=st: self._averaged(st, fut))
 
-    def _averaged(self, st: _BucketState, fut) -> None:
-        st.complete_t = now()
+    def _averaged(self, st: _BucketState, fut) -> torch.Tensor:
+        st.complete_t = stamp(self.device)
         fut.value()  # re-raises a failed collective
         if st.wire is not st.buffer:
             st.buffer.copy_(st.wire)
         if st.wire is st.buffer or st.wire.dtype != torch.float16:
             st.buffer.div_(self.world)  # sum, then divide: the reference's order of operations
+        # On CUDA the callback runs on a side stream synchronized with the collective, and its copy and division
+        # are asynchronous there. Returning the buffer makes the chained future carry it, so `wait()` orders the
+        # caller's stream after them; returning nothing left the optimizer reading half-averaged gradients
+        # (seen on an H200: the benchmark's reducer path #wrong at every size).
+        return st.buffer
 
     # -- wait -------------------------------------------------------------------------------------------------
 
@@ -182,29 +185,42 @@ class Reducer:
         bucket to be all-reduced, averaged and cast back. The time blocked per bucket is its exposed time."""
         if not self.armed:  # no synchronized forward since the last finish: reduce what there is
             self.prepare(True)
-        self.wait_t = now()
+        self.wait_t = stamp(self.device)
         for st in self.buckets[self._next:]:
             self._launch(st)
         self._next = len(self.buckets)
         for st in self.buckets:
-            t0 = now()
-            st.work.wait()
-            st.wait_s = now() - t0
+            t0 = stamp()
+            st.work.wait()  # on CUDA: the current stream waits for the bucket; the host goes on
+            st.wait_s = stamp().host - t0.host
         self.armed = False
 
     def records(self) -> list[dict]:
         """One record per bucket for the step just finished; times in ms from the start of the backward."""
         starts = [st.ready_t for st in self.buckets if st.ready_t is not None]
-        t0 = self.backward_t or (min(starts) if starts else self.wait_t)
+        t0 = self.backward_t or (min(starts, key=lambda s: s.host) if starts else self.wait_t)
 
         def ms(t):
-            return None if t is None or t0 is None else round((t - t0) * 1000, 3)
+            v = ms_between(t0, t)
+            return None if v is None else round(v, 3)
 
-        return [{"bucket": st.bucket.index, "class": st.bucket.tensor_class, "dtype": str(st.buffer.dtype)[6:],
-                 "wire_dtype": st.bucket.settings.wire_dtype, "tensors": len(st.params), "numel": st.bucket.numel,
-                 "bytes": st.bucket.nbytes, "ready_ms": ms(st.ready_t), "launch_ms": ms(st.launch_t),
-                 "complete_ms": ms(st.complete_t), "wait_start_ms": ms(self.wait_t),
-                 "wait_ms": round(st.wait_s * 1000, 3)} for st in self.buckets]
+        wait_start = ms(self.wait_t)
+        on_gpu = self.wait_t is not None and self.wait_t.event is not None
+        reached = wait_start  # on CUDA: how far the caller's stream has waited, bucket by bucket in finish()'s order
+        out = []
+        for st in self.buckets:
+            complete = ms(st.complete_t)
+            if on_gpu and complete is not None and reached is not None:
+                wait_ms = round(max(0.0, complete - reached), 3)  # blocked on this bucket after the ones before
+                reached = max(reached, complete)
+            else:
+                wait_ms = round(st.wait_s * 1000, 3)
+            out.append({"bucket": st.bucket.index, "class": st.bucket.tensor_class, "dtype": str(st.buffer.dtype)[6:],
+                        "wire_dtype": st.bucket.settings.wire_dtype, "tensors": len(st.params),
+                        "numel": st.bucket.numel, "bytes": st.bucket.nbytes, "ready_ms": ms(st.ready_t),
+                        "launch_ms": ms(st.launch_t), "complete_ms": complete, "wait_start_ms": wait_start,
+                        "wait_ms": wait_ms})
+        return out
 
 
 def allreduce_each(grads: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:

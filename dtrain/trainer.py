@@ -19,6 +19,7 @@ from analysis.profiling import StepProfiler
 from analysis.telemetry import Telemetry
 from collectives import nccl
 from collectives.sync import attach
+from collectives.timing import ms_between, stamp
 from dtrain import checkpoint
 from dtrain import dist as ddist
 from dtrain.config import RunConfig
@@ -156,7 +157,8 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over `accum_steps` micro-batches; returns the step record."""
         t = self.cfg.train
-        times = dict(data=0.0, forward=0.0, backward=0.0)
+        times = dict(data=0.0, forward=0.0)
+        backward_spans = []  # (start, end) stamps per micro-batch, read after the step (on CUDA, from events)
         loss_sum, ntokens = 0.0, 0
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if t.amp == "bf16" else nullcontext()
         self.model.train()
@@ -176,19 +178,23 @@ class Trainer:
                     loss = self.criterion(logits, batch.tgt_out)  # summed over target tokens
                 self._sync_device()
                 t2 = time.perf_counter()
+                b0 = stamp(self.device)
                 (loss / (batch.ntokens * t.accum_steps)).backward()
-                self._sync_device()
-                t3 = time.perf_counter()
+                b1 = stamp(self.device)  # on CUDA: behind the backward kernels, not behind the collectives
+                if not last:
+                    self._sync_device()
+                # No device sync before wait(): it would also wait for the collectives and hide them in backward.
             times["data"] += t1 - t0
             times["forward"] += t2 - t1
-            times["backward"] += t3 - t2
+            backward_spans.append((b0, b1))
             loss_sum += loss.item()
             ntokens += batch.ntokens
         if poison is not None:
             poison.remove()
-        t4 = time.perf_counter()
         self.phase = "gradient synchronization (wait)"
+        w0 = stamp(self.device)
         self.sync.wait()
+        w1 = stamp(self.device)  # on CUDA: the current stream has waited for every bucket by here
         self._sync_device()
         t5 = time.perf_counter()
         self.phase = "optimizer step"
@@ -208,10 +214,11 @@ class Trainer:
         self.step += 1
         self.bad_steps = 0 if finite else self.bad_steps + 1
         ms = lambda s: round(s * 1000, 3)  # noqa: E731
+        backward_ms = sum(ms_between(a, b) for a, b in backward_spans)
         return {"step": self.step, "epoch": self.stream.epoch, "loss": loss_sum / max(ntokens, 1),
                 "tokens": ntokens, "lr": lr, "grad_norm": float(grad_norm), "skipped": not finite,
-                "data_ms": ms(times["data"]), "forward_ms": ms(times["forward"]), "backward_ms": ms(times["backward"]),
-                "comm_exposed_ms": ms(t5 - t4), "optimizer_ms": ms(t6 - t5),
+                "data_ms": ms(times["data"]), "forward_ms": ms(times["forward"]), "backward_ms": round(backward_ms, 3),
+                "comm_exposed_ms": round(ms_between(w0, w1), 3), "optimizer_ms": ms(t6 - t5),
                 "step_ms": ms(t6 - t_step), "time": round(time.time(), 3)}
 
     @torch.no_grad()
@@ -307,6 +314,11 @@ class Trainer:
         summary = {"steps": self.step, "steps_this_run": self.step - start_step, "recomputed": self.recomputed,
                    "train_s": round(train_s, 1),
                    "val_nll": round(val["val_nll"], 4)}
+        if self.main and cfg.collectives.parse_log:
+            # NCCL's own TUNING lines against the bucket plan: did each class's buckets get the requested choice?
+            checked = nccl.verify_run(cfg, self.run_dir)  # writes <run>/nccl_check.txt; None without NCCL logs
+            if checked is not None:
+                summary["nccl_buckets_off_choice"] = len(checked["mismatches"])
         if t.average_last > 1:
             self._average()
         if cfg.eval.at_end and self.sync.communicates:

@@ -108,3 +108,42 @@ def test_verify_run_writes_its_check(tmp_path):
     assert result["decisions"] == 16 and [m["class"] for m in result["mismatches"]] == ["embedding"]
     assert "observed Ring/LL128" in (run / "nccl_check.txt").read_text()
     assert json.dumps(result)  # fit for a run summary
+
+
+def recorded_run(tmp_path):
+    """A run directory as the trainer leaves it: rank 0's NCCL log (ENV and TUNING lines recorded on an H200, NCCL
+    2.28.9, two ranks as two NCCL hosts, profiles/per_group.yaml with the projections on Simple) and the bucket plan
+    of its first step."""
+    (tmp_path / "nccl-logs").mkdir()
+    (tmp_path / "nccl-logs" / "nccl.vm.516.log").write_text((DATA / "h200_per_class_2.28.9.log").read_text())
+    (tmp_path / "buckets.jsonl").write_text((DATA / "h200_per_class_buckets.jsonl").read_text())
+    return tmp_path
+
+
+def test_a_recorded_h200_run_is_on_its_requested_choices(tmp_path):
+    nccl.reset()  # no applied plan in this process: the logs are found in <run>/nccl-logs
+    cfg = config.load(REPO / "profiles" / "per_group.yaml",
+                      ["collectives.parse_log=true", "collectives.classes.projection.proto=Simple"])
+    result = nccl.verify_run(cfg, recorded_run(tmp_path))
+    assert result["mismatches"] == [] and result["decisions"] > 78
+    text = (tmp_path / "nccl_check.txt").read_text()
+    assert "every bucket on its requested choice" in text
+    assert "NCCL_PROTO=allreduce:LL" in text and "NCCL_HOSTID=rank0" in text  # the ENV lines NCCL honoured
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("embedding", "norm_bias"))}
+    assert rows["embedding"][2:5] == ["16384000", "Ring", "Simple"] and rows["norm_bias"][2:5] == ["393216", "Ring", "LL"]
+
+
+def test_the_same_log_against_the_profile_that_asked_for_LL_lists_every_projection_bucket(tmp_path):
+    nccl.reset()
+    cfg = config.load(REPO / "profiles" / "per_group.yaml", ["collectives.parse_log=true"])  # projection: LL
+    result = nccl.verify_run(cfg, recorded_run(tmp_path))
+    assert len(result["mismatches"]) == 72 and {m["class"] for m in result["mismatches"]} == {"projection"}
+    assert "72 bucket(s) not on the requested choice" in (tmp_path / "nccl_check.txt").read_text()
+
+
+def test_no_check_without_parse_log_or_logs(tmp_path):
+    nccl.reset()
+    cfg = config.load(REPO / "profiles" / "per_group.yaml")
+    assert nccl.verify_run(cfg, recorded_run(tmp_path)) is None  # parse_log off
+    cfg = config.load(REPO / "profiles" / "per_group.yaml", ["collectives.parse_log=true"])
+    assert nccl.verify_run(cfg, tmp_path / "elsewhere") is None and not (tmp_path / "elsewhere").exists()

@@ -93,6 +93,20 @@ def test_records_tell_bytes_class_and_timeline(one_rank):
     assert stats["strategy"] == "bucketed" and stats["buckets"] == len(recs) and stats["lossless"]
 
 
+def test_each_buckets_completion_future_carries_its_averaged_buffer(one_rank):
+    """On CUDA, `wait()` on a chained future orders the caller's stream only after the tensors in its value; the
+    averaging runs asynchronously on the callback's stream, so the buffer must be that value (a callback returning
+    None let the benchmark read unaveraged sums on an H200). The value is the same object on every backend."""
+    model = verify.tiny_model()
+    handle = attach(model, SyncConfig(strategy="bucketed", bucket_cap_mb=0.01))
+    for s in range(2):  # the second: the first step's re-plan replaces the bucket states
+        step(handle, model, step_no=s)
+        model.zero_grad(set_to_none=True)
+    assert len(handle.reducer.buckets) > 3
+    for st in handle.reducer.buckets:
+        assert st.work.value() is st.buffer
+
+
 def test_flat_launches_at_wait_and_replanning_follows_the_observed_order(one_rank):
     model = verify.tiny_model()
     flat = attach(model, SyncConfig(strategy="flat"))

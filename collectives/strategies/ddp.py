@@ -8,7 +8,6 @@ is timed from the hook (ready = launch, complete = the hook's future).
 from __future__ import annotations
 
 import inspect
-import time
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from collectives import tensor_classes as tc
 from collectives.strategies import register
 from collectives.sync import GradSync
+from collectives.timing import Stamp, ms_between, stamp
 
 _HOOKS = {
     "allreduce": default_hooks.allreduce_hook,
@@ -58,7 +58,8 @@ class DDPSync(GradSync):
         self.names = {p: n for n, p in model.named_parameters()}
         self.class_of = tc.from_config(cfg).assign(model.named_parameters())
         self._records: list[dict] = []
-        self._backward_t: float | None = None
+        self._backward_t: Stamp | None = None
+        self.device = next(model.parameters()).device
         self._layout: list[dict] | None = None  # built-in all-reduce: DDP's buckets, from its logging data
         self._layout_final = False
         self._inflight = None  # the previous bucket's future, for serialize_buckets
@@ -82,16 +83,16 @@ class DDPSync(GradSync):
 
     def _mark_backward_start(self, module, inputs, out):
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad: setattr(self, "_backward_t", time.perf_counter()))
+            out.register_hook(lambda grad: setattr(self, "_backward_t", stamp(self.device)))
 
     def _timed(self, hook):
         """Wrap a stock comm hook so that each bucket leaves a record (the hook itself runs unchanged)."""
 
         def timed(state, bucket):  # no annotations: DDP checks them, and they would be strings here
-            t = time.perf_counter()
+            t = stamp(self.device)
             if self.serialize_buckets and self._inflight is not None:
                 self._inflight.wait()
-            t_launch = time.perf_counter()
+            t_launch = stamp(self.device)
             names = [self.names[p] for p in bucket.parameters()]
             classes = {self.class_of[n] for n in names}
             buffer = bucket.buffer()  # (numel,) the flat bucket DDP copied the gradients into
@@ -102,7 +103,7 @@ class DDPSync(GradSync):
             self._records.append(rec)
 
             def done(fut):
-                rec["_complete"] = time.perf_counter()
+                rec["_complete"] = stamp(self.device)  # on CUDA: on the stream synchronized with the collective
                 return fut.value()
 
             fut = hook(state, bucket)
@@ -123,7 +124,8 @@ class DDPSync(GradSync):
         t0 = self._backward_t
 
         def ms(t):
-            return None if t is None or t0 is None else round((t - t0) * 1000, 3)
+            v = ms_between(t0, t)
+            return None if v is None else round(v, 3)
 
         for rec in self._records:
             ready, launch, complete = rec.pop("_ready"), rec.pop("_launch"), rec.pop("_complete")

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The one-GPU check: everything dtrain can show on a single CUDA GPU in a few minutes, written under one folder.
+#
+#   DTRAIN_DATA_DIR=/path/to/data bash benchmarks/gpu_check.sh runs/gpu-check
+#
+# 1. facts: the GPU, torch, NCCL.
+# 2. `collectives.nccl gpu-check`: two NCCL ranks on the one GPU, each its own NCCL host (nccl-facts §6), per-class
+#    protocol/algorithm forced per communicator (per_group) and by dtrain's tuner plugin; NCCL's own TUNING log lines
+#    parsed and checked against the requested choice.
+# 3. Two-rank NCCL training of the base Transformer on the one GPU (bf16 autocast): per_class with per-class NCCL
+#    settings (per_group) and the log check against the bucket plan (nccl_check.txt), then bucketed; GPU telemetry
+#    in the step records, bucket timelines from CUDA events.
+# 4. CUDA training steps on one rank, checkpoint averaging, beam search and sacreBLEU on test 2016.
+# 5. `collectives.bench` over the two ranks with NCCL's pick (NCCL_DEBUG=INFO), two-rank ddp training, then the
+#    bench with NCCL_PROTO forced to LL, LL128, Simple (socket transport: the network path's bandwidth, not NVLink's).
+# Each part has its own time limit and the script goes on after a failed part; the exit status counts the failures.
+set -uf  # -f: the part patterns below are not file globs
+OUT_DIR=${1:-runs/gpu-check}
+STEPS=${GPU_CHECK_STEPS:-200}        # one-rank training steps
+STEPS2=${GPU_CHECK_STEPS2:-60}       # two-rank training steps per strategy
+DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-420}))  # every part ends by then: a lease's command limit is hard
+EXTRA=${GPU_CHECK_SET:-}             # more --set overrides for every training part (a CPU rehearsal: backend gloo)
+PARTS=${GPU_CHECK_PARTS:-*}          # which parts run: shell patterns, e.g. "facts bench-* train-2rank-*"
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+failures=0
+part() {  # part NAME LIMIT_S CMD...: run one part, its output into NAME.log and onto the terminal
+    local name=$1 limit=$2 pattern selected=""; shift 2
+    for pattern in $PARTS; do [[ $name == $pattern ]] && selected=1; done
+    [ -n "$selected" ] || return 0
+    local left=$((DEADLINE - SECONDS - 10))
+    if [ "$left" -lt 20 ]; then echo "=== $name: skipped, the budget is spent"; failures=$((failures + 1)); return; fi
+    [ "$limit" -le "$left" ] || limit=$left
+    echo "=== $name ($(date +%T), limit ${limit}s): $*"
+    local t0=$SECONDS
+    # bash -c: `timeout` runs programs, and two_ranks is a function (exported below); timeout signals the whole
+    # process group, so both torchruns of a stuck two-rank part go too.
+    timeout --kill-after=10 "$limit" bash -c '"$@"' part "$@" >"$OUT_DIR/$name.log" 2>&1
+    local rc=$?
+    tail -n "${GPU_CHECK_TAIL:-25}" "$OUT_DIR/$name.log"
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+    [ "$rc" -eq 0 ] || failures=$((failures + 1))
+}
+two_ranks() {  # two_ranks PORT ARGS...: `torchrun -m ARGS` as two one-rank "nodes" on the one GPU (nccl-facts §6)
+    local port=$1; shift
+    local pids=() rc=0
+    for node in 0 1; do
+        NCCL_HOSTID="rank$node" NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 \
+            torchrun --nnodes 2 --node_rank "$node" --nproc_per_node 1 --master_addr 127.0.0.1 \
+            --master_port "$port" "$@" &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+    return $rc
+}
+export -f two_ranks
+
+part facts 40 bash -c 'nvidia-smi; python3 -c "import torch; print(\"torch\", torch.__version__, \"cuda\",
+    torch.version.cuda, \"nccl\", torch.cuda.nccl.version(), torch.cuda.get_device_name(0))"; nproc'
+
+# Most telling first: a short budget still shows per-class NCCL on real communicators and real training steps.
+part nccl-gpu-check 90 python3 -m collectives.nccl gpu-check --out "$OUT_DIR/nccl-gpu-check"
+
+TRAIN="--set data.vocab_size=8000 --set train.amp=bf16 --set train.log_every=20 $EXTRA"
+NOEVAL="--set train.max_steps=$STEPS2 --set train.ckpt_every=100000 --set eval.at_end=false"
+# profiles/per_group.yaml is for NVLink; over the socket transport its LL on 1 MiB projection buckets costs ~2.5 s
+# a step (LL moves ~0.03 GB/s there: see bench-LL), so the projections go on Simple here and the rest stays.
+part train-2rank-per_class 100 two_ranks 29614 -m dtrain.train --profile profiles/per_group.yaml $TRAIN \
+    --set collectives.parse_log=true --set collectives.classes.projection.proto=Simple $NOEVAL \
+    --run-dir "$OUT_DIR/train-2rank-per_class"
+part train-2rank-bucketed 100 two_ranks 29615 -m dtrain.train --profile profiles/base.yaml $TRAIN \
+    --set sync.strategy=bucketed $NOEVAL --run-dir "$OUT_DIR/train-2rank-bucketed"
+part train-1rank 120 python3 -m dtrain.train --profile profiles/base.yaml $TRAIN --set train.max_steps="$STEPS" \
+    --set train.ckpt_every=100 --set train.average_last=2 --set eval.batch_size=256 --run-dir "$OUT_DIR/train-1rank"
+
+BENCH="-m collectives.bench -b 8 -e ${GPU_CHECK_MAXBYTES:-256M} -f 4 -n 10"
+NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV,TUNING NCCL_DEBUG_FILE="$OUT_DIR/bench-nccl.%h.%p.log" \
+    part bench-nccl-pick 75 two_ranks 29611 $BENCH --path all --json "$OUT_DIR/bench.json" --csv "$OUT_DIR/bench.csv"
+part train-2rank-ddp 100 two_ranks 29613 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+    --run-dir "$OUT_DIR/train-2rank-ddp"
+port=29620
+for proto in LL LL128 Simple; do
+    port=$((port + 1))
+    NCCL_PROTO=$proto part "bench-$proto" 50 two_ranks $port $BENCH --path raw --json "$OUT_DIR/bench-$proto.json"
+done
+
+echo "=== done ($(date +%T)): $failures part(s) failed"
+exit "$failures"
