@@ -362,8 +362,12 @@ class Prediction:
     communicates: bool = True
     measured_step_ms: float | None = None
     measured_exposed_ms: float | None = None
-    measured_ci: tuple[float, float] | None = None  # ~95% interval of the measured median
+    measured_ci: tuple[float, float] | None = None  # interval of the measured median (see `measured_runs`)
     measured_optimizer_ms: float | None = None  # the optimizer step: compute only, a probe of the machine's speed
+    measured_runs: int = 0
+    speed: float | None = None  # median over its runs of (run's forward / profiled run's forward): machine speed
+    adjusted_step_ms: float | None = None  # measured, each run scaled to the profiled run's machine speed
+    adjusted_ci: tuple[float, float] | None = None
     run: str | None = None
 
     @property
@@ -428,39 +432,69 @@ def median_ci(values: list[float], z: float = 1.96) -> tuple[float, float]:
     return v[max(0, math.floor(n / 2 - half))], v[min(n - 1, math.ceil(n / 2 + half) - 1)]
 
 
+def run_level(values: list[float]) -> tuple[float, tuple[float, float]]:
+    """The median of per-run medians and its interval: the lowest to the highest run median. With repeats, runs
+    are the independent units: steps of one run share the machine's state of those minutes (this machine's speed
+    drifts by 20-30 % over minutes), so intervals from pooled steps would be far too narrow. For n runs the range
+    holds the true median with probability 1 - 2·0.5^n (75 % for 3, 94 % for 5)."""
+    return statistics.median(values), (min(values), max(values))
+
+
 def measured_runs(paths: list[str], prof_run: Run, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration,
                   warmup: int | None) -> list[Prediction]:
     """For each measured configuration: the median steady step and exposed time, next to the prediction for its own
     configuration (same strategy, caps and classes) replayed on the profiled step. Runs of the same resolved profile
-    (repeats, e.g. the rounds of a sweep run twice into two folders) are pooled: one median over all their steps."""
+    (repeats, e.g. the rounds of a sweep run into several folders) are taken together: the median of their run
+    medians, with the range of run medians as its interval (`run_level`); one run: its steps' median and the order-
+    statistics interval.
+
+    Each is also given speed-adjusted: every run's step time scaled by the profiled run's median forward over its
+    own. The forward pass does identical work under every strategy (same seed, same batches, no communication), so
+    that ratio is the machine's speed during the run relative to the profiled run; the adjusted figure asks whether
+    the model is right about communication and overlap when the machine's drift is taken out. It is a correction of
+    the measurement, labelled as such, not a fit: nothing in the model changes."""
     groups: dict[str, list[Run]] = {}
     for p in paths:
         run = load_run(p)
         groups.setdefault(run.cfg.config_hash(), []).append(run)
+    ref_forward = statistics.median(s["forward_ms"] for s in steady_steps(prof_run, warmup))
     out = []
     for runs in groups.values():
         cfg = runs[0].cfg
-        steady = [s for run in runs for s in steady_steps(run, warmup)]
-        step_ms = [s["step_ms"] for s in steady]
+        per_run = [steady_steps(run, warmup) for run in runs]
         cap = cfg.sync.bucket_cap_mb
         pred = predict(cfg, prof, curve, model, calib, runs[0].strategy, cap, prof_run.vocab)
         pred.cap_mb = cap if runs[0].strategy in CAPPED else None
-        pred.measured_step_ms = statistics.median(step_ms)
-        pred.measured_ci = median_ci(step_ms)
+        medians = [statistics.median(s["step_ms"] for s in steady) for steady in per_run]
+        speeds = [statistics.median(s["forward_ms"] for s in steady) / ref_forward for steady in per_run]
+        adjusted = [m / k for m, k in zip(medians, speeds)]
+        if len(runs) > 1:
+            pred.measured_step_ms, pred.measured_ci = run_level(medians)
+            pred.adjusted_step_ms, pred.adjusted_ci = run_level(adjusted)
+        else:
+            steps = [s["step_ms"] for s in per_run[0]]
+            pred.measured_step_ms, pred.measured_ci = statistics.median(steps), median_ci(steps)
+            pred.adjusted_step_ms = adjusted[0]
+            pred.adjusted_ci = tuple(v / speeds[0] for v in pred.measured_ci)
+        pred.speed = statistics.median(speeds)
+        pred.measured_runs = len(runs)
+        steady = [s for rows in per_run for s in rows]
         pred.measured_exposed_ms = statistics.median(s.get("comm_exposed_ms", 0.0) for s in steady)
         pred.measured_optimizer_ms = statistics.median(s["optimizer_ms"] for s in steady)
-        pred.run = str(runs[0].path) if len(runs) == 1 else f"{len(runs)} runs pooled: " + ", ".join(
+        pred.run = str(runs[0].path) if len(runs) == 1 else f"{len(runs)} runs: " + ", ".join(
             str(r.path) for r in runs)
         out.append(pred)
     return out
 
 
 def speed_probe(prof: StepProfile, measured: list[Prediction]) -> str:
-    """The optimizer step does the same local compute under every strategy: when its time differs between the
-    profiled step and the measured runs, the machine's speed changed between them, and that shows up as error."""
+    """Forward and optimizer do the same local compute under every strategy: when their time differs between the
+    profiled run and the measured runs, the machine's speed changed between them, and that shows up as error."""
     opt = [r.measured_optimizer_ms for r in measured]
-    return (f"machine-speed probe (the optimizer step, compute only): profiled {prof.optimizer_ms:.1f} ms, measured "
-            f"configurations {min(opt):.1f}-{max(opt):.1f} ms (median each); a drift in the machine's speed between "
+    speeds = [r.speed for r in measured if r.speed is not None]
+    return (f"machine-speed probes (compute only, the same work in every run): optimizer step profiled "
+            f"{prof.optimizer_ms:.1f} ms, measured configurations {min(opt):.1f}-{max(opt):.1f} ms; forward relative "
+            f"to the profiled run's {min(speeds):.2f}-{max(speeds):.2f}x; a drift in the machine's speed between "
             "the runs shows up as prediction error")
 
 
@@ -482,18 +516,23 @@ class Ranking:
 PREDICTED_TIE = 0.005  # relative
 
 
-def ranking(rows: list[Prediction]) -> Ranking:
-    m = [r for r in rows if r.measured_step_ms is not None]
+def ranking(rows: list[Prediction], adjusted: bool = False) -> Ranking:
+    """Pairwise order of predictions against the measured medians (or the speed-adjusted ones)."""
+    def value(r):
+        return (r.adjusted_step_ms, r.adjusted_ci) if adjusted else (r.measured_step_ms, r.measured_ci)
+
+    m = [r for r in rows if value(r)[0] is not None]
     pairs, ties, bad = 0, 0, []
     for i, a in enumerate(m):
         for b in m[i + 1:]:
             pairs += 1
-            lo_a, hi_a = a.measured_ci or (a.measured_step_ms,) * 2
-            lo_b, hi_b = b.measured_ci or (b.measured_step_ms,) * 2
+            (va, ci_a), (vb, ci_b) = value(a), value(b)
+            lo_a, hi_a = ci_a or (va, va)
+            lo_b, hi_b = ci_b or (vb, vb)
             if (lo_a <= hi_b and lo_b <= hi_a) or abs(a.step_ms - b.step_ms) <= PREDICTED_TIE * min(a.step_ms,
                                                                                                     b.step_ms):
                 ties += 1
-            elif (a.step_ms < b.step_ms) != (a.measured_step_ms < b.measured_step_ms):
+            elif (a.step_ms < b.step_ms) != (va < vb):
                 bad.append((a.label, b.label))
     return Ranking(pairs, ties, bad)
 
@@ -570,20 +609,40 @@ def paper_profile(topo: cm.Topology, vocab: int = 37000, mfu: float = 0.3) -> tu
 # Command line
 
 
+def _error_pct(predicted: float, measured: float) -> float:
+    return 100 * (predicted - measured) / measured
+
+
+def _summary(m: list[Prediction], adjusted: bool) -> list[str]:
+    values = [r.adjusted_step_ms if adjusted else r.measured_step_ms for r in m]
+    errs = [abs(_error_pct(r.step_ms, v)) for r, v in zip(m, values)]
+    rk = ranking(m, adjusted)
+    what = ("speed-adjusted (each run scaled to the profiled run's machine speed by its forward time)" if adjusted
+            else "against measurement")
+    out = [f"# {what}: max |err| {max(errs):.1f}% (mean {statistics.mean(errs):.1f}%), same ranking: "
+           f"{'yes' if rk.agrees else 'no'} ({rk.pairs} pairs, {rk.ties} ties: measured intervals overlap or "
+           f"predictions within {PREDICTED_TIE:.1%})"]
+    out += [f"#   ordered differently: {a} vs {b}" for a, b in rk.discordant]
+    return out
+
+
 def format_rows(rows: list[Prediction], header: list[str]) -> str:
     lines = [f"# {h}" for h in header]
     has_meas = any(r.measured_step_ms is not None for r in rows)
     head = (f"{'strategy':>16} {'buckets':>7} {'comm ms':>9} {'exposed ms':>10} {'step ms':>9}")
     if has_meas:
-        head += f" {'meas. step':>10} {'95% CI of median':>17} {'err %':>6} {'meas. exp.':>10}  run"
+        head += (f" {'meas. step':>10} {'interval':>9} {'err %':>6} {'meas. exp.':>10} {'speed':>5} "
+                 f"{'adj. step':>9} {'adj. int.':>9} {'err %':>6}  runs")
     lines.append(head + "   (modeled)")
     for r in rows:
         ln = f"{r.label:>16} {r.buckets:>7} {r.comm_ms:9.2f} {r.exposed_ms:10.2f} {r.step_ms:9.2f}"
         if r.measured_step_ms is not None:
-            err = 100 * (r.step_ms - r.measured_step_ms) / r.measured_step_ms
             lo, hi = r.measured_ci or (r.measured_step_ms,) * 2
-            ln += (f" {r.measured_step_ms:10.2f} {f'{lo:.0f}-{hi:.0f}':>17} {err:6.1f} {r.measured_exposed_ms:10.2f}"
-                   f"  {r.run}")
+            alo, ahi = r.adjusted_ci or (r.adjusted_step_ms,) * 2
+            ln += (f" {r.measured_step_ms:10.2f} {f'{lo:.0f}-{hi:.0f}':>9} "
+                   f"{_error_pct(r.step_ms, r.measured_step_ms):6.1f} {r.measured_exposed_ms:10.2f} {r.speed:5.2f} "
+                   f"{r.adjusted_step_ms:9.2f} {f'{alo:.0f}-{ahi:.0f}':>9} "
+                   f"{_error_pct(r.step_ms, r.adjusted_step_ms):6.1f}  {r.run}")
         if not r.lossless:
             ln += "  (lossy)" if r.communicates else "  (no communication: headroom only)"
         lines.append(ln)
@@ -593,13 +652,9 @@ def format_rows(rows: list[Prediction], header: list[str]) -> str:
         lines.append(f"# best lossless choice (modeled): {best.label}, {best.step_ms:.2f} ms per step")
     if has_meas:
         m = [r for r in rows if r.measured_step_ms is not None]
-        errs = [abs(r.step_ms - r.measured_step_ms) / r.measured_step_ms * 100 for r in m]
-        rk = ranking(m)
-        lines.append(f"# against measurement: max |err| {max(errs):.1f}% (mean {statistics.mean(errs):.1f}%), same "
-                     f"ranking: {'yes' if rk.agrees else 'no'} ({rk.pairs} pairs, {rk.ties} ties: measured medians' "
-                     f"95% intervals overlap or predictions within {PREDICTED_TIE:.1%})")
-        for a, b in rk.discordant:
-            lines.append(f"#   ordered differently: {a} vs {b}")
+        lines.append("# interval: the range of run medians with repeated runs, else the ~95% order-statistics "
+                     "interval of one run's median; speed: the run's forward time over the profiled run's")
+        lines += _summary(m, adjusted=False) + _summary(m, adjusted=True)
     return "\n".join(lines)
 
 
@@ -672,8 +727,9 @@ def _main(args) -> None:
     if args.json:
         doc = {"modeled": True, "notes": header, "rows": [dict(vars(r), label=r.label) for r in rows]}
         if any(r.measured_step_ms is not None for r in rows):
-            rk = ranking(rows)
-            doc["ranking"] = dataclasses.asdict(rk) | {"agrees": rk.agrees}
+            for key, adjusted in (("ranking", False), ("ranking_adjusted", True)):
+                rk = ranking(rows, adjusted)
+                doc[key] = dataclasses.asdict(rk) | {"agrees": rk.agrees}
         print(json.dumps(doc, indent=1))
     else:
         print(format_rows(rows, header))

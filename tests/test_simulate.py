@@ -145,22 +145,41 @@ def test_measured_runs_line_up_with_predictions(tmp_path, capsys):
     bench.write_text("path,size,count,type,redop,time_us,algbw,busbw,wrong\n"
                      + "".join(f"out-of-place,{s},{s // 4},float,sum,{1000 + s / 1000},0,0,0\n"
                                for s in (1024, 65536, 1 << 20, 1 << 24)))
-    shutil.copytree(tmp_path / "a", tmp_path / "a-repeat")  # a second run of a's profile: pooled with it
+    shutil.copytree(tmp_path / "a", tmp_path / "a-repeat")  # a second run of a's profile: taken together with it
+    # ... on a machine 20% slower: every compute phase and the step take 1.2x as long.
+    steps = [json.loads(line) for line in (tmp_path / "a-repeat" / "steps.jsonl").read_text().splitlines()]
+    for st in steps:
+        for k in ("forward_ms", "step_ms"):
+            if k in st:
+                st[k] *= 1.2
+    (tmp_path / "a-repeat" / "steps.jsonl").write_text("".join(json.dumps(st) + "\n" for st in steps))
     sim.main(["--run", str(tmp_path / "a"), "--topology", f"local:{bench}", "--strategies", "flat,bucketed",
               "--bucket-sizes", "0.25", "--measured", str(tmp_path / "a"), str(tmp_path / "b"),
               str(tmp_path / "a-repeat"), "--json"])
     doc = json.loads(capsys.readouterr().out)
     measured = [r for r in doc["rows"] if r["measured_step_ms"] is not None]
     assert len(measured) == 2
-    assert measured[0]["run"].startswith("2 runs pooled: ") and "a-repeat" in measured[0]["run"]
+    a, b = measured
+    assert a["run"].startswith("2 runs: ") and "a-repeat" in a["run"] and a["measured_runs"] == 2
+    # Two runs: the median of the run medians, the range of run medians as its interval; the slow machine shows as
+    # a speed of 1.1 (median of 1.0 and 1.2) and the speed-adjusted figure is the fast run's again.
+    assert math.isclose(a["measured_step_ms"], 1.1 * median_step_ms(tmp_path / "a"), rel_tol=1e-6)
+    assert a["measured_ci"] == pytest.approx([median_step_ms(tmp_path / "a"), 1.2 * median_step_ms(tmp_path / "a")])
+    assert a["speed"] == pytest.approx(1.1) and a["adjusted_ci"] == pytest.approx([median_step_ms(tmp_path / "a")] * 2)
     for r in measured:
-        assert math.isclose(r["step_ms"], r["measured_step_ms"], rel_tol=0.01)
+        assert math.isclose(r["step_ms"], r["adjusted_step_ms"], rel_tol=0.01)
         lo, hi = r["measured_ci"]
         assert lo <= r["measured_step_ms"] <= hi
-    assert doc["ranking"]["pairs"] == 1 and doc["ranking"]["agrees"]
-    probe = next(n for n in doc["notes"] if n.startswith("machine-speed probe"))
+    assert b["speed"] == pytest.approx(1.0) and b["adjusted_step_ms"] == pytest.approx(b["measured_step_ms"])
+    assert doc["ranking"]["pairs"] == 1 and doc["ranking_adjusted"]["agrees"]
+    probe = next(n for n in doc["notes"] if n.startswith("machine-speed probes"))
     opt = sorted(r["measured_optimizer_ms"] for r in measured)
     assert f"measured configurations {opt[0]:.1f}-{opt[-1]:.1f} ms" in probe
+
+
+def median_step_ms(run_dir):
+    """The median steady step time of a run written by `_write_run`."""
+    return sim.statistics.median(s["step_ms"] for s in sim.steady_steps(sim.load_run(run_dir)))
 
 
 def test_median_ci_uses_order_statistics():
