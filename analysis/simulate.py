@@ -452,7 +452,9 @@ def measured_runs(paths: list[str], prof_run: Run, prof: StepProfile, curve: Rea
     own. The forward pass does identical work under every strategy (same seed, same batches, no communication), so
     that ratio is the machine's speed during the run relative to the profiled run; the adjusted figure asks whether
     the model is right about communication and overlap when the machine's drift is taken out. It is a correction of
-    the measurement, labelled as such, not a fit: nothing in the model changes."""
+    the measurement, labelled as such, not a fit: nothing in the model changes. It holds only where the forward pass
+    is untouched by the strategy: on a CPU machine whose speed drifts, yes; with two ranks time-slicing one GPU, no
+    (the other rank's collectives take the GPU's time slices, and the forward time then measures that)."""
     groups: dict[str, list[Run]] = {}
     for p in paths:
         run = load_run(p)
