@@ -149,7 +149,8 @@ _MULTI_NODE = {
 
 
 def preset_names() -> list[str]:
-    return list(_SINGLE_NODE) + [f"{n}:<nodes>" for n in _MULTI_NODE] + ["local:<fit.json | bench.csv | log>"]
+    return (list(_SINGLE_NODE) + [f"{n}:<nodes>" for n in _MULTI_NODE] + ["local:<fit.json | bench.csv | log>",
+                                                                          "nccl-log:<NCCL_DEBUG log>"])
 
 
 def topology(spec: str) -> Topology:
@@ -301,6 +302,91 @@ class NcclModel:
         return ["MODELED (not measured): NCCL 2.30 analytical cost model, Ring/Tree x LL/LL128/Simple only "
                 "(NVLS, CollNet, PAT not modeled)",
                 self.topo.describe()]
+
+
+class NcclTableModel:
+    """NCCL's own model of the machine it ran on: the latency/bandwidth table a communicator prints at init with
+    `NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING` (one row per collective, `lat/bw` per algorithm and protocol: µs and
+    GB/s of algorithm bandwidth; 0.0 bandwidth = disabled). Time = lat + bytes / (1000 · bw), with Tree's per-size
+    correction (facts §4). No preset's assumptions: channels and links are what NCCL's search found there. Not
+    applied: the multi-node Ring/Simple latency factor, which needs the channel count the table does not print."""
+
+    kind = "nccl-table"
+
+    def __init__(self, cells: dict[tuple[str, str, str], tuple[float, float]], ranks: int | None, name: str,
+                 source: str):
+        self.cells, self.ranks, self.name, self.source = cells, ranks, name, source
+
+    @classmethod
+    def from_log(cls, path: str | Path) -> "NcclTableModel":
+        """The first complete table in the log (the first communicator's; later ones may be restricted by a
+        per-communicator NCCL_PROTO/NCCL_ALGO) and the rank count from an INIT line, when there is one."""
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError as e:
+            raise UserError(f"{path}: cannot read NCCL log ({e.strerror})") from None
+        cells: dict[tuple[str, str, str], tuple[float, float]] = {}
+        algos: list[str] = []
+        source, ranks, done = None, None, False
+        for line in text.splitlines():
+            m = re.search(r"NCCL INFO comm \S+ rank \d+ nRanks (\d+)", line)
+            if m and ranks is None:
+                ranks = int(m.group(1))
+            m = re.match(r"(\S+)(?: \[\d+\])? NCCL INFO\s+(.*)$", line.strip())  # "host:pid:tid [dev] NCCL INFO"
+            if not m or "|" not in m.group(2) or done:
+                continue
+            who, (head, *rest) = m.group(1), [c.strip() for c in m.group(2).split("|")]
+            if source not in (None, who):
+                continue  # another process's table
+            if head == "Algorithm":
+                if cells and any(a in algos for a in ("Tree", "Ring")) and "Tree" in rest:
+                    done = True  # a second communicator's table begins
+                    continue
+                source, algos = who, [a for a in rest if a]
+            elif algos and head.lower() in COLLECTIVES:  # NCCL's row names: AllReduce, AllGather ...
+                values = [c for c in rest if c]
+                for i, cell in enumerate(values):
+                    lat, _, bw = cell.partition("/")
+                    if i // 3 < len(algos) and algos[i // 3] in ALGOS:
+                        cells[(head.lower(), algos[i // 3], PROTOS[i % 3])] = (float(lat), float(bw))
+        if not cells:
+            raise UserError(f"{path}: no NCCL tuning table found (rank 0 prints it, with NCCL_DEBUG=INFO "
+                            "NCCL_DEBUG_SUBSYS=TUNING or INIT,TUNING)")
+        return cls(cells, ranks, f"nccl-log:{path}", str(path))
+
+    def choice(self, nbytes: int, algo: str, proto: str, coll: str = "allreduce") -> Choice:
+        lat, bw = self.cells[(coll, algo, proto)]
+        if algo == "Tree" and nbytes >= 64:
+            k = int(math.log2(nbytes >> 6))
+            if k < len(TREE_CORRECTION[PROTOS.index(proto)]):
+                bw *= TREE_CORRECTION[PROTOS.index(proto)][k]
+        time = lat + nbytes / (1000.0 * bw)
+        algbw = nbytes / (1000.0 * time)
+        bus = algbw * bus_factor(coll, self.ranks) if self.ranks and self.ranks > 1 else algbw
+        return Choice(algo, proto, time, algbw, bus, lat, bw)
+
+    def choices(self, nbytes: int, coll: str = "allreduce") -> list[Choice]:
+        _check_coll(coll)
+        return [self.choice(nbytes, a, p, coll) for a in ALGOS for p in PROTOS
+                if self.cells.get((coll, a, p), (0.0, 0.0))[1] > 0]
+
+    def pick(self, nbytes: int, coll: str = "allreduce") -> Choice:
+        options = self.choices(nbytes, coll)
+        if not options:
+            raise UserError(f"{self.name}: NCCL's table enables no Ring/Tree choice for {coll}")
+        return min(options, key=lambda c: c.time_us)
+
+    def time_us(self, nbytes: int, coll: str = "allreduce", algo: str | None = None, proto: str | None = None
+                ) -> float:
+        cands = [c for c in self.choices(nbytes, coll)
+                 if (algo is None or c.algo == algo) and (proto is None or c.proto == proto)]
+        if not cands:
+            raise UserError(f"{self.name}: {algo or 'any'}/{proto or 'any'} is disabled in NCCL's table for {coll}")
+        return min(c.time_us for c in cands)
+
+    def header(self) -> list[str]:
+        return [f"MODELED (not measured): NCCL's own latency/bandwidth table as printed at init ({self.source}), "
+                f"{self.ranks or '?'} ranks; Ring/Tree x LL/LL128/Simple"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -705,7 +791,10 @@ def _regime_dict(r: Regime) -> dict:
 
 
 def load_model(spec: str):
-    """A topology preset's `NcclModel`, or `local:<file>`: a saved fit (JSON) or measurements fitted on the spot."""
+    """A topology preset's `NcclModel`; `local:<file>`: a saved fit (JSON) or measurements fitted on the spot;
+    `nccl-log:<file>`: NCCL's own table from a log (`NcclTableModel`)."""
+    if spec.startswith("nccl-log:"):
+        return NcclTableModel.from_log(spec.partition(":")[2])
     if spec.startswith("local:") or spec == "local":
         path = spec.partition(":")[2]
         if not path:
@@ -1039,7 +1128,7 @@ def pick_changes(doc: dict) -> list[tuple[int, str, str]]:
 def format_table(doc: dict) -> str:
     labels = [_label(c) for c in doc["rows"][0]["choices"]]
     lines = [f"# {n}" for n in doc["notes"]]
-    lines.append(f"# {doc['coll']}, {doc['ranks']} ranks; each cell: time(us) busbw(GB/s); pick = least modeled time")
+    lines.append(f"# {doc['coll']}, {doc['ranks'] or '?'} ranks; each cell: time(us) busbw(GB/s); pick = least modeled time")
     lines.append(f"{'size(B)':>12} {'':>5} " + " ".join(f"{lab:>16}" for lab in labels) + f"  {'pick':<12}")
     for r in doc["rows"]:
         cells = [f"{c['time_us']:9.1f} {c['busbw']:6.1f}" for c in r["choices"]]
@@ -1050,7 +1139,7 @@ def format_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def fit_report(ms: MeasurementSet, fm: FittedModel, preset: NcclModel | None = None) -> dict:
+def fit_report(ms: MeasurementSet, fm: FittedModel, preset=None) -> dict:
     """Per size: measured, fitted and (optionally) the preset's modeled time, with relative errors."""
     rows = []
     for m in sorted(ms.rows, key=lambda m: (m.label, m.size)):
@@ -1135,7 +1224,8 @@ def _cmd_fit(argv) -> None:
                  description="Fit latency/bandwidth per size regime (and per algo/proto when the log tells) to an "
                              "nccl-tests log or the project's benchmark CSV/JSON, with the error per size.")
     ap.add_argument("file")
-    ap.add_argument("--topology", help="also show a preset's modeled time and error per size")
+    ap.add_argument("--topology", help="also show a model's time and error per size: a preset, or nccl-log:<file> "
+                                       "(NCCL's own table)")
     ap.add_argument("--max-regimes", type=int, default=4)
     ap.add_argument("--out", help="save the fitted model as JSON (use it as --topology local:<file>)")
     ap.add_argument("--json", action="store_true")
@@ -1144,8 +1234,10 @@ def _cmd_fit(argv) -> None:
         raise UserError("--max-regimes must be >= 1")
     ms = read_measurements(args.file)
     fm = FittedModel.from_measurements(ms, name=f"local:{args.file}", max_regimes=args.max_regimes)
-    preset = NcclModel(topology(args.topology)) if args.topology else None
-    if preset is not None and ms.ranks and ms.ranks != preset.ranks:
+    if args.topology and args.topology.partition(":")[0] == "local":
+        raise UserError("fit --topology: compare against a preset or nccl-log:<file>, not another fit")
+    preset = load_model(args.topology) if args.topology else None
+    if preset is not None and ms.ranks and preset.ranks and ms.ranks != preset.ranks:
         print(f"# note: the measurements have {ms.ranks} ranks, {preset.name} has {preset.ranks}", file=sys.stderr)
     rep = fit_report(ms, fm, preset)
     if args.out:

@@ -257,3 +257,40 @@ def test_recommend_forces_a_protocol_only_where_measurements_beat_nccls_pick():
     # Under the analytic model alone NCCL's own pick is never beaten: nothing is forced.
     plain = cm.recommend(cfg, H100)
     assert all(r["recommended"] is None for r in plain["classes"]) and "collectives" not in plain["overlay"]
+
+
+# NCCL's own table, as rank 0 printed it on an H200 (NCCL 2.28.9; two ranks as two hosts over the socket transport)
+H200_LOG = DATA / "nccl" / "h200_per_class_2.28.9.log"
+
+
+def test_nccls_printed_table_is_read_from_a_recorded_log():
+    model = cm.load_model(f"nccl-log:{H200_LOG}")
+    assert isinstance(model, cm.NcclTableModel) and model.ranks is None  # this log has no INIT lines
+    assert model.cells[("allreduce", "Ring", "LL")] == (16.6, 0.6)
+    assert model.cells[("allreduce", "Ring", "Simple")] == (36.4, 1.2)
+    assert model.cells[("allreduce", "Tree", "LL")] == (16.8, 0.2)
+    # LL128 has bandwidth 0.0 over this network (disabled); the first table is used, not the later ones of the
+    # per-class communicators, whose NCCL_PROTO left only one protocol enabled.
+    assert {(c.algo, c.proto) for c in model.choices(1 << 20)} == {("Tree", "LL"), ("Tree", "Simple"),
+                                                                   ("Ring", "LL"), ("Ring", "Simple")}
+
+
+def test_nccl_table_times_and_the_pick_by_hand():
+    model = cm.NcclTableModel.from_log(H200_LOG)
+    assert model.time_us(8, algo="Ring", proto="LL") == pytest.approx(16.6 + 8 / 600)
+    assert model.time_us(1 << 20, algo="Ring", proto="Simple") == pytest.approx(36.4 + (1 << 20) / 1200)
+    # Ring/LL and Ring/Simple cross where 16.6 + S/600 = 36.4 + S/1200, at S = 23,760 B.
+    assert (model.pick(16384).proto, model.pick(32768).proto) == ("LL", "Simple")
+    with pytest.raises(UserError, match="disabled in NCCL's table"):
+        model.time_us(1024, algo="Ring", proto="LL128")
+
+
+def test_nccl_table_on_the_command_line_and_a_log_without_one(tmp_path, capsys):
+    cm.main(["--topology", f"nccl-log:{H200_LOG}", "--sizes", "8,1M", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["pick"] for r in doc["rows"]] == [{"algo": "Ring", "proto": "LL"}, {"algo": "Ring", "proto": "Simple"}]
+    assert "NCCL's own latency/bandwidth table" in doc["notes"][0]
+    other = tmp_path / "rank1.log"
+    other.write_text("host:2:2 [0] NCCL INFO NCCL_HOSTID set by environment to rank1\n")
+    with pytest.raises(UserError, match="rank1.log: no NCCL tuning table found"):
+        cm.load_model(f"nccl-log:{other}")
