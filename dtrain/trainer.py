@@ -239,6 +239,26 @@ class Trainer:
 
     # -- the run ----------------------------------------------------------------------------------------------
 
+    def write_header(self) -> None:
+        """The run's config.yaml, run.json (facts of this job) and tokenizer model, before its first step."""
+        if self.main:
+            shutil.copyfile(self.tokenizer.model_file, self.run_dir / "bpe.model")
+        self.writer.write_header(
+            self.cfg, backend=self.backend, world_size=self.world, device=str(self.device),
+            parameters=count_parameters(self.model), vocab=self.tokenizer.vocab_size,
+            train_pairs=len(self.train_pairs), data_dir=str(self.data_dir), sync=self.sync.stats(),
+            torch_threads=torch.get_num_threads(), nccl=nccl.run_record(),
+        )
+
+    def recorded_step(self) -> dict:
+        """One training step, written to steps.jsonl and buckets.jsonl (with GPU telemetry where there is some)."""
+        rec = self._guarded(self.train_step)
+        self.telemetry.sample_into(rec)
+        self.writer.step(rec)
+        self.writer.buckets(self.step, self.sync.step_records())
+        self.profiler.step()
+        return rec
+
     def fit(self) -> dict:
         with sdpa_backend(self.cfg.train.sdpa_backend, self.device):
             return self._fit()
@@ -247,14 +267,7 @@ class Trainer:
         from tqdm import tqdm
 
         cfg, t = self.cfg, self.cfg.train
-        if self.main:
-            shutil.copyfile(self.tokenizer.model_file, self.run_dir / "bpe.model")
-        self.writer.write_header(
-            cfg, backend=self.backend, world_size=self.world, device=str(self.device),
-            parameters=count_parameters(self.model), vocab=self.tokenizer.vocab_size,
-            train_pairs=len(self.train_pairs), data_dir=str(self.data_dir), sync=self.sync.stats(),
-            torch_threads=torch.get_num_threads(), nccl=nccl.run_record(),
-        )
+        self.write_header()
         start_step, t_start = self.step, time.perf_counter()
         self.telemetry.start()
         self.profiler.start(self.step)
@@ -265,11 +278,7 @@ class Trainer:
         window_loss, window_tokens, window_time = 0.0, 0, 0.0
         val = None
         while self.step < t.max_steps:
-            rec = self._guarded(self.train_step)
-            self.telemetry.sample_into(rec)
-            self.writer.step(rec)
-            self.writer.buckets(self.step, self.sync.step_records())
-            self.profiler.step()
+            rec = self.recorded_step()
             if rec["skipped"]:
                 bar.write(f"step {self.step}: non-finite gradients (norm {rec['grad_norm']}); update skipped "
                           f"({self.bad_steps} in a row, limit {t.max_bad_steps})")

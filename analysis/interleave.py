@@ -1,0 +1,115 @@
+"""Interleaved measurement: the configurations of a sweep matrix trained in one job, step by step in turn.
+
+Sequential runs on a machine whose speed drifts (this project's VMs: 20-30% over minutes) compare the machine's
+moments as much as the configurations. Here each configuration gets its own `Trainer` (model replica, optimizer,
+gradient synchronization and process groups), all built with the same seed, so they train on the same batches in the
+same order; every step runs each configuration once, in an order shuffled per step (the same on every rank: the
+collectives must be issued in the same order), so a drift in the machine's speed hits all of them alike. Each
+configuration leaves an ordinary run directory (config.yaml, run.json, steps.jsonl, buckets.jsonl) for
+`analysis.simulate --measured`, `analysis.compare` and `analysis.report`.
+
+What it does not measure: a configuration alone on the machine. Replicas share the caches, and each step of one
+comes after steps of the others; the comparison between configurations is what it is for.
+
+    torchrun --nproc_per_node=2 -m analysis.interleave --matrix profiles/sweeps/simulator-check-testbed.yaml \\
+        --out runs/il --set data.max_tokens=512
+    python -m analysis.testbed run --nodes 2 --nproc-per-node 1 -- -m analysis.interleave \\
+        --matrix profiles/sweeps/simulator-check-testbed.yaml --out runs/simcheck-il/job1 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+from dtrain.errors import UserError, exit_on_user_error
+
+PROG = "analysis.interleave"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog=PROG, description="Train every configuration of a sweep matrix in one job, "
+                                 "step by step in turn on the same batches, so that machine drift hits all alike.")
+    ap.add_argument("--matrix", required=True, help="a sweep matrix (analysis.sweep); its launcher and bench are "
+                                                    "ignored: start this module under torchrun or the testbed")
+    ap.add_argument("--out", required=True, help="a new folder: one run directory per configuration inside")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more override for every configuration")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the per-step order (the same on every rank)")
+    return ap.parse_args(argv)
+
+
+def load_configs(matrix_path: str, overrides: list[str]) -> list[tuple[str, object]]:
+    """(run name, resolved config) per cell of the matrix; they must agree on what the job shares."""
+    from analysis.sweep import expand, load_matrix
+    from dtrain import config as config_mod
+
+    m = load_matrix(matrix_path)
+    cells = [(job.name, config_mod.load(job.profile, job.overrides + list(overrides))) for job in expand(m)]
+    if not cells:
+        raise UserError(f"{matrix_path}: the matrix has no cells")
+    first_name, first = cells[0]
+    for name, cfg in cells[1:]:
+        for what, a, b in (("train.max_steps", first.train.max_steps, cfg.train.max_steps),
+                           ("collectives", first.collectives, cfg.collectives), ("dist", first.dist, cfg.dist),
+                           ("data", first.data, cfg.data), ("seed", first.seed, cfg.seed)):
+            if a != b:
+                raise UserError(f"{matrix_path}: '{name}' and '{first_name}' differ in {what}; an interleaved job "
+                                "shares it (steps, batches, NCCL settings): make it the same or sweep separately")
+    if first.collectives.parse_log:
+        raise UserError("collectives.parse_log: not in an interleaved job (one NCCL log would hold every "
+                        "configuration's collectives)")
+    return cells
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with exit_on_user_error(PROG):
+        from tqdm import tqdm
+
+        from collectives import nccl
+        from dtrain import dist as ddist
+        from dtrain.log import prepare_run_dir
+        from dtrain.trainer import Trainer
+
+        cells = load_configs(args.matrix, args.overrides)
+        out = Path(args.out)
+        nccl.apply_global(cells[0][1])  # the job's NCCL variables (the same for every cell); recorded on gloo
+        device, backend = ddist.init(cells[0][1].dist)
+        try:
+            problem = None
+            if ddist.is_main():
+                try:
+                    if out.exists() and any(out.iterdir()):
+                        raise UserError(f"{out}: not empty; an interleaved job starts in a new folder")
+                    for name, _ in cells:
+                        prepare_run_dir(out / name, resume=False)
+                except Exception as e:  # shared with the other ranks so all exit alike
+                    problem = str(e)
+            if (problem := ddist.broadcast_object(problem)) is not None:
+                raise UserError(problem)
+            trainers = []
+            for name, cfg in tqdm(cells, desc="building", unit="config", disable=not ddist.is_main()):
+                trainers.append(Trainer(cfg, out / name, device, backend))
+                trainers[-1].write_header()
+            order = random.Random(args.seed)
+            steps = cells[0][1].train.max_steps
+            bar = tqdm(total=steps * len(trainers), desc=f"interleaved x{len(trainers)}", unit="step",
+                       disable=not ddist.is_main())
+            for _ in range(steps):
+                for tr in order.sample(trainers, len(trainers)):  # a fresh order each step, equal on every rank
+                    rec = tr.recorded_step()
+                    bar.update(1)
+                    bar.set_postfix_str(f"{tr.cfg.sync.strategy} {rec['step_ms']:.0f} ms")
+            bar.close()
+            if ddist.is_main():
+                print(f"{len(trainers)} configurations x {steps} steps, interleaved, in {out}", flush=True)
+        finally:
+            ddist.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
