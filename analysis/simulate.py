@@ -302,9 +302,35 @@ class Calibration:
     post_ms: float = 0.0
     note: str = "none"
     slowdown: float = 1.0
+    # CPU machines: the CPU time of the collectives the profiled step launched during backward, which its backward
+    # time already holds; a plan launching more (or fewer) there costs the difference (`host_ms`). None: not applied
+    host_base_ms: float | None = None
 
 
-def calibrate(prof: StepProfile, model) -> Calibration:
+def host_ms(model, sizes: list[int]) -> float | None:
+    """CPU time (ms) that all-reduces of these sizes take on the host, from the benchmark's CPU time per operation
+    (`FittedModel.cpu_us`); None for a model without it. On a CPU machine that time is taken from the compute the
+    collectives overlap: on 2 cores, ~0.6 ms per gloo all-reduce of backward (127 per-tensor collectives made
+    backward ~70 ms longer than 11 buckets did)."""
+    cpu = getattr(model, "cpu_us", None)
+    if cpu is None or cpu(0) is None:
+        return None
+    return sum(cpu(n) for n in sizes) / 1000.0
+
+
+def calibrate(prof: StepProfile, model, host_cost: bool = False) -> Calibration:
+    """`host_cost`: the run computed on the CPU, so collectives during backward take CPU time from it."""
+    calib = _calibrate(prof, model)
+    if host_cost and prof.records and all(r.get("launch_ms") is not None for r in prof.records):
+        base = host_ms(model, [r["bytes"] for r in prof.records if r["launch_ms"] < prof.sync_backward_ms])
+        if base is not None:
+            calib.host_base_ms = base
+            calib.note += (f"; host CPU per collective from the benchmark ({base:.1f} ms for the profiled step's "
+                           f"collectives during backward)")
+    return calib
+
+
+def _calibrate(prof: StepProfile, model) -> Calibration:
     recs = prof.records
     if not recs or any(r.get(k) is None for r in recs for k in ("launch_ms", "complete_ms")):
         return Calibration(note="none (the profiled step has no launch/complete times)")
@@ -365,6 +391,9 @@ class Prediction:
     measured_ci: tuple[float, float] | None = None  # interval of the measured median (see `measured_runs`)
     measured_optimizer_ms: float | None = None  # the optimizer step: compute only, a probe of the machine's speed
     measured_runs: int = 0
+    # steady step times keyed by (the run's parent folder, step): configurations of one interleaved job
+    # (`analysis.interleave`) share keys, and a pair of them is compared step by step, paired
+    samples: dict = field(default_factory=dict, repr=False)
     speed: float | None = None  # median over its runs of (run's forward / profiled run's forward): machine speed
     adjusted_step_ms: float | None = None  # measured, each run scaled to the profiled run's machine speed
     adjusted_ci: tuple[float, float] | None = None
@@ -402,7 +431,8 @@ def predict(cfg, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration
         raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
     compute = prof.compute_ms
     if strategy == "noop":
-        return Prediction("noop", None, 0, 0.0, 0.0, compute, lossless=False, communicates=False)
+        return Prediction("noop", None, 0, 0.0, 0.0, compute - (calib.host_base_ms or 0.0), lossless=False,
+                          communicates=False)
     plan, overlap, class_groups = cm.bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
     params = cm.ready_params(cfg, vocab)
     ready = [curve.at(x) for x in through(plan, params)]
@@ -411,6 +441,9 @@ def predict(cfg, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration
     dur = [calib.comm_scale * one(b.nbytes, *nccl_of(b)) for b in plan]
     tl = replay(ready, dur, prof.sync_backward_ms, overlap, calib.slowdown)
     exposed = tl.exposed_ms + calib.post_ms
+    if calib.host_base_ms is not None:  # more collectives during backward than the profiled step: slower compute
+        compute += host_ms(model, [b.nbytes for b, t in zip(plan, tl.launch) if t < prof.sync_backward_ms])
+        compute -= calib.host_base_ms
     lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
     return Prediction(strategy, cap_mb if strategy in CAPPED else None, len(plan), tl.comm_ms, exposed,
                       compute + exposed, lossless)
@@ -480,6 +513,8 @@ def measured_runs(paths: list[str], prof_run: Run, prof: StepProfile, curve: Rea
             pred.adjusted_ci = tuple(v / speeds[0] for v in pred.measured_ci)
         pred.speed = statistics.median(speeds)
         pred.measured_runs = len(runs)
+        pred.samples = {(str(run.path.parent), s["step"]): s["step_ms"] for run, rows in zip(runs, per_run)
+                        for s in rows}
         steady = [s for rows in per_run for s in rows]
         pred.measured_exposed_ms = statistics.median(s.get("comm_exposed_ms", 0.0) for s in steady)
         pred.measured_optimizer_ms = statistics.median(s["optimizer_ms"] for s in steady)
@@ -518,8 +553,24 @@ class Ranking:
 PREDICTED_TIE = 0.005  # relative
 
 
+MIN_PAIRED = 10  # common steps for a paired comparison
+
+
+def paired(a: Prediction, b: Prediction) -> tuple[float, float, float] | None:
+    """Configurations measured in the same interleaved job(s) ran each step within seconds of each other: the
+    median of their step-by-step differences (a - b, ms) and its ~95% order-statistics interval; the machine's drift
+    cancels in each difference. None when they share fewer than `MIN_PAIRED` steps."""
+    common = a.samples.keys() & b.samples.keys()
+    if len(common) < MIN_PAIRED:
+        return None
+    diffs = [a.samples[k] - b.samples[k] for k in common]
+    return (statistics.median(diffs), *median_ci(diffs))
+
+
 def ranking(rows: list[Prediction], adjusted: bool = False) -> Ranking:
-    """Pairwise order of predictions against the measured medians (or the speed-adjusted ones)."""
+    """Pairwise order of predictions against measurement: for configurations of one interleaved job, their paired
+    step differences (a pair is separated when the interval of the median difference excludes 0); otherwise their
+    medians' intervals (the speed-adjusted ones with `adjusted`), separated when they do not overlap."""
     def value(r):
         return (r.adjusted_step_ms, r.adjusted_ci) if adjusted else (r.measured_step_ms, r.measured_ci)
 
@@ -529,12 +580,16 @@ def ranking(rows: list[Prediction], adjusted: bool = False) -> Ranking:
         for b in m[i + 1:]:
             pairs += 1
             (va, ci_a), (vb, ci_b) = value(a), value(b)
-            lo_a, hi_a = ci_a or (va, va)
-            lo_b, hi_b = ci_b or (vb, vb)
-            if (lo_a <= hi_b and lo_b <= hi_a) or abs(a.step_ms - b.step_ms) <= PREDICTED_TIE * min(a.step_ms,
-                                                                                                    b.step_ms):
+            diff = None if adjusted else paired(a, b)
+            if diff is not None:
+                separated, a_faster = diff[1] > 0 or diff[2] < 0, diff[0] < 0
+            else:
+                lo_a, hi_a = ci_a or (va, va)
+                lo_b, hi_b = ci_b or (vb, vb)
+                separated, a_faster = not (lo_a <= hi_b and lo_b <= hi_a), va < vb
+            if not separated or abs(a.step_ms - b.step_ms) <= PREDICTED_TIE * min(a.step_ms, b.step_ms):
                 ties += 1
-            elif (a.step_ms < b.step_ms) != (va < vb):
+            elif (a.step_ms < b.step_ms) != a_faster:
                 bad.append((a.label, b.label))
     return Ranking(pairs, ties, bad)
 
@@ -622,8 +677,8 @@ def _summary(m: list[Prediction], adjusted: bool) -> list[str]:
     what = ("speed-adjusted (each run scaled to the profiled run's machine speed by its forward time)" if adjusted
             else "against measurement")
     out = [f"# {what}: max |err| {max(errs):.1f}% (mean {statistics.mean(errs):.1f}%), same ranking: "
-           f"{'yes' if rk.agrees else 'no'} ({rk.pairs} pairs, {rk.ties} ties: measured intervals overlap or "
-           f"predictions within {PREDICTED_TIE:.1%})"]
+           f"{'yes' if rk.agrees else 'no'} ({rk.pairs} pairs, {rk.ties} ties: measurement does not separate them "
+           f"or predictions within {PREDICTED_TIE:.1%})"]
     out += [f"#   ordered differently: {a} vs {b}" for a, b in rk.discordant]
     return out
 
@@ -656,7 +711,11 @@ def format_rows(rows: list[Prediction], header: list[str]) -> str:
         m = [r for r in rows if r.measured_step_ms is not None]
         lines.append("# interval: the range of run medians with repeated runs, else the ~95% order-statistics "
                      "interval of one run's median; speed: the run's forward time over the profiled run's")
-        lines += _summary(m, adjusted=False) + _summary(m, adjusted=True)
+        interleaved = all(paired(a, b) is not None for i, a in enumerate(m) for b in m[i + 1:])
+        if interleaved:
+            lines.append("# every pair ran interleaved (analysis.interleave): pairs are separated by their step-by-"
+                         "step differences, and no speed adjustment is needed (the drift hits all alike)")
+        lines += _summary(m, adjusted=False) + ([] if interleaved else _summary(m, adjusted=True))
     return "\n".join(lines)
 
 
@@ -714,7 +773,8 @@ def _main(args) -> None:
             print(f"# note: the cost model has {model.ranks} ranks, the run {run.world}", file=sys.stderr)
         prof = profiled_step(run, args.step, args.warmup, args.median)
         curve = ready_curve(run, prof)
-        calib = Calibration(note="off") if args.no_calibrate else calibrate(prof, model)
+        on_cpu = str(run.header.get("device", "cpu")).startswith("cpu")
+        calib = Calibration(note="off") if args.no_calibrate else calibrate(prof, model, host_cost=on_cpu)
         rows = sweep(run.cfg, prof, curve, model, calib, strategies, caps, run.vocab)
         measured = measured_runs(args.measured, run, prof, curve, model, calib, args.warmup)
         rows += measured
@@ -727,7 +787,8 @@ def _main(args) -> None:
         if measured:
             header.append(speed_probe(prof, measured))
     if args.json:
-        doc = {"modeled": True, "notes": header, "rows": [dict(vars(r), label=r.label) for r in rows]}
+        doc = {"modeled": True, "notes": header,
+               "rows": [{k: v for k, v in vars(r).items() if k != "samples"} | {"label": r.label} for r in rows]}
         if any(r.measured_step_ms is not None for r in rows):
             for key, adjusted in (("ranking", False), ("ranking_adjusted", True)):
                 rk = ranking(rows, adjusted)

@@ -186,6 +186,9 @@ class Row:
     algbw: float
     busbw: float
     wrong: int | None  # None: not checked (-c 0)
+    # CPU time the process spent per operation, all its threads (the backend's too), mean over ranks: on CPU
+    # machines what a collective takes away from the compute it overlaps (the simulator's host cost)
+    cpu_us: float | None = None
 
 
 def _run_bound(bound) -> torch.Tensor:
@@ -209,16 +212,17 @@ def measure(path: BenchPath, count: int, dtype_name: str, op: str, args, group, 
         fn()
     _sync(device)
     dist.barrier(group=group)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(args.iters):
         fn()
     _sync(device)
     elapsed_us = (time.perf_counter() - start) / args.iters * 1e6
+    cpu_us = (time.process_time() - cpu_start) / args.iters * 1e6
     del t, fn
     # As nccl-tests (-a 1): the time reported is the mean over ranks.
-    mean = torch.tensor([elapsed_us], dtype=torch.float64, device=device)
+    mean = torch.tensor([elapsed_us, cpu_us], dtype=torch.float64, device=device)
     dist.all_reduce(mean, group=group)
-    time_us = float(mean) / nranks
+    time_us, cpu_us = (float(v) / nranks for v in mean)
     wrong = None
     if args.check:
         bad = check(lambda x: _run_bound(path.bind(x, op)), count, dtype, op, rank, nranks, device,
@@ -228,7 +232,7 @@ def measure(path: BenchPath, count: int, dtype_name: str, op: str, args, group, 
         wrong = int(total)
     nbytes = count * dtype.itemsize
     algbw, busbw = bandwidths(nbytes, time_us, nranks)
-    return Row(path.name, nbytes, count, dtype_name, op, time_us, algbw, busbw, wrong)
+    return Row(path.name, nbytes, count, dtype_name, op, time_us, algbw, busbw, wrong, round(cpu_us, 3))
 
 
 # ---- nccl-tests' table -------------------------------------------------------------------------------------------
@@ -286,7 +290,7 @@ def ratio_lines(rows: list[Row], from_bytes: int = 4 << 20) -> list[str]:
 
 # ---- outputs -----------------------------------------------------------------------------------------------------
 
-FIELDS = ["path", "size", "count", "type", "redop", "time_us", "algbw", "busbw", "wrong"]
+FIELDS = ["path", "size", "count", "type", "redop", "time_us", "algbw", "busbw", "wrong", "cpu_us"]
 
 
 def to_json(rows: list[Row]) -> str:

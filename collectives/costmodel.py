@@ -400,6 +400,7 @@ class Measurement:
     algbw: float | None = None
     busbw: float | None = None
     label: str = "measured"  # "Ring/LL128" when the log says what NCCL ran, else "measured"
+    cpu_us: float | None = None  # the project's benchmark: process CPU time per operation
 
 
 @dataclass
@@ -490,7 +491,7 @@ def _bench_row(d: dict, where: str) -> Measurement:
         if algo or proto:
             label = f"{_canon(algo, _ALGO_NAMES) if algo else '*'}/{_canon(proto, PROTOS) if proto else '*'}"
         return Measurement(int(float(d["size"])), _num(d["time_us"]), _num(d.get("algbw")), _num(d.get("busbw")),
-                           label)
+                           label, _num(d.get("cpu_us")))
     except (KeyError, ValueError, TypeError) as e:
         raise UserError(f"{where}: bad benchmark row {d!r} ({e.__class__.__name__}: {e})") from e
 
@@ -713,8 +714,9 @@ class FittedModel:
     kind = "fitted"
 
     def __init__(self, fits: dict[str, list[Regime]], coll: str = "allreduce", ranks: int | None = None,
-                 name: str = "local", source: str = ""):
+                 name: str = "local", source: str = "", cpu: dict[str, tuple[float, float]] | None = None):
         self.fits, self.coll, self.ranks, self.name, self.source = fits, coll, ranks, name, source
+        self.cpu = cpu or {}  # label -> (µs per operation, µs per byte): the process's CPU time, where measured
 
     @classmethod
     def from_measurements(cls, ms: MeasurementSet, name: str = "local", max_regimes: int = 4) -> "FittedModel":
@@ -723,7 +725,17 @@ class FittedModel:
             groups.setdefault(m.label, []).append(m)
         fits = {lab: fit_regimes([m.size for m in rows], [m.time_us for m in rows], max_regimes)
                 for lab, rows in sorted(groups.items())}
-        return cls(fits, ms.coll, ms.ranks, name, ms.source)
+        cpu = {lab: fit_cpu(rows) for lab, rows in sorted(groups.items()) if all(m.cpu_us is not None for m in rows)}
+        return cls(fits, ms.coll, ms.ranks, name, ms.source, cpu)
+
+    def cpu_us(self, nbytes: float) -> float | None:
+        """CPU time one all-reduce of `nbytes` costs the process (all threads), from the benchmark; None where it
+        was not measured. The reducer's path when there is one: what the planned strategies run."""
+        label = "reducer" if "reducer" in self.cpu else next(iter(self.cpu), None)
+        if label is None:
+            return None
+        per_op, per_byte = self.cpu[label]
+        return per_op + per_byte * nbytes
 
     def _regime(self, label: str, nbytes: float) -> Regime:
         return next(r for r in self.fits[label] if nbytes <= r.max_bytes)
@@ -760,12 +772,17 @@ class FittedModel:
         return min(self.choices(nbytes, coll), key=lambda c: c.time_us)
 
     def header(self) -> list[str]:
-        return [f"MODELED from a fit to measurements ({self.source or 'fit'}): latency + bytes/bandwidth per size "
-                f"regime; {self.coll}, {self.ranks or '?'} ranks"]
+        lines = [f"MODELED from a fit to measurements ({self.source or 'fit'}): latency + bytes/bandwidth per size "
+                 f"regime; {self.coll}, {self.ranks or '?'} ranks"]
+        if self.cpu_us(0) is not None:
+            lines.append(f"CPU time per all-reduce (benchmark, all threads): {self.cpu_us(0):.0f} us + "
+                         f"{(self.cpu_us(1 << 20) - self.cpu_us(0)):.0f} us per MiB")
+        return lines
 
     def to_dict(self) -> dict:
         return {"kind": "fitted", "name": self.name, "coll": self.coll, "ranks": self.ranks, "source": self.source,
-                "fits": {lab: [_regime_dict(r) for r in regs] for lab, regs in self.fits.items()}}
+                "fits": {lab: [_regime_dict(r) for r in regs] for lab, regs in self.fits.items()},
+                "cpu": {lab: {"per_op_us": round(a, 4), "per_byte_us": b} for lab, (a, b) in self.cpu.items()}}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "") -> "FittedModel":
@@ -773,9 +790,21 @@ class FittedModel:
             fits = {lab: [Regime(math.inf if r["max_bytes"] is None else float(r["max_bytes"]), float(r["lat_us"]),
                                  math.inf if r["bw_GBps"] is None else float(r["bw_GBps"])) for r in regs]
                     for lab, regs in d["fits"].items()}
+            cpu = {lab: (float(c["per_op_us"]), float(c["per_byte_us"])) for lab, c in (d.get("cpu") or {}).items()}
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"{where}: not a fitted cost model ({e})") from e
-        return cls(fits, d.get("coll", "allreduce"), d.get("ranks"), d.get("name", "local"), d.get("source", where))
+        return cls(fits, d.get("coll", "allreduce"), d.get("ranks"), d.get("name", "local"), d.get("source", where),
+                   cpu)
+
+
+def fit_cpu(rows: list[Measurement]) -> tuple[float, float]:
+    """(µs per operation, µs per byte) of the CPU time per all-reduce: the per-operation cost is the median over
+    sizes up to 64 KiB (where the data costs nothing), the per-byte cost the median of the excess per byte from
+    1 MiB up (the reduction and copies); robust to the odd slow size."""
+    small = [m.cpu_us for m in rows if m.size <= 64 << 10]
+    per_op = statistics.median(small) if small else min(m.cpu_us for m in rows)
+    large = [(m.cpu_us - per_op) / m.size for m in rows if m.size >= 1 << 20]
+    return per_op, max(0.0, statistics.median(large)) if large else 0.0
 
 
 def _label_matches(label: str, algo: str | None, proto: str | None) -> bool:

@@ -220,5 +220,6 @@ def test_two_rank_sweep_on_loopback(tmp_path):
         assert row["count"] * 4 == row["size"]
         assert row["busbw"] == pytest.approx(row["algbw"] * bench.bus_factor(2))  # = algbw on 2 ranks
         assert row["algbw"] == pytest.approx(row["size"] / row["time_us"] / 1e3)
+        assert row["cpu_us"] > 0  # the process's CPU time per operation, gloo's threads included
     csv_lines = (tmp_path / "bench.csv").read_text().splitlines()
     assert csv_lines[0] == ",".join(bench.FIELDS) and len(csv_lines) == len(rows) + 1

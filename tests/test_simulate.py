@@ -226,3 +226,43 @@ def test_a_profiles_per_class_nccl_choice_is_honoured_by_the_preset():
     ffn = [b for b in cm.bucket_plan(config_mod.from_dict(dict(base))).buckets if b.tensor_class == "ffn"]
     extra = sum(model.time_us(b.nbytes, algo="Ring", proto="LL") - model.time_us(b.nbytes) for b in ffn) / 1000
     assert preds[1].comm_ms - preds[0].comm_ms == pytest.approx(extra, rel=1e-6)
+
+
+class _FlatWithCpu(_Flat):
+    """_Flat, and 0.5 ms of host CPU per all-reduce whatever its size."""
+
+    def cpu_us(self, nbytes):
+        return 500.0
+
+
+def test_collectives_during_backward_cost_cpu_time_relative_to_the_profiled_step(tmp_path):
+    _write_run(tmp_path / "run")
+    run = sim.load_run(tmp_path / "run")
+    prof = sim.profiled_step(run)
+    curve = sim.ready_curve(run, prof)
+    n = sum(r["launch_ms"] < prof.sync_backward_ms for r in prof.records)  # the profiled step's, during backward
+    plain = sim.calibrate(prof, _FlatWithCpu())  # a GPU run: no host cost
+    cal = sim.calibrate(prof, _FlatWithCpu(), host_cost=True)
+    assert plain.host_base_ms is None and cal.host_base_ms == pytest.approx(0.5 * n)
+    own = sim.predict(run.cfg, prof, curve, _FlatWithCpu(), cal, "bucketed", 0.25, run.vocab)
+    assert own.step_ms == pytest.approx(sim.predict(run.cfg, prof, curve, _Flat(), plain, "bucketed", 0.25,
+                                                    run.vocab).step_ms)  # the profiled plan: nothing changes
+    per_tensor = sim.predict(run.cfg, prof, curve, _FlatWithCpu(), cal, "per_tensor", None, run.vocab)
+    without = sim.predict(run.cfg, prof, curve, _Flat(), plain, "per_tensor", None, run.vocab)
+    during = sum(1 for t in sim.replay([curve.at(x) for x in sim.through(cm.bucket_plan(run.cfg, "per_tensor").buckets,
+                                                                          cm.ready_params(run.cfg))],
+                                       [1.0] * per_tensor.buckets, prof.sync_backward_ms).launch
+                 if t < prof.sync_backward_ms)
+    assert during > n and per_tensor.step_ms == pytest.approx(without.step_ms + 0.5 * (during - n))
+    assert sim.predict(run.cfg, prof, curve, _FlatWithCpu(), cal, "noop").step_ms == pytest.approx(20.0 - 0.5 * n)
+
+
+def test_the_benchmarks_cpu_time_is_fitted_per_operation_and_per_byte():
+    rows = [cm.Measurement(s, 100.0, label="reducer", cpu_us=600.0 + s * 1e-4) for s in (8, 1024, 65536)]
+    rows += [cm.Measurement(s, 100.0, label="reducer", cpu_us=600.0 + 2e-4 * s) for s in (1 << 20, 1 << 24)]
+    fm = cm.FittedModel.from_measurements(cm.MeasurementSet(rows, ranks=2))
+    assert fm.cpu_us(0) == pytest.approx(600.0 + 1024 * 1e-4)  # the median of the small sizes
+    assert fm.cpu_us(1 << 22) == pytest.approx(600.0 + 1024 * 1e-4 + (1 << 22) * 2e-4, rel=1e-3)
+    again = cm.FittedModel.from_dict(json.loads(json.dumps(fm.to_dict())))
+    assert again.cpu_us(1 << 22) == pytest.approx(fm.cpu_us(1 << 22), rel=1e-6)
+    assert cm.FittedModel.from_measurements(cm.MeasurementSet([cm.Measurement(8, 1.0)])).cpu_us(8) is None
