@@ -266,3 +266,20 @@ def test_the_benchmarks_cpu_time_is_fitted_per_operation_and_per_byte():
     again = cm.FittedModel.from_dict(json.loads(json.dumps(fm.to_dict())))
     assert again.cpu_us(1 << 22) == pytest.approx(fm.cpu_us(1 << 22), rel=1e-6)
     assert cm.FittedModel.from_measurements(cm.MeasurementSet([cm.Measurement(8, 1.0)])).cpu_us(8) is None
+
+
+def test_interleaved_configurations_are_ranked_by_paired_step_differences():
+    # Two configurations of one interleaved job: the machine drifts by ±30% from step to step, b is always 5 ms
+    # slower. Their medians' intervals overlap (no order from them), the paired differences separate them.
+    drift = [100.0 * (1 + 0.3 * math.sin(i)) for i in range(40)]
+    a = _row("a", 100.0, 100.0, (80.0, 125.0))
+    b = _row("b", 106.0, 105.0, (85.0, 130.0))
+    a.samples = {("job1", i): d for i, d in enumerate(drift)}
+    b.samples = {("job1", i): d + 5.0 for i, d in enumerate(drift)}
+    assert sim.paired(a, b) == (-5.0, -5.0, -5.0)
+    rk = sim.ranking([a, b])
+    assert (rk.pairs, rk.ties, rk.agrees) == (1, 0, True)
+    b.step_ms = 94.0  # predicted faster than a: the paired measurement says otherwise
+    assert sim.ranking([a, b]).discordant == [("a", "b")]
+    b.samples = {("job2", i): v for (_, i), v in b.samples.items()}  # different jobs: not paired, intervals overlap
+    assert sim.paired(a, b) is None and sim.ranking([a, b]).ties == 1
