@@ -54,6 +54,7 @@ def step_vs_bucket(table: pd.DataFrame, title: str = "") -> Figure:
         ticks = sorted(capped["bucket_cap_mb"].unique())
         ax.set_xticks(ticks)
         ax.set_xticklabels([f"{t:g}" for t in ticks])
+        ax.set_xticks([], minor=True)  # a log axis labels minor ticks in 6x10^-1 form between the caps otherwise
     ax.set_xlabel("bucket size cap (MiB, sync.bucket_cap_mb)")
     ax.set_ylabel("step time (ms): median, whisker to p95")
     ax.set_title(title or "Step time vs bucket size", fontsize=10)
