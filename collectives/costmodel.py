@@ -822,8 +822,11 @@ def _regime_dict(r: Regime) -> dict:
 def load_model(spec: str):
     """A topology preset's `NcclModel`; `local:<file>`: a saved fit (JSON) or measurements fitted on the spot;
     `nccl-log:<file>`: NCCL's own table from a log (`NcclTableModel`)."""
-    if spec.startswith("nccl-log:"):
-        return NcclTableModel.from_log(spec.partition(":")[2])
+    if spec.startswith("nccl-log:") or spec == "nccl-log":
+        path = spec.partition(":")[2]
+        if not path:
+            raise UserError("topology 'nccl-log' needs a file: 'nccl-log:<rank 0's NCCL_DEBUG log>'")
+        return NcclTableModel.from_log(path)
     if spec.startswith("local:") or spec == "local":
         path = spec.partition(":")[2]
         if not path:

@@ -294,3 +294,5 @@ def test_nccl_table_on_the_command_line_and_a_log_without_one(tmp_path, capsys):
     other.write_text("host:2:2 [0] NCCL INFO NCCL_HOSTID set by environment to rank1\n")
     with pytest.raises(UserError, match="rank1.log: no NCCL tuning table found"):
         cm.load_model(f"nccl-log:{other}")
+    with pytest.raises(UserError, match="needs a file"):
+        cm.load_model("nccl-log:")
