@@ -53,6 +53,7 @@ def load_configs(matrix_path: str, overrides: list[str]) -> list[tuple[str, obje
     first_name, first = cells[0]
     for name, cfg in cells[1:]:
         for what, a, b in (("train.max_steps", first.train.max_steps, cfg.train.max_steps),
+                           ("train.sdpa_backend", first.train.sdpa_backend, cfg.train.sdpa_backend),
                            ("collectives", first.collectives, cfg.collectives), ("dist", first.dist, cfg.dist),
                            ("data", first.data, cfg.data), ("seed", first.seed, cfg.seed)):
             if a != b:
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
         from collectives import nccl
         from dtrain import dist as ddist
         from dtrain.log import prepare_run_dir
+        from dtrain.model import sdpa_backend
         from dtrain.trainer import Trainer
 
         cells = load_configs(args.matrix, args.overrides)
@@ -98,11 +100,12 @@ def main(argv=None) -> int:
             steps = cells[0][1].train.max_steps
             bar = tqdm(total=steps * len(trainers), desc=f"interleaved x{len(trainers)}", unit="step",
                        disable=not ddist.is_main())
-            for _ in range(steps):
-                for tr in order.sample(trainers, len(trainers)):  # a fresh order each step, equal on every rank
-                    rec = tr.recorded_step()
-                    bar.update(1)
-                    bar.set_postfix_str(f"{tr.cfg.sync.strategy} {rec['step_ms']:.0f} ms")
+            with sdpa_backend(cells[0][1].train.sdpa_backend, device):  # the attention kernel training would use
+                for _ in range(steps):
+                    for tr in order.sample(trainers, len(trainers)):  # a fresh order each step, equal on every rank
+                        rec = tr.recorded_step()
+                        bar.update(1)
+                        bar.set_postfix_str(f"{tr.cfg.sync.strategy} {rec['step_ms']:.0f} ms")
             bar.close()
             if ddist.is_main():
                 print(f"{len(trainers)} configurations x {steps} steps, interleaved, in {out}", flush=True)
