@@ -196,7 +196,29 @@ def _check_coll(coll: str) -> None:
         raise UserError(f"unknown collective '{coll}' (modeled: {', '.join(COLLECTIVES)})")
 
 
-class NcclModel:
+class _NcclPick:
+    """NCCL's choice over a model's `choices(nbytes, coll)`: the least modeled time, or the least of a forced
+    algorithm and/or protocol."""
+
+    unavailable = "is not available"  # how a forced choice the model does not have is named
+
+    def pick(self, nbytes: int, coll: str = "allreduce") -> Choice:
+        options = self.choices(nbytes, coll)
+        if not options:
+            raise UserError(f"{self.name}: no Ring/Tree choice is enabled for {coll}")
+        return min(options, key=lambda c: c.time_us)
+
+    def time_us(self, nbytes: int, coll: str = "allreduce", algo: str | None = None, proto: str | None = None
+                ) -> float:
+        """Time of one collective; NCCL's pick unless (algo, proto) is forced (either may be None = free)."""
+        cands = [c for c in self.choices(nbytes, coll)
+                 if (algo is None or c.algo == algo) and (proto is None or c.proto == proto)]
+        if not cands:
+            raise UserError(f"{self.name}: {algo or 'any'}/{proto or 'any'} {self.unavailable} for {coll}")
+        return min(c.time_us for c in cands)
+
+
+class NcclModel(_NcclPick):
     """NCCL's per-communicator latency/bandwidth tables for a topology, and its per-size choice."""
 
     kind = "nccl"
@@ -285,26 +307,13 @@ class NcclModel:
         _check_coll(coll)
         return [self.choice(nbytes, a, p, coll) for a in ALGOS for p in PROTOS if self.enabled(a, p, coll)]
 
-    def pick(self, nbytes: int, coll: str = "allreduce") -> Choice:
-        """NCCL's default: the least modeled time among enabled (algo, proto)."""
-        return min(self.choices(nbytes, coll), key=lambda c: c.time_us)
-
-    def time_us(self, nbytes: int, coll: str = "allreduce", algo: str | None = None, proto: str | None = None
-                ) -> float:
-        """Time of one collective; NCCL's pick unless (algo, proto) is forced (either may be None = free)."""
-        cands = [c for c in self.choices(nbytes, coll)
-                 if (algo is None or c.algo == algo) and (proto is None or c.proto == proto)]
-        if not cands:
-            raise UserError(f"{self.name}: {algo or 'any'}/{proto or 'any'} is not available for {coll}")
-        return min(c.time_us for c in cands)
-
     def header(self) -> list[str]:
         return ["MODELED (not measured): NCCL 2.30 analytical cost model, Ring/Tree x LL/LL128/Simple only "
                 "(NVLS, CollNet, PAT not modeled)",
                 self.topo.describe()]
 
 
-class NcclTableModel:
+class NcclTableModel(_NcclPick):
     """NCCL's own model of the machine it ran on: the latency/bandwidth table a communicator prints at init with
     `NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING` (one row per collective, `lat/bw` per algorithm and protocol: µs and
     GB/s of algorithm bandwidth; 0.0 bandwidth = disabled). Time = lat + bytes / (1000 · bw), with Tree's per-size
@@ -312,6 +321,7 @@ class NcclTableModel:
     applied: the multi-node Ring/Simple latency factor, which needs the channel count the table does not print."""
 
     kind = "nccl-table"
+    unavailable = "is disabled in NCCL's table"
 
     def __init__(self, cells: dict[tuple[str, str, str], tuple[float, float]], ranks: int | None, name: str,
                  source: str):
@@ -369,20 +379,6 @@ class NcclTableModel:
         _check_coll(coll)
         return [self.choice(nbytes, a, p, coll) for a in ALGOS for p in PROTOS
                 if self.cells.get((coll, a, p), (0.0, 0.0))[1] > 0]
-
-    def pick(self, nbytes: int, coll: str = "allreduce") -> Choice:
-        options = self.choices(nbytes, coll)
-        if not options:
-            raise UserError(f"{self.name}: NCCL's table enables no Ring/Tree choice for {coll}")
-        return min(options, key=lambda c: c.time_us)
-
-    def time_us(self, nbytes: int, coll: str = "allreduce", algo: str | None = None, proto: str | None = None
-                ) -> float:
-        cands = [c for c in self.choices(nbytes, coll)
-                 if (algo is None or c.algo == algo) and (proto is None or c.proto == proto)]
-        if not cands:
-            raise UserError(f"{self.name}: {algo or 'any'}/{proto or 'any'} is disabled in NCCL's table for {coll}")
-        return min(c.time_us for c in cands)
 
     def header(self) -> list[str]:
         return [f"MODELED (not measured): NCCL's own latency/bandwidth table as printed at init ({self.source}), "
