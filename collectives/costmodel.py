@@ -191,6 +191,23 @@ def bus_factor(coll: str, ranks: int) -> float:
             "broadcast": 1.0}[coll]
 
 
+def _tree_corrected(bw: float, nbytes: int, algo: str, proto: str) -> float:
+    """Tree's algorithm bandwidth times NCCL's per-size correction for 64 B·2^k sizes (facts §4)."""
+    if algo == "Tree" and nbytes >= 64:
+        k = int(math.log2(nbytes >> 6))
+        if k < len(TREE_CORRECTION[PROTOS.index(proto)]):
+            return bw * TREE_CORRECTION[PROTOS.index(proto)][k]
+    return bw
+
+
+def _choice(algo: str, proto: str, nbytes: int, lat: float, bw: float, coll: str, ranks: int | None) -> Choice:
+    """t = lat + bytes / (1000 · bw) (µs, GB/s), with nccl-tests' bandwidths (busbw = algbw without a rank count)."""
+    time = lat + nbytes / (1000.0 * bw)
+    algbw = nbytes / (1000.0 * time)
+    return Choice(algo, proto, time, algbw, algbw * bus_factor(coll, ranks) if ranks and ranks > 1 else algbw, lat,
+                  bw)
+
+
 def _check_coll(coll: str) -> None:
     if coll not in COLLECTIVES:
         raise UserError(f"unknown collective '{coll}' (modeled: {', '.join(COLLECTIVES)})")
@@ -289,19 +306,13 @@ class NcclModel(_NcclPick):
 
     def choice(self, nbytes: int, algo: str, proto: str, coll: str = "allreduce") -> Choice:
         """Modeled time of one collective of `nbytes` (the nccl-tests 'size') forced to (algo, proto)."""
-        t, p = self.topo, PROTOS.index(proto)
-        bw = self.alg_bw(algo, proto, coll)
+        t = self.topo
+        bw = _tree_corrected(self.alg_bw(algo, proto, coll), nbytes, algo, proto)
         lat = self.latency_us(algo, proto, coll)
-        if algo == "Tree" and nbytes >= 64:
-            k = int(math.log2(nbytes >> 6))
-            if k < len(TREE_CORRECTION[p]):
-                bw *= TREE_CORRECTION[p][k]
         if (algo == "Ring" and proto == "Simple" and coll == "allreduce" and t.nodes > 1
                 and nbytes / (t.channels * t.ranks) >= 64):
             lat *= RING_SIMPLE_PLATEAU[t.arch]
-        time = lat + nbytes / (1000.0 * bw)
-        algbw = nbytes / (1000.0 * time)
-        return Choice(algo, proto, time, algbw, algbw * bus_factor(coll, t.ranks), lat, bw)
+        return _choice(algo, proto, nbytes, lat, bw, coll, t.ranks)
 
     def choices(self, nbytes: int, coll: str = "allreduce") -> list[Choice]:
         _check_coll(coll)
@@ -366,14 +377,7 @@ class NcclTableModel(_NcclPick):
 
     def choice(self, nbytes: int, algo: str, proto: str, coll: str = "allreduce") -> Choice:
         lat, bw = self.cells[(coll, algo, proto)]
-        if algo == "Tree" and nbytes >= 64:
-            k = int(math.log2(nbytes >> 6))
-            if k < len(TREE_CORRECTION[PROTOS.index(proto)]):
-                bw *= TREE_CORRECTION[PROTOS.index(proto)][k]
-        time = lat + nbytes / (1000.0 * bw)
-        algbw = nbytes / (1000.0 * time)
-        bus = algbw * bus_factor(coll, self.ranks) if self.ranks and self.ranks > 1 else algbw
-        return Choice(algo, proto, time, algbw, bus, lat, bw)
+        return _choice(algo, proto, nbytes, lat, _tree_corrected(bw, nbytes, algo, proto), coll, self.ranks)
 
     def choices(self, nbytes: int, coll: str = "allreduce") -> list[Choice]:
         _check_coll(coll)
@@ -756,12 +760,9 @@ class FittedModel:
     def choices(self, nbytes: int, coll: str = "allreduce") -> list[Choice]:
         out = []
         for lab in self.fits:
-            t = self.label_time_us(lab, nbytes)
             algo, _, proto = lab.partition("/")
-            algbw = nbytes / (1000.0 * t)
-            bus = algbw * bus_factor(coll, self.ranks) if self.ranks and self.ranks > 1 else algbw
-            out.append(Choice(algo, proto, t, algbw, bus, self._regime(lab, nbytes).lat_us,
-                              self._regime(lab, nbytes).bw))
+            r = self._regime(lab, nbytes)
+            out.append(_choice(algo, proto, nbytes, r.lat_us, r.bw, coll, self.ranks))
         return out
 
     def pick(self, nbytes: int, coll: str = "allreduce") -> Choice:
