@@ -81,17 +81,13 @@ def main(argv=None) -> int:
         nccl.apply_global(cells[0][1])  # the job's NCCL variables (the same for every cell); recorded on gloo
         device, backend = ddist.init(cells[0][1].dist)
         try:
-            problem = None
-            if ddist.is_main():
-                try:
-                    if out.exists() and any(out.iterdir()):
-                        raise UserError(f"{out}: not empty; an interleaved job starts in a new folder")
-                    for name, _ in cells:
-                        prepare_run_dir(out / name, resume=False)
-                except Exception as e:  # shared with the other ranks so all exit alike
-                    problem = str(e)
-            if (problem := ddist.broadcast_object(problem)) is not None:
-                raise UserError(problem)
+            def prepare() -> None:  # on rank 0; its error reaches every rank
+                if out.exists() and any(out.iterdir()):
+                    raise UserError(f"{out}: not empty; an interleaved job starts in a new folder")
+                for name, _ in cells:
+                    prepare_run_dir(out / name, resume=False)
+
+            ddist.main_decides(prepare)
             trainers = []
             for name, cfg in tqdm(cells, desc="building", unit="config", disable=not ddist.is_main()):
                 trainers.append(Trainer(cfg, out / name, device, backend))

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.config import DistConfig
+from dtrain.errors import UserError
 
 
 def env_rank() -> tuple[int, int, int]:
@@ -82,6 +83,21 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def main_decides(fn):
+    """`fn()` on rank 0 only, its result given to every rank; if it fails, every rank raises its message as a
+    UserError, so all ranks exit alike instead of the others waiting for rank 0 at the next collective."""
+    result, problem = None, None
+    if is_main():
+        try:
+            result = fn()
+        except Exception as e:
+            problem = str(e)
+    result, problem = broadcast_object((result, problem))
+    if problem is not None:
+        raise UserError(problem)
+    return result
 
 
 def cleanup() -> None:

@@ -67,17 +67,12 @@ def main(argv=None) -> int:
         nccl.apply_global(cfg, log_dir=Path(args.run_dir) / "nccl-logs" if args.run_dir else None)
         device, backend = ddist.init(cfg.dist)
         try:
-            # Rank 0 names the run directory and checks it; the others take its word.
-            run_dir = args.run_dir or default_run_dir(cfg.name, restarted)
-            problem = None
-            if ddist.is_main():
-                try:
-                    prepare_run_dir(Path(run_dir), resume)
-                except Exception as e:  # shared with the other ranks so all exit alike
-                    problem = str(e)
-            run_dir, problem = ddist.broadcast_object((run_dir, problem))
-            if problem:
-                raise UserError(problem)
+            def name_and_check() -> str:  # rank 0 names the run directory and checks it; the others take its word
+                run_dir = args.run_dir or default_run_dir(cfg.name, restarted)
+                prepare_run_dir(Path(run_dir), resume)
+                return run_dir
+
+            run_dir = ddist.main_decides(name_and_check)
             trainer = Trainer(cfg, Path(run_dir), device, backend, faults)
             if resume:
                 trainer.resume()
