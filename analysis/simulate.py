@@ -1,8 +1,11 @@
-"""Step-time simulator: replays one profiled backward with other bucket plans on a single communication stream.
+"""Step-time simulator: replays one profiled backward with other bucket plans.
 
 Sits after the records: from one profiled step of a run (compute phases from steps.jsonl, gradient-ready times from
 buckets.jsonl) and a cost model (`collectives.costmodel`: a fit to the benchmark, or a topology preset) it predicts
-step time and exposed communication per strategy and bucket size. Everything it prints is modeled.
+step time and exposed communication per strategy and bucket size. With a preset (NCCL) the collectives run on a
+single communication stream; for a gloo run with a fitted model, two at a time per process group (ProcessGroupGloo's
+threads), sharing the link, and on a CPU machine the benchmark's measured cost of a collective to the computation it
+overlaps (`collectives.bench --overlap`) lengthens backward. Everything it prints is modeled.
 
     python -m analysis.simulate --run runs/m30k --topology local:bench.json --strategies flat,bucketed,per_class
     python -m analysis.simulate --run runs/m30k --topology local:bench.json --measured runs/flat runs/b5 runs/b25
@@ -35,6 +38,9 @@ CAPPED = {"bucketed", "per_class", "ddp"}  # strategies whose plan depends on th
 # The replay
 
 
+GLOO_LANES = 2  # collectives one gloo process group runs at once: ProcessGroupGloo's worker threads (default 2)
+
+
 @dataclass
 class Timeline:
     """Per bucket (index order): when it is ready, launched, starts on the stream and completes (ms from the start
@@ -48,7 +54,13 @@ class Timeline:
 
     @property
     def comm_ms(self) -> float:
-        return sum(e - s for s, e in zip(self.start, self.end))
+        """Time with at least one collective in flight (on one stream: the sum of their durations)."""
+        busy, reach = 0.0, -math.inf
+        for s, e in sorted(zip(self.start, self.end)):
+            if e > reach:
+                busy += e - max(s, reach)
+                reach = e
+        return busy
 
     @property
     def exposed_ms(self) -> float:
@@ -56,30 +68,68 @@ class Timeline:
         return max(0.0, max(self.end, default=0.0) - self.backward_ms)
 
 
-def finish(start: float, work: float, backward_ms: float, slowdown: float = 1.0) -> float:
-    """When a collective of `work` ms (at the benchmark's speed) that starts at `start` ends, if it runs
-    `slowdown` times slower while backward still computes (on CPUs, compute and gloo share the cores)."""
-    if start >= backward_ms or slowdown == 1.0:
-        return start + work
-    contended = (backward_ms - start) / slowdown  # work done before backward ends
-    return start + work * slowdown if work <= contended else backward_ms + (work - contended)
+def launch_times(ready_ms: list[float], backward_ms: float, overlap: bool = True) -> list[float]:
+    """With `overlap` bucket i launches once it is ready and bucket i-1 has launched (every rank launches in index
+    order); otherwise all launch when backward ends."""
+    out, prev = [], 0.0
+    for r in ready_ms:
+        prev = max(r, prev) if overlap else max(backward_ms, r)
+        out.append(prev)
+    return out
 
 
 def replay(ready_ms: list[float], durations_ms: list[float], backward_ms: float, overlap: bool = True,
-           slowdown: float = 1.0) -> Timeline:
-    """One communication stream. With `overlap` bucket i launches once it is ready and bucket i-1 has launched (every
-    rank launches in index order); otherwise all launch when backward ends. A bucket starts when launched and the
-    stream is free, and runs `slowdown` times slower while backward computes."""
-    launch, start, end = [], [], []
-    prev_launch = free = 0.0
-    for r, d in zip(ready_ms, durations_ms):
-        t = max(r, prev_launch) if overlap else max(backward_ms, r)
-        s = max(t, free)
-        e = finish(s, d, backward_ms, slowdown)
-        launch.append(t)
-        start.append(s)
-        end.append(e)
-        prev_launch, free = t, e
+           slowdown: float = 1.0, lanes: int = 1, latency_ms: list[float] | None = None,
+           groups: list | None = None) -> Timeline:
+    """Replays the collectives of one backward. A launched bucket waits in its process group's queue (`groups`, one
+    group if None) until one of the group's `lanes` is free, then runs: first its latency part (`latency_ms`, at most
+    its duration; none if None), which does not use the link, then its transfer part, which shares the link's
+    bandwidth equally with every other collective transferring at that moment. Everything runs `slowdown` times
+    slower while backward computes (on CPUs, compute and gloo share the cores). With one lane and one group this is
+    a single stream: a bucket starts when launched and the previous one is done.
+
+    lanes=1 is NCCL's model here (one communication stream); gloo runs GLOO_LANES collectives per process group at
+    once, which shows in its records as small buckets completing out of index order."""
+    n = len(durations_ms)
+    launch = launch_times(ready_ms, backward_ms, overlap)
+    lat = [min(max(0.0, a), d) for a, d in zip(latency_ms or [0.0] * n, durations_ms)]
+    left = [[a, d - a] for a, d in zip(lat, durations_ms)]  # per bucket: [latency, transfer] still to do
+    group = groups or [None] * n
+    start, end = [math.nan] * n, [math.nan] * n
+    queues: dict = {}
+    running: dict = {}  # group -> indices running now
+    now, nxt, eps = 0.0, 0, 1e-9
+    while True:
+        while nxt < n and launch[nxt] <= now + eps:  # launched: queue in the group
+            queues.setdefault(group[nxt], []).append(nxt)
+            nxt += 1
+        for g, q in queues.items():
+            on = running.setdefault(g, [])
+            while q and len(on) < lanes:
+                i = q.pop(0)
+                start[i] = now
+                on.append(i)
+        active = [i for on in running.values() for i in on]
+        if not active and nxt == n:
+            break
+        rate = 1.0 / slowdown if now < backward_ms else 1.0
+        sharing = sum(1 for i in active if left[i][0] <= eps) or 1
+        horizon = [launch[nxt] - now] if nxt < n else []
+        if now < backward_ms and slowdown != 1.0:
+            horizon.append(backward_ms - now)
+        for i in active:
+            horizon.append(left[i][0] / rate if left[i][0] > eps else left[i][1] * sharing / rate)
+        dt = max(0.0, min(horizon))
+        for i in active:
+            if left[i][0] > eps:
+                left[i][0] -= dt * rate
+            else:
+                left[i][1] -= dt * rate / sharing
+        now += dt
+        for on in running.values():
+            for i in [i for i in on if left[i][0] <= eps and left[i][1] <= eps]:
+                end[i] = now
+                on.remove(i)
     return Timeline(list(ready_ms), launch, start, end, backward_ms)
 
 
@@ -302,55 +352,71 @@ class Calibration:
     post_ms: float = 0.0
     note: str = "none"
     slowdown: float = 1.0
-    # CPU machines: the CPU time of the collectives the profiled step launched during backward, which its backward
-    # time already holds; a plan launching more (or fewer) there costs the difference (`host_ms`). None: not applied
+    # CPU machines: what the profiled step's own collectives took from its backward (`host_ms` of its replay), which
+    # its backward time already holds; a plan running more (or fewer) there costs the difference. None: not applied
     host_base_ms: float | None = None
+    lanes: int = 1  # collectives at once per process group (`replay`): 1 for NCCL's single stream, 2 for gloo
+    timeline: Timeline | None = field(default=None, repr=False)  # the profiled step's collectives, replayed
 
 
-def host_ms(model, sizes: list[int]) -> float | None:
-    """CPU time (ms) that all-reduces of these sizes take on the host, from the benchmark's CPU time per operation
-    (`FittedModel.cpu_us`); None for a model without it. On a CPU machine that time is taken from the compute the
-    collectives overlap. Opt-in (`--host-cost`), because the benchmark's per-operation part does not carry over
-    reliably: measured on 2 cores, per_tensor's 116 extra collectives lengthened backward by ~0.6 ms each with the
-    flash attention kernel and ~0.26 ms each with the math kernel, while the benchmark loop spends ~1.2 ms of CPU per
-    reducer operation; its per-byte part (~1 ms per MiB) matched (flat vs bucketed backward)."""
-    cpu = getattr(model, "cpu_us", None)
-    if cpu is None or cpu(0) is None:
+def host_ms(model, sizes: list[int], tl: Timeline) -> float | None:
+    """How much longer backward computes (ms) because of the collectives of timeline `tl` (sizes in index order),
+    from the benchmark's --overlap measurement (`FittedModel.host_us`): each costs the computation its measured
+    amount pro rata to the part of its run (start to end) before backward ends; a collective still queued behind
+    others costs nothing yet. None for a model without that measurement. On a CPU machine the backend's threads,
+    the kernel's network stack and the averaging callback share the cores with backward. (The benchmark's CPU time
+    per operation, `cpu_us`, is not this: its loop waits for every all-reduce.)"""
+    host = getattr(model, "host_us", None)
+    if host is None or host(0) is None:
         return None
-    return sum(cpu(n) for n in sizes) / 1000.0
+    total = 0.0
+    for n, s, e in zip(sizes, tl.start, tl.end):
+        if s >= tl.backward_ms:
+            continue
+        total += host(n) * (1.0 if e <= s else (min(e, tl.backward_ms) - s) / (e - s))
+    return total / 1000.0
 
 
-def calibrate(prof: StepProfile, model, host_cost: bool = False) -> Calibration:
-    """`host_cost`: the run computed on the CPU, so collectives during backward take CPU time from it."""
-    calib = _calibrate(prof, model)
-    if host_cost and prof.records and all(r.get("launch_ms") is not None for r in prof.records):
-        base = host_ms(model, [r["bytes"] for r in prof.records if r["launch_ms"] < prof.sync_backward_ms])
+def calibrate(prof: StepProfile, model, host_cost: bool = False, lanes: int = 1, class_groups: bool = False
+              ) -> Calibration:
+    """`host_cost`: the run computed on the CPU, so collectives during backward take CPU time from it. `lanes`:
+    collectives run at once per process group (see `replay`); `class_groups`: the profiled run sent each tensor
+    class through its own group."""
+    calib = _calibrate(prof, model, lanes, class_groups)
+    if host_cost and calib.timeline is not None:
+        base = host_ms(model, [r["bytes"] for r in prof.records], calib.timeline)
         if base is not None:
             calib.host_base_ms = base
-            calib.note += (f"; host CPU per collective from the benchmark ({base:.1f} ms for the profiled step's "
-                           f"collectives during backward)")
+            calib.note += (f"; backward lengthened by the collectives it overlaps, as the benchmark measured "
+                           f"({base:.1f} ms for the profiled step's)")
     return calib
 
 
-def _calibrate(prof: StepProfile, model) -> Calibration:
+def _calibrate(prof: StepProfile, model, lanes: int, class_groups: bool) -> Calibration:
+    """Replays the profiled step's own collectives (at their measured launch times, with the lanes the prediction
+    uses) and fits what makes the replay match their measured completions."""
     recs = prof.records
     if not recs or any(r.get(k) is None for r in recs for k in ("launch_ms", "complete_ms")):
-        return Calibration(note="none (the profiled step has no launch/complete times)")
+        return Calibration(note="none (the profiled step has no launch/complete times)", lanes=lanes)
     backward = prof.sync_backward_ms
-    starts, free = [], 0.0
-    for r in recs:  # on the measured stream: a bucket starts once launched and the previous one is done
-        starts.append(max(r["launch_ms"], free))
-        free = max(free, r["complete_ms"])
+    launch = [r["launch_ms"] for r in recs]
     work = [cost_ms(model, r["bytes"]) for r in recs]
+    lat = [latency_ms(model, r["bytes"]) for r in recs]
+    groups = [r.get("class") for r in recs] if class_groups and lanes > 1 else None
     ends = [r["complete_ms"] for r in recs]
     wait_start = recs[0].get("wait_start_ms")
     post = 0.0
     if wait_start is not None:
         post = max(0.0, prof.exposed_ms - max(0.0, max(ends) - wait_start))
-    if any(s < backward for s in starts):
+
+    def replayed(k: float, scale: float = 1.0) -> Timeline:
+        return replay(launch, [scale * w for w in work], backward, True, k, lanes, [scale * a for a in lat], groups)
+
+    lanes_note = f", {lanes} collectives at once per process group" if lanes > 1 else ""
+    if any(s < backward for s in replayed(1.0).start):
         # Fit the slowdown during backward (log-scale golden section on [1/4, 8]) to the measured completions.
         def err(log_k):
-            return sum((finish(s, w, backward, math.exp(log_k)) - e) ** 2 for s, w, e in zip(starts, work, ends))
+            return sum((e - m) ** 2 for e, m in zip(replayed(math.exp(log_k)).end, ends))
 
         lo, hi = math.log(0.25), math.log(8.0)
         g = (math.sqrt(5) - 1) / 2
@@ -359,12 +425,14 @@ def _calibrate(prof: StepProfile, model) -> Calibration:
             lo, hi = (lo, b) if err(a) < err(b) else (a, hi)
         k = math.exp((lo + hi) / 2)
         return Calibration(1.0, post, f"collectives x{k:.3f} slower while backward computes (fitted to the "
-                                      f"{len(recs)} completions of the profiled step), +{post:.2f} ms after the "
-                                      f"last collective", slowdown=k)
-    measured = sum(e - s for s, e in zip(starts, ends))
-    scale = measured / sum(work) if sum(work) > 0 else 1.0
-    return Calibration(scale, post, f"comm x{scale:.3f} (measured {measured:.2f} ms / modeled {sum(work):.2f} ms, "
-                                    f"none overlapped backward), +{post:.2f} ms after the last collective")
+                                      f"{len(recs)} completions of the profiled step{lanes_note}), +{post:.2f} ms "
+                                      f"after the last collective", slowdown=k, lanes=lanes, timeline=replayed(k))
+    measured = Timeline(launch, launch, launch, ends, backward).comm_ms  # busy from first launch to last completion
+    modeled = replayed(1.0).comm_ms
+    scale = measured / modeled if modeled > 0 else 1.0
+    return Calibration(scale, post, f"comm x{scale:.3f} (measured {measured:.2f} ms / modeled {modeled:.2f} ms, "
+                                    f"none overlapped backward{lanes_note}), +{post:.2f} ms after the last "
+                                    f"collective", lanes=lanes, timeline=replayed(1.0, scale))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -376,6 +444,14 @@ def cost_ms(model, nbytes: int, algo: str | None = None, proto: str | None = Non
     if isinstance(model, cm.NcclModel):
         return model.time_us(nbytes, "allreduce", algo=algo, proto=proto) / 1000.0
     return model.time_us(nbytes, "allreduce") / 1000.0
+
+
+def latency_ms(model, nbytes: int, algo: str | None = None, proto: str | None = None) -> float:
+    """The part of `cost_ms` that does not use the link (a fit's latency term), where the model separates it: with
+    several collectives in flight only the rest shares the bandwidth. 0 where it does not (all of it shared)."""
+    if isinstance(model, cm.NcclModel) or not hasattr(model, "latency_us"):
+        return 0.0
+    return model.latency_us(nbytes, "allreduce") / 1000.0
 
 
 @dataclass
@@ -441,11 +517,12 @@ def predict(cfg, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration
     one = cost or (lambda n, a, p: cost_ms(model, n, a, p))
     nccl_of = nccl_of or requested_nccl(cfg, class_groups)
     dur = [calib.comm_scale * one(b.nbytes, *nccl_of(b)) for b in plan]
-    tl = replay(ready, dur, prof.sync_backward_ms, overlap, calib.slowdown)
+    lat = [calib.comm_scale * latency_ms(model, b.nbytes) for b in plan] if cost is None else None
+    groups = [b.tensor_class for b in plan] if class_groups and calib.lanes > 1 else None
+    tl = replay(ready, dur, prof.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups)
     exposed = tl.exposed_ms + calib.post_ms
     if calib.host_base_ms is not None:  # more collectives during backward than the profiled step: slower compute
-        compute += host_ms(model, [b.nbytes for b, t in zip(plan, tl.launch) if t < prof.sync_backward_ms])
-        compute -= calib.host_base_ms
+        compute += host_ms(model, [b.nbytes for b in plan], tl) - calib.host_base_ms
     lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
     return Prediction(strategy, cap_mb if strategy in CAPPED else None, len(plan), tl.comm_ms, exposed,
                       compute + exposed, lossless)
@@ -744,9 +821,11 @@ def main(argv=None) -> None:
     ap.add_argument("--median", action="store_true", help="replay the medians of the steady steps instead of one")
     ap.add_argument("--warmup", type=int, help="steps dropped as warm-up (default max(3, 10%%))")
     ap.add_argument("--no-calibrate", action="store_true", help="do not scale the model by the profiled step")
-    ap.add_argument("--host-cost", action="store_true",
-                    help="CPU runs: charge the benchmark's CPU time per collective to the backward it overlaps "
-                         "(see host_ms: its per-operation part does not carry over reliably)")
+    ap.add_argument("--no-host-cost", action="store_true",
+                    help="CPU runs: do not charge what collectives take from the backward they overlap (applied by "
+                         "default when the benchmark measured it: collectives.bench --overlap)")
+    ap.add_argument("--lanes", type=int, help="collectives in flight at once per process group (default: "
+                    f"{GLOO_LANES} for a gloo run with a fitted model, as ProcessGroupGloo's threads; 1 otherwise)")
     ap.add_argument("--measured", nargs="*", default=[], help="runs to compare against (their own configs)")
     ap.add_argument("--paper", action="store_true", help="project the paper's base configuration (8 P100)")
     ap.add_argument("--mfu", type=float, default=0.3, help="--paper: assumed fraction of the GPU's fp32 peak")
@@ -756,7 +835,15 @@ def main(argv=None) -> None:
         _main(args)
 
 
+def default_lanes(run: Run, model) -> int:
+    """gloo runs GLOO_LANES collectives at once per process group; NCCL's model here is one stream."""
+    gloo = str(run.header.get("backend", "gloo")) == "gloo"
+    return GLOO_LANES if gloo and not isinstance(model, cm.NcclModel) else 1
+
+
 def _main(args) -> None:
+    if args.lanes is not None and args.lanes < 1:
+        raise UserError("--lanes must be at least 1")
     strategies = _parse_list(args.strategies)
     caps = _parse_list(args.bucket_sizes, float)
     if any(c <= 0 for c in caps):
@@ -779,8 +866,9 @@ def _main(args) -> None:
         prof = profiled_step(run, args.step, args.warmup, args.median)
         curve = ready_curve(run, prof)
         on_cpu = str(run.header.get("device", "cpu")).startswith("cpu")
-        calib = (Calibration(note="off") if args.no_calibrate
-                 else calibrate(prof, model, host_cost=on_cpu and args.host_cost))
+        lanes = args.lanes or default_lanes(run, model)
+        calib = (Calibration(note="off", lanes=lanes) if args.no_calibrate
+                 else calibrate(prof, model, on_cpu and not args.no_host_cost, lanes, cm.bucket_plan(run.cfg).class_groups))
         rows = sweep(run.cfg, prof, curve, model, calib, strategies, caps, run.vocab)
         measured = measured_runs(args.measured, run, prof, curve, model, calib, args.warmup)
         rows += measured

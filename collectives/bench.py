@@ -14,9 +14,11 @@ import argparse
 import csv
 import io
 import json
+import math
 import os
 import re
 import socket
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -186,9 +188,11 @@ class Row:
     algbw: float
     busbw: float
     wrong: int | None  # None: not checked (-c 0)
-    # CPU time the process spent per operation, all its threads (the backend's too), mean over ranks: on CPU
-    # machines what a collective takes away from the compute it overlaps (the simulator's host cost)
+    # CPU time the process spent per operation, all its threads (the backend's too), mean over ranks
     cpu_us: float | None = None
+    # --overlap (CPU only, reducer path): how much longer a computation takes per all-reduce of this size launched
+    # during it, mean over ranks; what a bucket launched during backward costs the backward (the simulator's host cost)
+    host_us: float | None = None
 
 
 def _run_bound(bound) -> torch.Tensor:
@@ -233,6 +237,67 @@ def measure(path: BenchPath, count: int, dtype_name: str, op: str, args, group, 
     nbytes = count * dtype.itemsize
     algbw, busbw = bandwidths(nbytes, time_us, nranks)
     return Row(path.name, nbytes, count, dtype_name, op, time_us, algbw, busbw, wrong, round(cpu_us, 3))
+
+
+# ---- what an all-reduce costs the computation it overlaps ------------------------------------------------------
+
+OVERLAP_OPS = 16  # all-reduces launched during one compute block
+OVERLAP_REPEATS = 7  # pairs of blocks, one without and one with them, alternated so a drift hits both alike
+OVERLAP_MIN_MS = 100.0  # a block computes at least this long, and at least twice what its all-reduces take
+
+
+def _block(a: torch.Tensor, chunks: int, at: dict[int, Callable[[], None]]) -> float:
+    """`chunks` matmuls of `a` (256 x 256 fp32, ~1 ms each on one core), calling at[j] after the j-th; seconds."""
+    out = torch.empty_like(a)
+    t0 = time.perf_counter()
+    for j in range(chunks):
+        torch.mm(a, a, out=out)
+        if j in at:
+            at[j]()
+    return time.perf_counter() - t0
+
+
+def overlap_cost(count: int, dtype_name: str, group, nranks: int, comm_us: float) -> tuple[float, float]:
+    """How much longer a computation takes per all-reduce of `count` elements launched during it through the
+    reducer (overlap on, one bucket each, launched at evenly spaced points as gradients become ready in backward):
+    the median over OVERLAP_REPEATS of (the block with OVERLAP_OPS launches - the same block alone) / OVERLAP_OPS,
+    in µs, mean over ranks; and the block's median time alone (ms). The all-reduces are waited for after the block,
+    outside its time. On a CPU machine the backend's threads (and the callback that averages) take the cores'
+    time from the computation; a GPU computes elsewhere, so this is measured on CPU only."""
+    from collectives.plan import Bucket
+    from collectives.reducer import Reducer
+    from collectives.tensor_classes import CollectiveSettings
+
+    dtype = DTYPES[dtype_name]
+    s = CollectiveSettings(wire_dtype=_WIRE[dtype_name])
+    params = {f"g{i}": torch.nn.Parameter(torch.zeros(count, dtype=dtype)) for i in range(OVERLAP_OPS)}
+    buckets = [Bucket(i, (f"g{i}",), count, count * s.torch_wire_dtype.itemsize, "bench", s, dtype)
+               for i in range(OVERLAP_OPS)]
+    reducer = Reducer(params, buckets, nranks, overlap=True, groups={"bench": group}, default_group=group)
+    reducer.remove()  # no backward here: `ready` is called directly
+    a = torch.randn(256, 256)
+    chunk_s = min(_block(a, 20, {}) / 20 for _ in range(2))
+    want_ms = max(OVERLAP_MIN_MS, 2.0 * OVERLAP_OPS * comm_us / 1000.0)
+    chunks = torch.tensor([math.ceil(want_ms / 1000.0 / chunk_s)], dtype=torch.int64)
+    dist.all_reduce(chunks, op=dist.ReduceOp.MAX, group=group)  # every rank computes (and launches) alike
+    chunks = int(chunks)
+    every = chunks / (OVERLAP_OPS + 1)
+    launches = {min(chunks - 1, int(every * (i + 1))): (lambda i=i: reducer.ready(f"g{i}")) for i in range(OVERLAP_OPS)}
+    extra, alone = [], []
+    for _ in range(OVERLAP_REPEATS):
+        dist.barrier(group=group)
+        t_alone = _block(a, chunks, {})
+        dist.barrier(group=group)
+        reducer.prepare(True)
+        t_with = _block(a, chunks, launches)
+        reducer.finish()
+        extra.append(t_with - t_alone)
+        alone.append(t_alone)
+    mean = torch.tensor([statistics.median(extra) / OVERLAP_OPS * 1e6, statistics.median(alone) * 1e3],
+                        dtype=torch.float64)
+    dist.all_reduce(mean, group=group)
+    host_us, alone_ms = (float(v) / nranks for v in mean)
+    return host_us, alone_ms
 
 
 # ---- nccl-tests' table -------------------------------------------------------------------------------------------
@@ -290,7 +355,7 @@ def ratio_lines(rows: list[Row], from_bytes: int = 4 << 20) -> list[str]:
 
 # ---- outputs -----------------------------------------------------------------------------------------------------
 
-FIELDS = ["path", "size", "count", "type", "redop", "time_us", "algbw", "busbw", "wrong", "cpu_us"]
+FIELDS = ["path", "size", "count", "type", "redop", "time_us", "algbw", "busbw", "wrong", "cpu_us", "host_us"]
 
 
 def to_json(rows: list[Row]) -> str:
@@ -334,6 +399,9 @@ def parse_args(argv=None):
     ap.add_argument("--class", dest="tensor_class", metavar="NAME",
                     help="run over this tensor class's process group (collectives.nccl.class_group)")
     ap.add_argument("--profile", help="a run profile whose sync.classes give the class's settings (with --class)")
+    ap.add_argument("--overlap", nargs="?", const="2M", metavar="MAX",
+                    help="CPU only: also measure how much longer a computation takes per reducer all-reduce launched "
+                         "during it, at the sweep's sizes up to MAX (default 2M); the simulator's host cost")
     ap.add_argument("--csv", metavar="FILE", help="also write the rows as CSV ('-': stdout, instead of the table)")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list ('-': stdout, instead of the "
                                                      "table)")
@@ -419,6 +487,25 @@ def reducer_path(group, class_name: str | None, settings) -> BenchPath | None:
                      result_op=lambda op: "avg")
 
 
+def measure_overlap(rows: list[Row], max_bytes: int, group, nranks: int, device, emit) -> None:
+    """--overlap: `overlap_cost` for each reducer row up to `max_bytes`, stored in its `host_us`."""
+    if device.type != "cpu":
+        raise UserError("--overlap measures what collectives take from computation on the CPU: this run computes "
+                        f"on {device}")
+    todo = [r for r in rows if r.path == "reducer" and r.size <= max_bytes]
+    if not todo:
+        raise UserError(f"--overlap: no reducer row up to {max_bytes} bytes to measure")
+    emit(f"# overlap: {OVERLAP_OPS} reducer all-reduces launched during a matmul block, {OVERLAP_REPEATS} repeats; "
+         "extra compute per all-reduce (the simulator's host cost)")
+    emit(f"#  {'size':>10}  {'type':>8}  {'block alone':>11}  {'extra per op':>12}")
+    emit(f"#  {'(B)':>10}  {'':>8}  {'(ms)':>11}  {'(us)':>12}")
+    for r in todo:
+        host, alone = overlap_cost(r.count, r.type, group, nranks, r.time_us)
+        r.host_us = round(host, 3)
+        emit(f"   {r.size:>10}  {r.type:>8}  {alone:11.1f}  {host:12.1f}", flush=True)
+    emit("#")
+
+
 def _name_of(dtype: torch.dtype) -> str:
     return next(n for n, d in DTYPES.items() if d == dtype)
 
@@ -433,6 +520,10 @@ def main(argv=None) -> int:
             raise UserError("-n must be at least 1 and -w at least 0")
         if args.profile and not args.tensor_class:
             raise UserError("--profile gives a tensor class's settings: use it with --class")
+        if args.overlap is not None:
+            args.overlap = parse_size(args.overlap)
+            if args.path == "raw":
+                raise UserError("--overlap measures the reducer path: drop --path raw")
         from dtrain import dist as ddist
         from dtrain.config import DistConfig
 
@@ -493,6 +584,8 @@ def _bench(args, sizes: list[int], dtypes: list[str], device, backend: str) -> i
                     emit(line(cells), flush=True)
     for f in footer(rows, paths):
         emit(f)
+    if args.overlap is not None:
+        measure_overlap(rows, args.overlap, group, nranks, device, emit)
     if main_rank:
         if args.json:
             write_out(args.json, to_json(rows))

@@ -401,6 +401,7 @@ class Measurement:
     busbw: float | None = None
     label: str = "measured"  # "Ring/LL128" when the log says what NCCL ran, else "measured"
     cpu_us: float | None = None  # the project's benchmark: process CPU time per operation
+    host_us: float | None = None  # its --overlap: extra computation per all-reduce launched during it
 
 
 @dataclass
@@ -491,7 +492,7 @@ def _bench_row(d: dict, where: str) -> Measurement:
         if algo or proto:
             label = f"{_canon(algo, _ALGO_NAMES) if algo else '*'}/{_canon(proto, PROTOS) if proto else '*'}"
         return Measurement(int(float(d["size"])), _num(d["time_us"]), _num(d.get("algbw")), _num(d.get("busbw")),
-                           label, _num(d.get("cpu_us")))
+                           label, _num(d.get("cpu_us")), _num(d.get("host_us")))
     except (KeyError, ValueError, TypeError) as e:
         raise UserError(f"{where}: bad benchmark row {d!r} ({e.__class__.__name__}: {e})") from e
 
@@ -714,9 +715,11 @@ class FittedModel:
     kind = "fitted"
 
     def __init__(self, fits: dict[str, list[Regime]], coll: str = "allreduce", ranks: int | None = None,
-                 name: str = "local", source: str = "", cpu: dict[str, tuple[float, float]] | None = None):
+                 name: str = "local", source: str = "", cpu: dict[str, tuple[float, float]] | None = None,
+                 host: dict[str, tuple[float, float]] | None = None):
         self.fits, self.coll, self.ranks, self.name, self.source = fits, coll, ranks, name, source
         self.cpu = cpu or {}  # label -> (µs per operation, µs per byte): the process's CPU time, where measured
+        self.host = host or {}  # label -> (µs per operation, µs per byte): computation lost per overlapped one
 
     @classmethod
     def from_measurements(cls, ms: MeasurementSet, name: str = "local", max_regimes: int = 4) -> "FittedModel":
@@ -725,17 +728,30 @@ class FittedModel:
             groups.setdefault(m.label, []).append(m)
         fits = {lab: fit_regimes([m.size for m in rows], [m.time_us for m in rows], max_regimes)
                 for lab, rows in sorted(groups.items())}
-        cpu = {lab: fit_cpu(rows) for lab, rows in sorted(groups.items()) if all(m.cpu_us is not None for m in rows)}
-        return cls(fits, ms.coll, ms.ranks, name, ms.source, cpu)
+        cpu = {lab: fit_per_op([(m.size, m.cpu_us) for m in rows]) for lab, rows in sorted(groups.items())
+               if all(m.cpu_us is not None for m in rows)}
+        host = {lab: fit_per_op(pts) for lab, rows in sorted(groups.items())
+                if (pts := [(m.size, m.host_us) for m in rows if m.host_us is not None])}
+        return cls(fits, ms.coll, ms.ranks, name, ms.source, cpu, host)
+
+    @staticmethod
+    def _per_op(table: dict[str, tuple[float, float]], nbytes: float) -> float | None:
+        # The reducer's path when there is one: what the planned strategies run.
+        label = "reducer" if "reducer" in table else next(iter(table), None)
+        if label is None:
+            return None
+        per_op, per_byte = table[label]
+        return per_op + per_byte * nbytes
 
     def cpu_us(self, nbytes: float) -> float | None:
         """CPU time one all-reduce of `nbytes` costs the process (all threads), from the benchmark; None where it
-        was not measured. The reducer's path when there is one: what the planned strategies run."""
-        label = "reducer" if "reducer" in self.cpu else next(iter(self.cpu), None)
-        if label is None:
-            return None
-        per_op, per_byte = self.cpu[label]
-        return per_op + per_byte * nbytes
+        was not measured."""
+        return self._per_op(self.cpu, nbytes)
+
+    def host_us(self, nbytes: float) -> float | None:
+        """How much longer a computation takes per all-reduce of `nbytes` launched during it (the benchmark's
+        --overlap, CPU); None where it was not measured."""
+        return self._per_op(self.host, nbytes)
 
     def _regime(self, label: str, nbytes: float) -> Regime:
         return next(r for r in self.fits[label] if nbytes <= r.max_bytes)
@@ -743,19 +759,28 @@ class FittedModel:
     def label_time_us(self, label: str, nbytes: float) -> float:
         return self._regime(label, nbytes).time_us(nbytes)
 
-    def time_us(self, nbytes: float, coll: str = "allreduce", algo: str | None = None, proto: str | None = None
-                ) -> float:
-        """Fitted time; with labelled fits, (algo, proto) selects one, else the least of them (NCCL-like)."""
+    def _label(self, nbytes: float, coll: str, algo: str | None, proto: str | None) -> str:
+        """The fit that costs this call: with labelled fits, (algo, proto) selects one, else the fastest of them
+        (NCCL-like); the bench's reducer path when there is one, which is what the planned strategies run."""
         _check_coll(coll)
         if coll != self.coll:
             raise UserError(f"model '{self.name}' was fitted on {self.coll}, not {coll}")
         labels = [lab for lab in self.fits if _label_matches(lab, algo, proto)]
-        if "reducer" in labels:  # the bench's reducer path is what the planned strategies run
-            labels = ["reducer"]
+        if "reducer" in labels:
+            return "reducer"
         if not labels:
             raise UserError(f"model '{self.name}' has no fit for {algo or 'any'}/{proto or 'any'} "
                             f"(fitted: {', '.join(self.fits)})")
-        return min(self.label_time_us(lab, nbytes) for lab in labels)
+        return min(labels, key=lambda lab: self.label_time_us(lab, nbytes))
+
+    def time_us(self, nbytes: float, coll: str = "allreduce", algo: str | None = None, proto: str | None = None
+                ) -> float:
+        return self.label_time_us(self._label(nbytes, coll, algo, proto), nbytes)
+
+    def latency_us(self, nbytes: float, coll: str = "allreduce", algo: str | None = None, proto: str | None = None
+                   ) -> float:
+        """The part of `time_us` that does not grow with the bytes: the latency of the size's regime."""
+        return self._regime(self._label(nbytes, coll, algo, proto), nbytes).lat_us
 
     def choices(self, nbytes: int, coll: str = "allreduce") -> list[Choice]:
         out = []
@@ -774,12 +799,16 @@ class FittedModel:
         if self.cpu_us(0) is not None:
             lines.append(f"CPU time per all-reduce (benchmark, all threads): {self.cpu_us(0):.0f} us + "
                          f"{(self.cpu_us(1 << 20) - self.cpu_us(0)):.0f} us per MiB")
+        if self.host_us(0) is not None:
+            lines.append(f"computation lost per all-reduce launched during it (benchmark --overlap): "
+                         f"{self.host_us(0):.0f} us + {(self.host_us(1 << 20) - self.host_us(0)):.0f} us per MiB")
         return lines
 
     def to_dict(self) -> dict:
         return {"kind": "fitted", "name": self.name, "coll": self.coll, "ranks": self.ranks, "source": self.source,
                 "fits": {lab: [_regime_dict(r) for r in regs] for lab, regs in self.fits.items()},
-                "cpu": {lab: {"per_op_us": round(a, 4), "per_byte_us": b} for lab, (a, b) in self.cpu.items()}}
+                "cpu": {lab: {"per_op_us": round(a, 4), "per_byte_us": b} for lab, (a, b) in self.cpu.items()},
+                "host": {lab: {"per_op_us": round(a, 4), "per_byte_us": b} for lab, (a, b) in self.host.items()}}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "") -> "FittedModel":
@@ -787,20 +816,21 @@ class FittedModel:
             fits = {lab: [Regime(math.inf if r["max_bytes"] is None else float(r["max_bytes"]), float(r["lat_us"]),
                                  math.inf if r["bw_GBps"] is None else float(r["bw_GBps"])) for r in regs]
                     for lab, regs in d["fits"].items()}
-            cpu = {lab: (float(c["per_op_us"]), float(c["per_byte_us"])) for lab, c in (d.get("cpu") or {}).items()}
+            cpu, host = ({lab: (float(c["per_op_us"]), float(c["per_byte_us"])) for lab, c in (d.get(k) or {}).items()}
+                         for k in ("cpu", "host"))
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"{where}: not a fitted cost model ({e})") from e
         return cls(fits, d.get("coll", "allreduce"), d.get("ranks"), d.get("name", "local"), d.get("source", where),
-                   cpu)
+                   cpu, host)
 
 
-def fit_cpu(rows: list[Measurement]) -> tuple[float, float]:
-    """(µs per operation, µs per byte) of the CPU time per all-reduce: the per-operation cost is the median over
-    sizes up to 64 KiB (where the data costs nothing), the per-byte cost the median of the excess per byte from
-    1 MiB up (the reduction and copies); robust to the odd slow size."""
-    small = [m.cpu_us for m in rows if m.size <= 64 << 10]
-    per_op = statistics.median(small) if small else min(m.cpu_us for m in rows)
-    large = [(m.cpu_us - per_op) / m.size for m in rows if m.size >= 1 << 20]
+def fit_per_op(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(µs per operation, µs per byte) from (size, µs) per all-reduce (CPU time, or computation lost): the
+    per-operation cost is the median over sizes up to 64 KiB (where the data costs nothing), the per-byte cost the
+    median of the excess per byte from 1 MiB up (the reduction and copies); robust to the odd slow size."""
+    small = [v for n, v in points if n <= 64 << 10]
+    per_op = max(0.0, statistics.median(small) if small else min(v for _, v in points))
+    large = [(v - per_op) / n for n, v in points if n >= 1 << 20]
     return per_op, max(0.0, statistics.median(large)) if large else 0.0
 
 

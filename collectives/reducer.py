@@ -128,20 +128,25 @@ class Reducer:
 
     def _ready_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
-            if not self.armed:
-                return
-            st = self.buckets[self._where[name]]
-            if name in st.seen:
-                raise RuntimeError(f"gradient of '{name}' became ready twice in one synchronized backward")
-            st.seen.add(name)
-            self.observed.append(name)
-            st.pending -= 1
-            if st.pending == 0:
-                st.ready_t = stamp(self.device)
-                if self.overlap:
-                    self._launch_ready()
+            self.ready(name)
 
         return hook
+
+    def ready(self, name: str) -> None:
+        """The gradient of `name` is final for this backward (its hook; the benchmark calls it directly): a bucket
+        whose gradients are all ready launches, in bucket order, when overlapping."""
+        if not self.armed:
+            return
+        st = self.buckets[self._where[name]]
+        if name in st.seen:
+            raise RuntimeError(f"gradient of '{name}' became ready twice in one synchronized backward")
+        st.seen.add(name)
+        self.observed.append(name)
+        st.pending -= 1
+        if st.pending == 0:
+            st.ready_t = stamp(self.device)
+            if self.overlap:
+                self._launch_ready()
 
     def _launch_ready(self) -> None:
         # In bucket order only: every rank must issue the same collectives in the same order on each group.

@@ -50,7 +50,9 @@ def test_dtypes_and_ops():
 
 
 @pytest.mark.parametrize("argv,msg", [(["-b", "8X"], "bad size '8X'"), (["-d", "float8"], "unknown dtype"),
-                                      (["-o", "xor"], "unknown op"), (["-b", "1M", "-e", "1K"], "larger than")])
+                                      (["-o", "xor"], "unknown op"), (["-b", "1M", "-e", "1K"], "larger than"),
+                                      (["--overlap", "2Q"], "bad size '2Q'"),
+                                      (["--overlap", "--path", "raw"], "--overlap measures the reducer path")])
 def test_bad_input_is_one_line_and_exit_2(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
@@ -205,7 +207,7 @@ def test_two_rank_sweep_on_loopback(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "collectives.bench", "-b", "8", "-e", "1M", "-f", "32", "-w", "1", "-n", "3", "--class", "ffn",
-           "--json", str(out), "--csv", str(tmp_path / "bench.csv")]
+           "--json", str(out), "--csv", str(tmp_path / "bench.csv"), "--overlap", "256"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -221,5 +223,8 @@ def test_two_rank_sweep_on_loopback(tmp_path):
         assert row["busbw"] == pytest.approx(row["algbw"] * bench.bus_factor(2))  # = algbw on 2 ranks
         assert row["algbw"] == pytest.approx(row["size"] / row["time_us"] / 1e3)
         assert row["cpu_us"] > 0  # the process's CPU time per operation, gloo's threads included
+        # --overlap 256: the computation lost per all-reduce, measured for the reducer's rows up to 256 B only
+        assert (row["host_us"] is not None) == (row["path"] == "reducer" and row["size"] <= 256)
+    assert "# overlap: 16 reducer all-reduces launched during a matmul block" in r.stdout
     csv_lines = (tmp_path / "bench.csv").read_text().splitlines()
     assert csv_lines[0] == ",".join(bench.FIELDS) and len(csv_lines) == len(rows) + 1

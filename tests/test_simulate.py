@@ -32,6 +32,29 @@ def test_replay_launches_in_index_order():
     assert tl.launch == [3.0, 3.0] and tl.end == [3.5, 4.0] and tl.exposed_ms == 0.0
 
 
+def test_two_lanes_overlap_latency_and_share_the_links_bandwidth():
+    # Latency only (nothing on the link): two lanes run both at once.
+    tl = sim.replay([0.0, 0.0], [2.0, 2.0], 10.0, lanes=2, latency_ms=[2.0, 2.0])
+    assert tl.end == pytest.approx([2.0, 2.0]) and tl.comm_ms == pytest.approx(2.0)
+    # Transfer only: they share the bandwidth, so both end when one lane alone would have ended the second.
+    tl = sim.replay([0.0, 0.0], [2.0, 2.0], 10.0, lanes=2)
+    assert tl.end == pytest.approx([4.0, 4.0])
+    # A 4 ms transfer from 0; at 1 a small one: 1 ms latency (1-2), then 1 ms of transfer at half the bandwidth
+    # (2-4). The large one did 2 ms alone by then and 1 more at half speed: it ends at 5, after the small one,
+    # as gloo's records show small buckets completing out of index order.
+    tl = sim.replay([0.0, 1.0], [4.0, 2.0], 10.0, lanes=2, latency_ms=[0.0, 1.0])
+    assert tl.start == pytest.approx([0.0, 1.0]) and tl.end == pytest.approx([5.0, 4.0])
+    # A third collective waits for a free lane (the first to end), then runs alone.
+    tl = sim.replay([0.0, 0.0, 0.0], [1.0, 3.0, 1.0], 10.0, lanes=2, latency_ms=[1.0, 3.0, 1.0])
+    assert tl.start == pytest.approx([0.0, 0.0, 1.0]) and tl.end == pytest.approx([1.0, 3.0, 2.0])
+    # One lane per group: two groups run at once, one group queues.
+    tl = sim.replay([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], 10.0, latency_ms=[1.0] * 3, groups=["a", "b", "a"])
+    assert tl.end == pytest.approx([1.0, 1.0, 2.0])
+    # Twice slower while backward computes (until 2): 1 ms of the 3 ms latency done by then, 2 ms after.
+    tl = sim.replay([0.0, 0.0], [3.0, 3.0], 2.0, slowdown=2.0, lanes=2, latency_ms=[3.0, 3.0])
+    assert tl.end == pytest.approx([4.0, 4.0])
+
+
 def test_ready_curve_interpolates_and_stays_monotone():
     c = sim.ReadyCurve([(0, 0.0), (100, 10.0), (50, 12.0), (200, 20.0)], "hand")
     # (50, 12) precedes (100, 10): the curve keeps 12 from x = 50 on.
@@ -228,44 +251,52 @@ def test_a_profiles_per_class_nccl_choice_is_honoured_by_the_preset():
     assert preds[1].comm_ms - preds[0].comm_ms == pytest.approx(extra, rel=1e-6)
 
 
-class _FlatWithCpu(_Flat):
-    """_Flat, and 0.5 ms of host CPU per all-reduce whatever its size."""
+class _FlatWithHost(_Flat):
+    """_Flat, and 0.5 ms of computation lost per all-reduce launched during it, whatever its size."""
 
-    def cpu_us(self, nbytes):
+    def host_us(self, nbytes):
         return 500.0
 
 
-def test_collectives_during_backward_cost_cpu_time_relative_to_the_profiled_step(tmp_path):
+def test_collectives_during_backward_lengthen_it_relative_to_the_profiled_step(tmp_path):
     _write_run(tmp_path / "run")
     run = sim.load_run(tmp_path / "run")
     prof = sim.profiled_step(run)
     curve = sim.ready_curve(run, prof)
     n = sum(r["launch_ms"] < prof.sync_backward_ms for r in prof.records)  # the profiled step's, during backward
-    plain = sim.calibrate(prof, _FlatWithCpu())  # a GPU run: no host cost
-    cal = sim.calibrate(prof, _FlatWithCpu(), host_cost=True)
+    plain = sim.calibrate(prof, _FlatWithHost())  # a GPU run: no host cost
+    cal = sim.calibrate(prof, _FlatWithHost(), host_cost=True)
     assert plain.host_base_ms is None and cal.host_base_ms == pytest.approx(0.5 * n)
-    own = sim.predict(run.cfg, prof, curve, _FlatWithCpu(), cal, "bucketed", 0.25, run.vocab)
+    own = sim.predict(run.cfg, prof, curve, _FlatWithHost(), cal, "bucketed", 0.25, run.vocab)
     assert own.step_ms == pytest.approx(sim.predict(run.cfg, prof, curve, _Flat(), plain, "bucketed", 0.25,
                                                     run.vocab).step_ms)  # the profiled plan: nothing changes
-    per_tensor = sim.predict(run.cfg, prof, curve, _FlatWithCpu(), cal, "per_tensor", None, run.vocab)
+    per_tensor = sim.predict(run.cfg, prof, curve, _FlatWithHost(), cal, "per_tensor", None, run.vocab)
     without = sim.predict(run.cfg, prof, curve, _Flat(), plain, "per_tensor", None, run.vocab)
     during = sum(1 for t in sim.replay([curve.at(x) for x in sim.through(cm.bucket_plan(run.cfg, "per_tensor").buckets,
                                                                           cm.ready_params(run.cfg))],
                                        [1.0] * per_tensor.buckets, prof.sync_backward_ms).launch
                  if t < prof.sync_backward_ms)
     assert during > n and per_tensor.step_ms == pytest.approx(without.step_ms + 0.5 * (during - n))
-    assert sim.predict(run.cfg, prof, curve, _FlatWithCpu(), cal, "noop").step_ms == pytest.approx(20.0 - 0.5 * n)
+    assert sim.predict(run.cfg, prof, curve, _FlatWithHost(), cal, "noop").step_ms == pytest.approx(20.0 - 0.5 * n)
 
 
-def test_the_benchmarks_cpu_time_is_fitted_per_operation_and_per_byte():
-    rows = [cm.Measurement(s, 100.0, label="reducer", cpu_us=600.0 + s * 1e-4) for s in (8, 1024, 65536)]
-    rows += [cm.Measurement(s, 100.0, label="reducer", cpu_us=600.0 + 2e-4 * s) for s in (1 << 20, 1 << 24)]
+def test_the_benchmarks_cpu_time_and_overlap_cost_are_fitted_per_operation_and_per_byte():
+    rows = [cm.Measurement(s, 100.0, label="reducer", cpu_us=600.0 + s * 1e-4, host_us=300.0 + s * 1e-4)
+            for s in (8, 1024, 65536)]
+    rows += [cm.Measurement(s, 100.0, label="reducer", cpu_us=600.0 + 2e-4 * s) for s in (1 << 24,)]
+    rows += [cm.Measurement(1 << 20, 100.0, label="reducer", cpu_us=600.0 + 2e-4 * (1 << 20),
+                            host_us=300.0 + 1024 * 1e-4 + 5e-5 * (1 << 20))]
     fm = cm.FittedModel.from_measurements(cm.MeasurementSet(rows, ranks=2))
     assert fm.cpu_us(0) == pytest.approx(600.0 + 1024 * 1e-4)  # the median of the small sizes
     assert fm.cpu_us(1 << 22) == pytest.approx(600.0 + 1024 * 1e-4 + (1 << 22) * 2e-4, rel=1e-3)
+    # --overlap measured only up to 1 MiB: its rows alone make the fit
+    assert fm.host_us(0) == pytest.approx(300.0 + 1024 * 1e-4)
+    assert fm.host_us(1 << 22) == pytest.approx(300.0 + 1024 * 1e-4 + (1 << 22) * 5e-5, rel=1e-6)
     again = cm.FittedModel.from_dict(json.loads(json.dumps(fm.to_dict())))
     assert again.cpu_us(1 << 22) == pytest.approx(fm.cpu_us(1 << 22), rel=1e-6)
-    assert cm.FittedModel.from_measurements(cm.MeasurementSet([cm.Measurement(8, 1.0)])).cpu_us(8) is None
+    assert again.host_us(1 << 22) == pytest.approx(fm.host_us(1 << 22), rel=1e-6)
+    plain = cm.FittedModel.from_measurements(cm.MeasurementSet([cm.Measurement(8, 1.0), cm.Measurement(16, 1.0)]))
+    assert plain.cpu_us(8) is None and plain.host_us(8) is None
 
 
 def test_interleaved_configurations_are_ranked_by_paired_step_differences():
