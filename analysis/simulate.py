@@ -212,7 +212,9 @@ class Run:
     cfg: object  # RunConfig
     header: dict
     steps: list[dict]
-    buckets: dict[int, list[dict]]
+    buckets: dict[int, list[dict]]  # rank 0's records by step
+    # the other ranks' records by rank and step (`train.record_ranks`), each on its own rank's clock
+    rank_buckets: dict[int, dict[int, list[dict]]] = field(default_factory=dict)
 
     @property
     def world(self) -> int:
@@ -229,7 +231,7 @@ class Run:
 
 def load_run(path: str | Path) -> Run:
     from dtrain import config as config_mod
-    from dtrain.log import read_jsonl
+    from dtrain.log import rank_file, read_jsonl
 
     p = Path(path)
     for f in ("config.yaml", "steps.jsonl"):
@@ -240,10 +242,41 @@ def load_run(path: str | Path) -> Run:
     steps = [s for s in read_jsonl(p / "steps.jsonl") if "step_ms" in s]
     if not steps:
         raise UserError(f"{p}/steps.jsonl: no step records")
-    buckets: dict[int, list[dict]] = {}
-    for r in read_jsonl(p / "buckets.jsonl"):
-        buckets.setdefault(int(r["step"]), []).append(r)
-    return Run(p, cfg, header, steps, buckets)
+    def by_step(rows):
+        out: dict[int, list[dict]] = {}
+        for r in rows:
+            out.setdefault(int(r["step"]), []).append(r)
+        return {k: sorted(v, key=lambda r: r["bucket"]) for k, v in out.items()}
+
+    world = int(header.get("world_size") or 1)
+    others = {rank: by_step(read_jsonl(p / rank_file(rank))) for rank in range(1, world)
+              if (p / rank_file(rank)).is_file()}
+    return Run(p, cfg, header, steps, by_step(read_jsonl(p / "buckets.jsonl")), others)
+
+
+def slowest_rank_records(run: Run, step: int) -> tuple[list[dict], float | None]:
+    """Rank 0's bucket records of `step`, with each bucket's ready and launch times the latest over the ranks whose
+    records the run has (`train.record_ranks`): a collective cannot start before every rank has launched it. Each
+    rank's clock starts at its own backward; it is put on rank 0's by the median, over buckets, of the difference
+    in completion times (an all-reduce completes on every rank at about the same moment). Also returns the largest
+    delay another rank added to a bucket's launch (ms), None where no other rank's records cover the step."""
+    own = run.buckets.get(step, [])
+    others = [recs[step] for recs in run.rank_buckets.values() if len(recs.get(step, [])) == len(own)]
+    if not own or not others or any(r.get("complete_ms") is None or r.get("launch_ms") is None
+                                    for recs in (own, *others) for r in recs):
+        return own, None
+    out = [dict(r) for r in own]
+    delay = 0.0
+    for recs in others:
+        offset = statistics.median(a["complete_ms"] - b["complete_ms"] for a, b in zip(own, recs))
+        for rec, theirs in zip(out, recs):
+            for key in ("ready_ms", "launch_ms"):
+                if theirs.get(key) is not None and rec.get(key) is not None:
+                    later = theirs[key] + offset
+                    if key == "launch_ms":
+                        delay = max(delay, later - rec[key])
+                    rec[key] = max(rec[key], later)
+    return out, delay
 
 
 def steady_steps(run: Run, warmup: int | None = None) -> list[dict]:
@@ -272,10 +305,13 @@ def profiled_step(run: Run, step: int | None = None, warmup: int | None = None, 
         pool = [s for s in steady if s["step"] in run.buckets] or steady
         pool = sorted(pool, key=lambda s: s["step_ms"])
         chosen = pool[len(pool) // 2]
+    records, delay = slowest_rank_records(run, chosen["step"])
     prof = StepProfile(chosen["step"], chosen.get("data_ms", 0.0), chosen["forward_ms"], chosen["backward_ms"],
                        chosen["optimizer_ms"], chosen.get("comm_exposed_ms", 0.0), chosen["step_ms"],
-                       run.cfg.train.accum_steps, sorted(run.buckets.get(chosen["step"], []),
-                                                         key=lambda r: r["bucket"]))
+                       run.cfg.train.accum_steps, records)
+    if delay is not None:
+        prof.notes.append(f"ready and launch times: the latest of {len(run.rank_buckets) + 1} ranks (the others "
+                          f"delayed a launch by up to {max(0.0, delay):.1f} ms)")
     return _ddp_backward(run, prof)
 
 
@@ -284,7 +320,7 @@ def _median_step(run: Run, steady: list[dict]) -> StepProfile:
     prof = StepProfile(0, med(steady, "data_ms"), med(steady, "forward_ms"), med(steady, "backward_ms"),
                        med(steady, "optimizer_ms"), med(steady, "comm_exposed_ms"), med(steady, "step_ms"),
                        run.cfg.train.accum_steps)
-    layouts = [sorted(run.buckets[s["step"]], key=lambda r: r["bucket"]) for s in steady if s["step"] in run.buckets]
+    layouts = [slowest_rank_records(run, s["step"])[0] for s in steady if s["step"] in run.buckets]
     if layouts:
         shape = statistics.mode(tuple(r["numel"] for r in lay) for lay in layouts)
         layouts = [lay for lay in layouts if tuple(r["numel"] for r in lay) == shape]
@@ -552,7 +588,7 @@ def run_level(values: list[float]) -> tuple[float, tuple[float, float]]:
     return statistics.median(values), (min(values), max(values))
 
 
-def measured_runs(paths: list[str], prof_run: Run, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration,
+def measured_runs(paths: list, prof_run: Run, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration,
                   warmup: int | None) -> list[Prediction]:
     """For each measured configuration: the median steady step and exposed time, next to the prediction for its own
     configuration (same strategy, caps and classes) replayed on the profiled step. Runs of the same resolved profile
@@ -568,8 +604,8 @@ def measured_runs(paths: list[str], prof_run: Run, prof: StepProfile, curve: Rea
     is untouched by the strategy: on a CPU machine whose speed drifts, yes; with two ranks time-slicing one GPU, no
     (the other rank's collectives take the GPU's time slices, and the forward time then measures that)."""
     groups: dict[str, list[Run]] = {}
-    for p in paths:
-        run = load_run(p)
+    for p in paths:  # run directories, or runs already loaded
+        run = p if isinstance(p, Run) else load_run(p)
         groups.setdefault(run.cfg.config_hash(), []).append(run)
     ref_forward = statistics.median(s["forward_ms"] for s in steady_steps(prof_run, warmup))
     out = []
@@ -745,6 +781,50 @@ def paper_profile(topo: cm.Topology, vocab: int = 37000, mfu: float = 0.3) -> tu
 # Command line
 
 
+@dataclass
+class EveryStep:
+    """The check against measurement repeated with each steady step of the profiled run as the profiled step: how
+    much the verdict depends on which step was profiled."""
+
+    steps: int
+    max_err: list[float]  # per profiled step: the largest |error| over the measured configurations, %
+    discordant: list[int]  # per profiled step: pairs ordered differently
+    separated: list[int]  # per profiled step: pairs measurement and model both order
+    frequent: list[tuple[str, str, int]]  # the discordant pairs, with how many profiled steps they are discordant in
+
+    def lines(self) -> list[str]:
+        e, d = sorted(self.max_err), self.discordant
+        return [f"every steady step of the profiled run as the profiled step ({self.steps}): max |err| median "
+                f"{statistics.median(e):.1f}% (range {e[0]:.1f}-{e[-1]:.1f}%), within 15% for {sum(x <= 15 for x in e)}; "
+                f"discordant pairs mean {statistics.mean(d):.2f} (none for {sum(x == 0 for x in d)}, at most one for "
+                f"{sum(x <= 1 for x in d)}) of {statistics.median(self.separated):g} separated (median)",
+                *(f"  discordant with {n} of {self.steps} profiled steps: {a} vs {b}" for a, b, n in self.frequent[:5])]
+
+
+def every_step(run: Run, model, measured: list[Run], host_cost: bool, lanes: int,
+               warmup: int | None) -> EveryStep:
+    """`EveryStep` over the profiled run's steady steps that have bucket records."""
+    class_groups = cm.bucket_plan(run.cfg).class_groups
+    errs, disc, sep, count = [], [], [], {}
+    for s in steady_steps(run, warmup):
+        if not run.buckets.get(s["step"]):
+            continue
+        prof = profiled_step(run, s["step"], warmup)
+        curve = ready_curve(run, prof)
+        calib = calibrate(prof, model, host_cost, lanes, class_groups)
+        rows = measured_runs(measured, run, prof, curve, model, calib, warmup)
+        rk = ranking(rows)
+        errs.append(max(abs(_error_pct(r.step_ms, r.measured_step_ms)) for r in rows))
+        disc.append(len(rk.discordant))
+        sep.append(rk.pairs - rk.ties)
+        for pair in rk.discordant:
+            count[pair] = count.get(pair, 0) + 1
+    if not errs:
+        raise UserError(f"{run.path}: no steady step with bucket records to profile")
+    frequent = sorted(((a, b, n) for (a, b), n in count.items()), key=lambda t: -t[2])
+    return EveryStep(len(errs), errs, disc, sep, frequent)
+
+
 def _error_pct(predicted: float, measured: float) -> float:
     return 100 * (predicted - measured) / measured
 
@@ -827,6 +907,8 @@ def main(argv=None) -> None:
     ap.add_argument("--lanes", type=int, help="collectives in flight at once per process group (default: "
                     f"{GLOO_LANES} for a gloo run with a fitted model, as ProcessGroupGloo's threads; 1 otherwise)")
     ap.add_argument("--measured", nargs="*", default=[], help="runs to compare against (their own configs)")
+    ap.add_argument("--every-step", action="store_true",
+                    help="with --measured: repeat the check with each steady step as the profiled step and summarize")
     ap.add_argument("--paper", action="store_true", help="project the paper's base configuration (8 P100)")
     ap.add_argument("--mfu", type=float, default=0.3, help="--paper: assumed fraction of the GPU's fp32 peak")
     ap.add_argument("--json", action="store_true")
@@ -844,6 +926,8 @@ def default_lanes(run: Run, model) -> int:
 def _main(args) -> None:
     if args.lanes is not None and args.lanes < 1:
         raise UserError("--lanes must be at least 1")
+    if args.every_step and (args.paper or not args.measured):
+        raise UserError("--every-step repeats the check against --measured runs: give --run and --measured")
     strategies = _parse_list(args.strategies)
     caps = _parse_list(args.bucket_sizes, float)
     if any(c <= 0 for c in caps):
@@ -870,7 +954,8 @@ def _main(args) -> None:
         calib = (Calibration(note="off", lanes=lanes) if args.no_calibrate
                  else calibrate(prof, model, on_cpu and not args.no_host_cost, lanes, cm.bucket_plan(run.cfg).class_groups))
         rows = sweep(run.cfg, prof, curve, model, calib, strategies, caps, run.vocab)
-        measured = measured_runs(args.measured, run, prof, curve, model, calib, args.warmup)
+        measured_dirs = [load_run(p) for p in args.measured]
+        measured = measured_runs(measured_dirs, run, prof, curve, model, calib, args.warmup)
         rows += measured
         which = "medians of its steady steps" if args.median else f"step {prof.step}"
         header = [f"MODELED from run {run.path} (strategy {run.strategy}, world {run.world}), {which}: "
@@ -880,6 +965,8 @@ def _main(args) -> None:
                   *model.header(), *prof.notes]
         if measured:
             header.append(speed_probe(prof, measured))
+        if args.every_step:
+            robust = every_step(run, model, measured_dirs, on_cpu and not args.no_host_cost, lanes, args.warmup)
     if args.json:
         doc = {"modeled": True, "notes": header,
                "rows": [{k: v for k, v in vars(r).items() if k != "samples"} | {"label": r.label} for r in rows]}
@@ -887,9 +974,13 @@ def _main(args) -> None:
             for key, adjusted in (("ranking", False), ("ranking_adjusted", True)):
                 rk = ranking(rows, adjusted)
                 doc[key] = dataclasses.asdict(rk) | {"agrees": rk.agrees}
+        if args.every_step:
+            doc["every_step"] = dataclasses.asdict(robust)
         print(json.dumps(doc, indent=1))
     else:
         print(format_rows(rows, header))
+        if args.every_step:
+            print("\n".join("# " + ln for ln in robust.lines()))
 
 
 if __name__ == "__main__":

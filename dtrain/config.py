@@ -77,6 +77,9 @@ class TrainConfig:
     threads: int | None = None  # torch intra-op threads per rank; default: torch's (torchrun sets 1 per rank)
     max_bad_steps: int = 5  # consecutive steps with non-finite gradients (each skipped) before the run stops
     sdpa_backend: str = "auto"  # auto: "math" on CPU (fastest for sentence-length sequences), torch's pick on CUDA
+    # every rank > 0 also writes its bucket records (<run>/buckets.rank<r>.jsonl, the run directory shared): the
+    # simulator then sees when the slowest rank had each bucket ready, not only rank 0
+    record_ranks: bool = False
 
 
 @dataclass(frozen=True)
@@ -336,6 +339,7 @@ def _validate(cfg: RunConfig, src: _Source) -> None:
           f"cannot exceed train.keep_ckpts ({t.keep_ckpts}): averaged checkpoints must still be on disk")
     check(t.amp in ("fp32", "bf16"), "train.amp", f"must be 'fp32' or 'bf16', got '{t.amp}'")
     check(t.threads is None or t.threads > 0, "train.threads", "must be positive or null")
+    check(isinstance(t.record_ranks, bool), "train.record_ranks", f"must be true or false, got {t.record_ranks!r}")
     check(t.sdpa_backend in SDPA_BACKENDS, "train.sdpa_backend",
           f"must be one of {', '.join(SDPA_BACKENDS)}, got '{t.sdpa_backend}'")
     check(cfg.dist.backend in ("auto", "gloo", "nccl"), "dist.backend",

@@ -1,9 +1,11 @@
-"""What a run writes (rank 0 only): the resolved config, a header, JSONL step and eval records.
+"""What a run writes (rank 0, and with train.record_ranks each other rank's bucket records): the resolved config, a
+header, JSONL step and eval records.
 
     <run>/config.yaml      the resolved profile (every default filled in)
     <run>/run.json         header: versions, backend, world size, host, sync strategy facts, parameter count
     <run>/steps.jsonl      one record per optimizer step: loss, tokens, lr, phase times in ms
     <run>/buckets.jsonl    per step and gradient bucket, for strategies that record them: bytes, class, timings
+    <run>/buckets.rank<r>.jsonl   the same from rank r > 0 (train.record_ranks), each on its own clock
     <run>/eval.jsonl       validation loss every train.val_every steps; BLEU with its signature at the end
     <run>/checkpoints/     see dtrain.checkpoint
 """
@@ -60,13 +62,15 @@ class RunWriter:
                   "versions": versions(), **facts}
         (self.run_dir / "run.json").write_text(json.dumps(header, indent=2) + "\n")
 
-    def truncate_after(self, step: int) -> int:
+    def truncate_after(self, step: int, rank: int = 0) -> int:
         """Keep only per-step records with step <= `step` (the ones the resumed model has seen); returns how many
-        steps past it had been recorded, i.e. the steps the resumed run computes again."""
+        steps past it had been recorded, i.e. the steps the resumed run computes again. A rank > 0 truncates its
+        own bucket records (`rank_buckets`), if it wrote any."""
         recomputed = 0
-        for name in ("steps.jsonl", "buckets.jsonl"):
+        names = ("steps.jsonl", "buckets.jsonl") if self.enabled else ()
+        for name in (*names, *((rank_file(rank),) if rank > 0 else ())):
             path = self.run_dir / name
-            if not self.enabled or not path.exists():
+            if not path.exists():
                 continue
             records = [json.loads(line) for line in path.read_text().splitlines() if line]
             kept = [r for r in records if r["step"] <= step]
@@ -89,8 +93,20 @@ class RunWriter:
     def buckets(self, step: int, records: list[dict]) -> None:
         self._append("buckets.jsonl", [{"step": step, **r} for r in records])
 
+    def rank_buckets(self, rank: int, step: int, records: list[dict]) -> None:
+        """A rank > 0's own bucket records (`train.record_ranks`), beside rank 0's in a shared run directory."""
+        if records:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir / rank_file(rank), "a") as f:
+                f.write("".join(json.dumps({"step": step, **r}) + "\n" for r in records))
+
     def eval(self, record: dict) -> None:
         self._append("eval.jsonl", [record])
+
+
+def rank_file(rank: int) -> str:
+    """Where rank `rank` > 0 writes its bucket records with `train.record_ranks`."""
+    return f"buckets.rank{rank}.jsonl"
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -143,7 +143,7 @@ class Trainer:
         self.stream.load_state_dict(state["data"])
         set_rng_state(state["rng"][self.rank])
         self.step = state["step"]
-        self.recomputed = self.writer.truncate_after(self.step)
+        self.recomputed = self.writer.truncate_after(self.step, self.rank)
         if self.main:
             print(f"resumed from {path} at step {self.step} ({self.recomputed} recorded steps past it will be "
                   "computed again)", flush=True)
@@ -255,7 +255,11 @@ class Trainer:
         rec = self._guarded(self.train_step)
         self.telemetry.sample_into(rec)
         self.writer.step(rec)
-        self.writer.buckets(self.step, self.sync.step_records())
+        records = self.sync.step_records()
+        if self.main:
+            self.writer.buckets(self.step, records)
+        elif self.cfg.train.record_ranks:
+            self.writer.rank_buckets(self.rank, self.step, records)
         self.profiler.step()
         return rec
 

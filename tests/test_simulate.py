@@ -161,6 +161,20 @@ def test_prediction_reproduces_the_profiled_run_itself(tmp_path):
     assert sim.predict(run.cfg, prof, curve, _Flat(), cal, "noop").step_ms == pytest.approx(20.0)
 
 
+def test_every_step_repeats_the_check_with_each_steady_step_profiled(tmp_path, capsys):
+    _write_run(tmp_path / "a", "bucketed", 0.25, steps=8)
+    _write_run(tmp_path / "b", "flat", None, steps=8)
+    run = sim.load_run(tmp_path / "a")
+    es = sim.every_step(run, _Flat(), [run, sim.load_run(tmp_path / "b")], False, 1, None)
+    assert es.steps == len(sim.steady_steps(run)) == 5  # 8 steps, the first 3 warm-up
+    # Every step of these runs is the same hand-built timeline, replayed exactly by the flat model.
+    assert max(es.max_err) < 1e-6 and es.discordant == [0] * 5 and es.separated == [1] * 5
+    assert "within 15% for 5" in es.lines()[0]
+    with pytest.raises(SystemExit) as e:
+        sim.main(["--run", str(tmp_path / "a"), "--topology", "h100x8", "--every-step"])
+    assert e.value.code == 2 and "--every-step repeats the check" in capsys.readouterr().err
+
+
 def test_measured_runs_line_up_with_predictions(tmp_path, capsys):
     _write_run(tmp_path / "a", "bucketed", 0.25)
     _write_run(tmp_path / "b", "flat", None)
