@@ -272,26 +272,36 @@ class _FlatWithHost(_Flat):
         return 500.0
 
 
+def test_a_collective_costs_backward_pro_rata_to_its_run_before_backward_ends():
+    # Backward ends at 10. Runs 0-4 (all of it before: 0.5 ms), 8-12 (half: 0.25), 11-13 (none), queued (none).
+    tl = sim.Timeline([0, 0, 0, 0], [0, 0, 0, 0], [0.0, 8.0, 11.0, 12.0], [4.0, 12.0, 13.0, 14.0], 10.0)
+    assert sim.host_ms(_FlatWithHost(), [1, 1, 1, 1], tl) == pytest.approx(0.75)
+    assert sim.host_ms(_Flat(), [1], tl) is None  # no --overlap measurement: no host cost
+
+
 def test_collectives_during_backward_lengthen_it_relative_to_the_profiled_step(tmp_path):
-    _write_run(tmp_path / "run")
+    _write_run(tmp_path / "run", cap=0.02)  # small buckets, so that some run during backward
     run = sim.load_run(tmp_path / "run")
     prof = sim.profiled_step(run)
     curve = sim.ready_curve(run, prof)
-    n = sum(r["launch_ms"] < prof.sync_backward_ms for r in prof.records)  # the profiled step's, during backward
     plain = sim.calibrate(prof, _FlatWithHost())  # a GPU run: no host cost
     cal = sim.calibrate(prof, _FlatWithHost(), host_cost=True)
-    assert plain.host_base_ms is None and cal.host_base_ms == pytest.approx(0.5 * n)
-    own = sim.predict(run.cfg, prof, curve, _FlatWithHost(), cal, "bucketed", 0.25, run.vocab)
-    assert own.step_ms == pytest.approx(sim.predict(run.cfg, prof, curve, _Flat(), plain, "bucketed", 0.25,
+    # The profiled step's own collectives, replayed, as the base its backward already holds.
+    base = sim.host_ms(_FlatWithHost(), [r["bytes"] for r in prof.records], cal.timeline)
+    assert plain.host_base_ms is None and cal.host_base_ms == pytest.approx(base) and base > 0
+    own = sim.predict(run.cfg, prof, curve, _FlatWithHost(), cal, "bucketed", 0.02, run.vocab)
+    assert own.step_ms == pytest.approx(sim.predict(run.cfg, prof, curve, _Flat(), plain, "bucketed", 0.02,
                                                     run.vocab).step_ms)  # the profiled plan: nothing changes
+    # per_tensor runs more collectives during backward: its compute grows by their pro-rata cost less the base.
     per_tensor = sim.predict(run.cfg, prof, curve, _FlatWithHost(), cal, "per_tensor", None, run.vocab)
     without = sim.predict(run.cfg, prof, curve, _Flat(), plain, "per_tensor", None, run.vocab)
-    during = sum(1 for t in sim.replay([curve.at(x) for x in sim.through(cm.bucket_plan(run.cfg, "per_tensor").buckets,
-                                                                          cm.ready_params(run.cfg))],
-                                       [1.0] * per_tensor.buckets, prof.sync_backward_ms).launch
-                 if t < prof.sync_backward_ms)
-    assert during > n and per_tensor.step_ms == pytest.approx(without.step_ms + 0.5 * (during - n))
-    assert sim.predict(run.cfg, prof, curve, _FlatWithHost(), cal, "noop").step_ms == pytest.approx(20.0 - 0.5 * n)
+    plan = cm.bucket_plan(run.cfg, "per_tensor").buckets
+    tl = sim.replay([curve.at(x) for x in sim.through(plan, cm.ready_params(run.cfg))],
+                    [_Flat().time_us(b.nbytes) / 1000 for b in plan], prof.sync_backward_ms)
+    extra = sim.host_ms(_FlatWithHost(), [b.nbytes for b in plan], tl) - base
+    assert extra > 0 and per_tensor.step_ms == pytest.approx(without.step_ms + extra)
+    # flat sends after backward: the profiled step's cost comes off, nothing goes on.
+    assert sim.predict(run.cfg, prof, curve, _FlatWithHost(), cal, "noop").step_ms == pytest.approx(20.0 - base)
 
 
 def test_the_benchmarks_cpu_time_and_overlap_cost_are_fitted_per_operation_and_per_byte():
