@@ -339,7 +339,6 @@ def _validate(cfg: RunConfig, src: _Source) -> None:
           f"cannot exceed train.keep_ckpts ({t.keep_ckpts}): averaged checkpoints must still be on disk")
     check(t.amp in ("fp32", "bf16"), "train.amp", f"must be 'fp32' or 'bf16', got '{t.amp}'")
     check(t.threads is None or t.threads > 0, "train.threads", "must be positive or null")
-    check(isinstance(t.record_ranks, bool), "train.record_ranks", f"must be true or false, got {t.record_ranks!r}")
     check(t.sdpa_backend in SDPA_BACKENDS, "train.sdpa_backend",
           f"must be one of {', '.join(SDPA_BACKENDS)}, got '{t.sdpa_backend}'")
     check(cfg.dist.backend in ("auto", "gloo", "nccl"), "dist.backend",

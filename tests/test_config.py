@@ -30,6 +30,7 @@ def test_preset_fills_fields_and_explicit_values_win(tmp_path):
 @pytest.mark.parametrize("text,expected", [
     ("model:\n  d_modle: 512\n", r"p.yaml:2: unknown key 'model.d_modle'"),
     ("train:\n  max_steps: ten\n", r"p.yaml:2: 'train.max_steps' must be int, got 'ten'"),
+    ("train:\n  record_ranks: maybe\n", r"p.yaml:2: 'train.record_ranks' must be bool, got 'maybe'"),
     ("model:\n  d_model: 100\n  h: 8\n", r"'model.h' must divide model.d_model"),
     ("data:\n  max_tokens: -5\n", r"'data.max_tokens' must be positive"),
     ("sync:\n  strategy: magic\n", r"unknown strategy 'magic'"),

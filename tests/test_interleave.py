@@ -26,7 +26,7 @@ def run_job(matrix, out, *extra):
 def test_an_interleaved_job_trains_every_configuration_in_turn_on_the_same_batches(tmp_path):
     matrix = tmp_path / "m.yaml"
     matrix.write_text(f"name: il\nprofiles: [profiles/smoke.yaml]\nstrategies: [ddp, bucketed, per_class]\n{SET}\n")
-    r = run_job(matrix, tmp_path / "out", "--seed", "3")
+    r = run_job(matrix, tmp_path / "out", "--seed", "3", "--set", "train.record_ranks=true")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     runs = {p.name: p for p in (tmp_path / "out").iterdir()}
     assert sorted(runs) == ["smoke-bucketed", "smoke-ddp", "smoke-per_class"]
@@ -40,6 +40,10 @@ def test_an_interleaved_job_trains_every_configuration_in_turn_on_the_same_batch
     # Ordinary run directories: the simulator reads them, bucket records and all.
     run = sim.load_run(runs["smoke-per_class"])
     assert run.strategy == "per_class" and set(run.buckets) == {1, 2, 3, 4}
+    # train.record_ranks: rank 1's records beside rank 0's, the same buckets, on its own clock.
+    assert set(run.rank_buckets) == {1} and set(run.rank_buckets[1]) == {1, 2, 3, 4}
+    assert [r["bytes"] for r in run.rank_buckets[1][4]] == [r["bytes"] for r in run.buckets[4]]
+    assert not (runs["smoke-ddp"] / "steps.rank1.jsonl").exists()  # only bucket records
     # A second job into the same folder is refused in one line, and the first one's records are intact.
     again = run_job(matrix, tmp_path / "out")
     assert again.returncode != 0 and "not empty; an interleaved job starts in a new folder" in again.stderr

@@ -161,6 +161,31 @@ def test_prediction_reproduces_the_profiled_run_itself(tmp_path):
     assert sim.predict(run.cfg, prof, curve, _Flat(), cal, "noop").step_ms == pytest.approx(20.0)
 
 
+def test_each_bucket_waits_for_the_slowest_rank(tmp_path):
+    _write_run(tmp_path / "run", cap=0.02)
+    run = sim.load_run(tmp_path / "run")
+    own = run.buckets[4]
+    assert len(own) >= 3 and run.rank_buckets == {}
+    assert sim.slowest_rank_records(run, 4) == (own, None)  # rank 0's alone
+    # Rank 1's clock runs 100 ms behind rank 0's (same completions at c - 100); it had bucket 1 ready 3 ms later
+    # than rank 0, the others 1 ms earlier.
+    theirs = []
+    for r in own:
+        late = 3.0 if r["bucket"] == 1 else -1.0
+        theirs.append({**r, "ready_ms": r["ready_ms"] - 100 + late, "launch_ms": r["launch_ms"] - 100 + late,
+                       "complete_ms": r["complete_ms"] - 100})
+    run.rank_buckets = {1: {4: theirs}}
+    recs, delay = sim.slowest_rank_records(run, 4)
+    assert delay == pytest.approx(3.0)
+    for mine, r in zip(own, recs):
+        shift = 3.0 if r["bucket"] == 1 else 0.0
+        assert r["ready_ms"] == pytest.approx(mine["ready_ms"] + shift)
+        assert r["launch_ms"] == pytest.approx(mine["launch_ms"] + shift)
+    assert own[1]["ready_ms"] == pytest.approx(recs[1]["ready_ms"] - 3.0)  # rank 0's own records untouched
+    prof = sim.profiled_step(run, 4)
+    assert prof.records == recs and "the latest of 2 ranks" in prof.notes[0]
+
+
 def test_every_step_repeats_the_check_with_each_steady_step_profiled(tmp_path, capsys):
     _write_run(tmp_path / "a", "bucketed", 0.25, steps=8)
     _write_run(tmp_path / "b", "flat", None, steps=8)
