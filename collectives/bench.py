@@ -190,6 +190,9 @@ class Row:
     wrong: int | None  # None: not checked (-c 0)
     # CPU time the process spent per operation, all its threads (the backend's too), mean over ranks
     cpu_us: float | None = None
+    # CPU devices: the median of the operations' own times (mean over ranks); the mean (time_us) carries every
+    # scheduler outlier of a shared machine, the median the typical operation (what the cost model fits)
+    median_us: float | None = None
     # --overlap (CPU only, reducer path): how much longer a computation takes per all-reduce of this size launched
     # during it, mean over ranks; what a bucket launched during backward costs the backward (the simulator's host cost)
     host_us: float | None = None
@@ -217,16 +220,20 @@ def measure(path: BenchPath, count: int, dtype_name: str, op: str, args, group, 
     _sync(device)
     dist.barrier(group=group)
     start, cpu_start = time.perf_counter(), time.process_time()
+    marks = []  # on CPU each operation returns when done: its own time, for the median
     for _ in range(args.iters):
         fn()
+        marks.append(time.perf_counter())
     _sync(device)
     elapsed_us = (time.perf_counter() - start) / args.iters * 1e6
     cpu_us = (time.process_time() - cpu_start) / args.iters * 1e6
+    each = [(b - a) * 1e6 for a, b in zip([start, *marks], marks)]
+    median_us = statistics.median(each) if device.type == "cpu" else math.nan
     del t, fn
     # As nccl-tests (-a 1): the time reported is the mean over ranks.
-    mean = torch.tensor([elapsed_us, cpu_us], dtype=torch.float64, device=device)
+    mean = torch.tensor([elapsed_us, cpu_us, median_us], dtype=torch.float64, device=device)
     dist.all_reduce(mean, group=group)
-    time_us, cpu_us = (float(v) / nranks for v in mean)
+    time_us, cpu_us, median_us = (float(v) / nranks for v in mean)
     wrong = None
     if args.check:
         bad = check(lambda x: _run_bound(path.bind(x, op)), count, dtype, op, rank, nranks, device,
@@ -236,7 +243,8 @@ def measure(path: BenchPath, count: int, dtype_name: str, op: str, args, group, 
         wrong = int(total)
     nbytes = count * dtype.itemsize
     algbw, busbw = bandwidths(nbytes, time_us, nranks)
-    return Row(path.name, nbytes, count, dtype_name, op, time_us, algbw, busbw, wrong, round(cpu_us, 3))
+    return Row(path.name, nbytes, count, dtype_name, op, time_us, algbw, busbw, wrong, round(cpu_us, 3),
+               median_us=None if math.isnan(median_us) else round(median_us, 3))
 
 
 # ---- what an all-reduce costs the computation it overlaps ------------------------------------------------------
@@ -355,7 +363,8 @@ def ratio_lines(rows: list[Row], from_bytes: int = 4 << 20) -> list[str]:
 
 # ---- outputs -----------------------------------------------------------------------------------------------------
 
-FIELDS = ["path", "size", "count", "type", "redop", "time_us", "algbw", "busbw", "wrong", "cpu_us", "host_us"]
+FIELDS = ["path", "size", "count", "type", "redop", "time_us", "algbw", "busbw", "wrong", "cpu_us", "median_us",
+          "host_us"]
 
 
 def to_json(rows: list[Row]) -> str:
