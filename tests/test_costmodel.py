@@ -127,6 +127,24 @@ def test_fit_recovers_known_regimes_from_synthetic_data():
     assert len(one) == 1 and one[0].lat_us == pytest.approx(5.0) and one[0].bw == pytest.approx(20.0)
 
 
+def test_a_benchmark_with_median_operations_is_fitted_to_them_not_to_the_mean(tmp_path):
+    # 200 us + bytes / 0.1 GB/s per operation; the means carry scheduler outliers of +2 ms at some small sizes.
+    sizes = [8 * 4 ** k for k in range(12)]
+    true = [200.0 + s / 100.0 for s in sizes]
+    rows = [{"path": "reducer", "size": s, "time_us": t + (2000.0 if k % 3 == 1 else 0.0), "median_us": t}
+            for k, (s, t) in enumerate(zip(sizes, true))]
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    ms = cm.read_measurements(tmp_path / "b.json")
+    assert [m.typical_us for m in ms.rows] == true
+    fm = cm.FittedModel.from_measurements(ms)
+    assert fm.time_us(8) == pytest.approx(200.0, rel=1e-3)
+    assert fm.time_us(1 << 24) == pytest.approx(200.0 + (1 << 24) / 100, rel=1e-3)
+    rep = cm.fit_report(ms, fm)
+    assert rep["fit_error_pct"]["max_abs"] < 0.1 and rep["rows"][1]["measured_us"] == true[1]
+    # Without medians (nccl-tests logs, GPU benchmarks) the mean is what there is.
+    assert cm.Measurement(8, 900.0).typical_us == 900.0
+
+
 def test_read_nccl_tests_sample_and_fit():
     ms = cm.read_measurements(DATA / "all_reduce_perf_synthetic.log")
     assert ms.coll == "allreduce" and ms.ranks == 8 and len(ms.rows) == 28
