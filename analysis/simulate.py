@@ -482,7 +482,7 @@ def cost_ms(model, nbytes: int, algo: str | None = None, proto: str | None = Non
     return model.time_us(nbytes, "allreduce") / 1000.0
 
 
-def latency_ms(model, nbytes: int, algo: str | None = None, proto: str | None = None) -> float:
+def latency_ms(model, nbytes: int) -> float:
     """The part of `cost_ms` that does not use the link (a fit's latency term), where the model separates it: with
     several collectives in flight only the rest shares the bandwidth. 0 where it does not (all of it shared)."""
     if isinstance(model, cm.NcclModel) or not hasattr(model, "latency_us"):
@@ -795,9 +795,10 @@ class EveryStep:
     def lines(self) -> list[str]:
         e, d = sorted(self.max_err), self.discordant
         return [f"every steady step of the profiled run as the profiled step ({self.steps}): max |err| median "
-                f"{statistics.median(e):.1f}% (range {e[0]:.1f}-{e[-1]:.1f}%), within 15% for {sum(x <= 15 for x in e)}; "
-                f"discordant pairs mean {statistics.mean(d):.2f} (none for {sum(x == 0 for x in d)}, at most one for "
-                f"{sum(x <= 1 for x in d)}) of {statistics.median(self.separated):g} separated (median)",
+                f"{statistics.median(e):.1f}% (range {e[0]:.1f}-{e[-1]:.1f}%), within 15% for "
+                f"{sum(x <= 15 for x in e)}; discordant pairs mean {statistics.mean(d):.2f} (none for "
+                f"{sum(x == 0 for x in d)}, at most one for {sum(x <= 1 for x in d)}) of "
+                f"{statistics.median(self.separated):g} separated (median)",
                 *(f"  discordant with {n} of {self.steps} profiled steps: {a} vs {b}" for a, b, n in self.frequent[:5])]
 
 
@@ -951,8 +952,10 @@ def _main(args) -> None:
         curve = ready_curve(run, prof)
         on_cpu = str(run.header.get("device", "cpu")).startswith("cpu")
         lanes = args.lanes or default_lanes(run, model)
+        class_groups = cm.bucket_plan(run.cfg).class_groups
+        host_cost = on_cpu and not args.no_host_cost
         calib = (Calibration(note="off", lanes=lanes) if args.no_calibrate
-                 else calibrate(prof, model, on_cpu and not args.no_host_cost, lanes, cm.bucket_plan(run.cfg).class_groups))
+                 else calibrate(prof, model, host_cost, lanes, class_groups))
         rows = sweep(run.cfg, prof, curve, model, calib, strategies, caps, run.vocab)
         measured_dirs = [load_run(p) for p in args.measured]
         measured = measured_runs(measured_dirs, run, prof, curve, model, calib, args.warmup)
@@ -966,7 +969,7 @@ def _main(args) -> None:
         if measured:
             header.append(speed_probe(prof, measured))
         if args.every_step:
-            robust = every_step(run, model, measured_dirs, on_cpu and not args.no_host_cost, lanes, args.warmup)
+            robust = every_step(run, model, measured_dirs, host_cost, lanes, args.warmup)
     if args.json:
         doc = {"modeled": True, "notes": header,
                "rows": [{k: v for k, v in vars(r).items() if k != "samples"} | {"label": r.label} for r in rows]}

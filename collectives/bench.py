@@ -286,11 +286,12 @@ def overlap_cost(count: int, dtype_name: str, group, nranks: int, comm_us: float
     a = torch.randn(256, 256)
     chunk_s = min(_block(a, 20, {}) / 20 for _ in range(2))
     want_ms = max(OVERLAP_MIN_MS, 2.0 * OVERLAP_OPS * comm_us / 1000.0)
-    chunks = torch.tensor([math.ceil(want_ms / 1000.0 / chunk_s)], dtype=torch.int64)
-    dist.all_reduce(chunks, op=dist.ReduceOp.MAX, group=group)  # every rank computes (and launches) alike
+    # At least one chunk between launches, so that every launch point is its own; every rank computes alike.
+    chunks = torch.tensor([max(OVERLAP_OPS + 1, math.ceil(want_ms / 1000.0 / chunk_s))], dtype=torch.int64)
+    dist.all_reduce(chunks, op=dist.ReduceOp.MAX, group=group)
     chunks = int(chunks)
     every = chunks / (OVERLAP_OPS + 1)
-    launches = {min(chunks - 1, int(every * (i + 1))): (lambda i=i: reducer.ready(f"g{i}")) for i in range(OVERLAP_OPS)}
+    launches = {int(every * (i + 1)): (lambda i=i: reducer.ready(f"g{i}")) for i in range(OVERLAP_OPS)}
     extra, alone = [], []
     for _ in range(OVERLAP_REPEATS):
         dist.barrier(group=group)
