@@ -485,7 +485,7 @@ def cost_ms(model, nbytes: int, algo: str | None = None, proto: str | None = Non
 def latency_ms(model, nbytes: int) -> float:
     """The part of `cost_ms` that does not use the link (a fit's latency term), where the model separates it: with
     several collectives in flight only the rest shares the bandwidth. 0 where it does not (all of it shared)."""
-    if isinstance(model, cm.NcclModel) or not hasattr(model, "latency_us"):
+    if not isinstance(model, cm.FittedModel):  # NCCL's models: one stream, nothing to share
         return 0.0
     return model.latency_us(nbytes, "allreduce") / 1000.0
 
@@ -588,7 +588,7 @@ def run_level(values: list[float]) -> tuple[float, tuple[float, float]]:
     return statistics.median(values), (min(values), max(values))
 
 
-def measured_runs(paths: list, prof_run: Run, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration,
+def measured_runs(measured: list[Run], prof_run: Run, prof: StepProfile, curve: ReadyCurve, model, calib: Calibration,
                   warmup: int | None) -> list[Prediction]:
     """For each measured configuration: the median steady step and exposed time, next to the prediction for its own
     configuration (same strategy, caps and classes) replayed on the profiled step. Runs of the same resolved profile
@@ -604,8 +604,7 @@ def measured_runs(paths: list, prof_run: Run, prof: StepProfile, curve: ReadyCur
     is untouched by the strategy: on a CPU machine whose speed drifts, yes; with two ranks time-slicing one GPU, no
     (the other rank's collectives take the GPU's time slices, and the forward time then measures that)."""
     groups: dict[str, list[Run]] = {}
-    for p in paths:  # run directories, or runs already loaded
-        run = p if isinstance(p, Run) else load_run(p)
+    for run in measured:
         groups.setdefault(run.cfg.config_hash(), []).append(run)
     ref_forward = statistics.median(s["forward_ms"] for s in steady_steps(prof_run, warmup))
     out = []

@@ -48,10 +48,15 @@ def versions() -> dict:
 
 
 class RunWriter:
-    """Appends records; on resume, drops step records past the checkpoint so the file matches the model again."""
+    """Appends records; on resume, drops step records past the checkpoint so the file matches the model again.
+    `enabled`: this rank writes the run's records (rank 0). A rank > 0 with `rank_records` writes only its bucket
+    records, to its own file (`rank_file`), in the same run directory."""
 
-    def __init__(self, run_dir: Path, enabled: bool):
-        self.run_dir, self.enabled = Path(run_dir), enabled
+    def __init__(self, run_dir: Path, enabled: bool, rank: int = 0, rank_records: bool = False):
+        self.run_dir, self.enabled, self.rank = Path(run_dir), enabled, rank
+        self.rank_records = rank_records and rank > 0 and not enabled
+        if self.rank_records:  # rank 0 made it already where the directory is shared; not where it is not
+            self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def write_header(self, cfg, **facts) -> None:
         if not self.enabled:
@@ -62,13 +67,13 @@ class RunWriter:
                   "versions": versions(), **facts}
         (self.run_dir / "run.json").write_text(json.dumps(header, indent=2) + "\n")
 
-    def truncate_after(self, step: int, rank: int = 0) -> int:
+    def truncate_after(self, step: int) -> int:
         """Keep only per-step records with step <= `step` (the ones the resumed model has seen); returns how many
         steps past it had been recorded, i.e. the steps the resumed run computes again. A rank > 0 truncates its
-        own bucket records (`rank_buckets`), if it wrote any."""
+        own bucket records, if it wrote any."""
         recomputed = 0
-        names = ("steps.jsonl", "buckets.jsonl") if self.enabled else ()
-        for name in (*names, *((rank_file(rank),) if rank > 0 else ())):
+        names = ("steps.jsonl", "buckets.jsonl") if self.enabled else (rank_file(self.rank),) if self.rank else ()
+        for name in names:
             path = self.run_dir / name
             if not path.exists():
                 continue
@@ -81,9 +86,9 @@ class RunWriter:
             os.replace(tmp, path)
         return recomputed
 
-    def _append(self, name: str, records: list[dict]) -> None:
+    def _append(self, name: str, records: list[dict], write: bool | None = None) -> None:
         """One open and one write per call, however many records (a step can carry a hundred bucket records)."""
-        if self.enabled and records:
+        if (self.enabled if write is None else write) and records:
             with open(self.run_dir / name, "a") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in records))
 
@@ -91,14 +96,12 @@ class RunWriter:
         self._append("steps.jsonl", [record])
 
     def buckets(self, step: int, records: list[dict]) -> None:
-        self._append("buckets.jsonl", [{"step": step, **r} for r in records])
-
-    def rank_buckets(self, rank: int, step: int, records: list[dict]) -> None:
-        """A rank > 0's own bucket records (`train.record_ranks`), beside rank 0's in a shared run directory."""
-        if records:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.run_dir / rank_file(rank), "a") as f:
-                f.write("".join(json.dumps({"step": step, **r}) + "\n" for r in records))
+        """Rank 0: buckets.jsonl; a rank > 0 with `rank_records`: its own file."""
+        rows = [{"step": step, **r} for r in records]
+        if self.enabled:
+            self._append("buckets.jsonl", rows)
+        else:
+            self._append(rank_file(self.rank), rows, write=self.rank_records)
 
     def eval(self, record: dict) -> None:
         self._append("eval.jsonl", [record])

@@ -69,7 +69,7 @@ class Trainer:
         self.phase = "start-up"  # named in the error if a collective fails or times out
         self.bad_steps = 0  # consecutive steps with non-finite gradients
         self.main = self.rank == 0
-        self.writer = RunWriter(self.run_dir, self.main)
+        self.writer = RunWriter(self.run_dir, self.main, self.rank, cfg.train.record_ranks)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
 
@@ -143,7 +143,7 @@ class Trainer:
         self.stream.load_state_dict(state["data"])
         set_rng_state(state["rng"][self.rank])
         self.step = state["step"]
-        self.recomputed = self.writer.truncate_after(self.step, self.rank)
+        self.recomputed = self.writer.truncate_after(self.step)
         if self.main:
             print(f"resumed from {path} at step {self.step} ({self.recomputed} recorded steps past it will be "
                   "computed again)", flush=True)
@@ -255,11 +255,7 @@ class Trainer:
         rec = self._guarded(self.train_step)
         self.telemetry.sample_into(rec)
         self.writer.step(rec)
-        records = self.sync.step_records()
-        if self.main:
-            self.writer.buckets(self.step, records)
-        elif self.cfg.train.record_ranks:
-            self.writer.rank_buckets(self.rank, self.step, records)
+        self.writer.buckets(self.step, self.sync.step_records())
         self.profiler.step()
         return rec
 

@@ -7,20 +7,20 @@ from dtrain.log import RunWriter, rank_file, read_jsonl
 
 def test_other_ranks_write_their_bucket_records_and_truncate_their_own_on_resume(tmp_path):
     (tmp_path / "run").mkdir()  # the trainer makes it before writing
-    main, other = RunWriter(tmp_path / "run", True), RunWriter(tmp_path / "run", False)
+    main, other = RunWriter(tmp_path / "run", True), RunWriter(tmp_path / "run", False, rank=1, rank_records=True)
     for step in (1, 2, 3):
         main.step({"step": step, "step_ms": 10.0})
         main.buckets(step, [{"bucket": 0, "ready_ms": 1.0}])
-        other.rank_buckets(1, step, [{"bucket": 0, "ready_ms": 2.0}])
-    other.rank_buckets(1, 4, [])  # nothing to write: no empty lines either
+        other.buckets(step, [{"bucket": 0, "ready_ms": 2.0}])
+    other.buckets(4, [])  # nothing to write: no empty lines either
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / rank_file(1))] == [1, 2, 3]
     assert read_jsonl(tmp_path / "run" / "buckets.jsonl")[0] == {"step": 1, "bucket": 0, "ready_ms": 1.0}
     # Resuming at step 2: rank 0 keeps its records up to 2 and counts the step to recompute; rank 1 its own.
     assert main.truncate_after(2) == 1
-    assert other.truncate_after(2, rank=1) == 0
+    assert other.truncate_after(2) == 0
     for name in ("steps.jsonl", "buckets.jsonl", rank_file(1)):
         assert [r["step"] for r in read_jsonl(tmp_path / "run" / name)] == [1, 2], name
     # A rank that never wrote records has nothing to truncate.
-    assert RunWriter(tmp_path / "run", False).truncate_after(1, rank=2) == 0
+    assert RunWriter(tmp_path / "run", False, rank=2).truncate_after(1) == 0
     assert not (tmp_path / "run" / rank_file(2)).exists()
     assert json.loads((tmp_path / "run" / rank_file(1)).read_text().splitlines()[0])["ready_ms"] == 2.0
