@@ -83,8 +83,9 @@ def replay(ready_ms: list[float], durations_ms: list[float], backward_ms: float,
            groups: list | None = None) -> Timeline:
     """Replays the collectives of one backward. A launched bucket waits in its process group's queue (`groups`, one
     group if None) until one of the group's `lanes` is free, then runs: first its latency part (`latency_ms`, at most
-    its duration; none if None), which does not use the link, then its transfer part, which shares the link's
-    bandwidth equally with every other collective transferring at that moment. Everything runs `slowdown` times
+    its duration; none if None), which does not use the link, then its transfer part, which shares the link: equally
+    between the groups transferring at that moment (each group is its own set of connections, and TCP shares a link
+    between connections), and equally between the transfers of one group. Everything runs `slowdown` times
     slower while backward computes (on CPUs, compute and gloo share the cores). With one lane and one group this is
     a single stream: a bucket starts when launched and the previous one is done.
 
@@ -113,18 +114,23 @@ def replay(ready_ms: list[float], durations_ms: list[float], backward_ms: float,
         if not active and nxt == n:
             break
         rate = 1.0 / slowdown if now < backward_ms else 1.0
-        sharing = sum(1 for i in active if left[i][0] <= eps) or 1
+        # The link's share of each transfer (`share[i]` of the link): equal between the groups transferring (each
+        # group is its own connection), and equal between a group's transfers.
+        sending = {g: sum(1 for i in on if left[i][0] <= eps) for g, on in running.items()}
+        groups_sending = sum(1 for k in sending.values() if k) or 1
+        share = {i: 1.0 / (groups_sending * sending[g]) for g, on in running.items() for i in on
+                 if left[i][0] <= eps}
         horizon = [launch[nxt] - now] if nxt < n else []
         if now < backward_ms and slowdown != 1.0:
             horizon.append(backward_ms - now)
         for i in active:
-            horizon.append(left[i][0] / rate if left[i][0] > eps else left[i][1] * sharing / rate)
+            horizon.append(left[i][0] / rate if i not in share else left[i][1] / (rate * share[i]))
         dt = max(0.0, min(horizon))
         for i in active:
-            if left[i][0] > eps:
+            if i not in share:
                 left[i][0] -= dt * rate
             else:
-                left[i][1] -= dt * rate / sharing
+                left[i][1] -= dt * rate * share[i]
         now += dt
         for on in running.values():
             for i in [i for i in on if left[i][0] <= eps and left[i][1] <= eps]:

@@ -193,6 +193,9 @@ class Row:
     # CPU devices: the median of the operations' own times (mean over ranks); the mean (time_us) carries every
     # scheduler outlier of a shared machine, the median the typical operation (what the cost model fits)
     median_us: float | None = None
+    # CPU devices: the interquartile range of the operations' own times (mean over ranks): how noisy the median is,
+    # which the cost model's fit weighs each size by
+    iqr_us: float | None = None
     # --overlap (CPU only, reducer path): how much longer a computation takes per all-reduce of this size launched
     # during it, mean over ranks; what a bucket launched during backward costs the backward (the simulator's host cost)
     host_us: float | None = None
@@ -228,12 +231,15 @@ def measure(path: BenchPath, count: int, dtype_name: str, op: str, args, group, 
     elapsed_us = (time.perf_counter() - start) / args.iters * 1e6
     cpu_us = (time.process_time() - cpu_start) / args.iters * 1e6
     each = [(b - a) * 1e6 for a, b in zip([start, *marks], marks)]
-    median_us = statistics.median(each) if device.type == "cpu" else math.nan
+    on_cpu = device.type == "cpu"
+    median_us = statistics.median(each) if on_cpu else math.nan
+    quartiles = statistics.quantiles(each, n=4) if on_cpu and len(each) > 1 else [math.nan] * 3
     del t, fn
     # As nccl-tests (-a 1): the time reported is the mean over ranks.
-    mean = torch.tensor([elapsed_us, cpu_us, median_us], dtype=torch.float64, device=device)
+    mean = torch.tensor([elapsed_us, cpu_us, median_us, quartiles[2] - quartiles[0]], dtype=torch.float64,
+                        device=device)
     dist.all_reduce(mean, group=group)
-    time_us, cpu_us, median_us = (float(v) / nranks for v in mean)
+    time_us, cpu_us, median_us, iqr_us = (float(v) / nranks for v in mean)
     wrong = None
     if args.check:
         bad = check(lambda x: _run_bound(path.bind(x, op)), count, dtype, op, rank, nranks, device,
@@ -244,7 +250,8 @@ def measure(path: BenchPath, count: int, dtype_name: str, op: str, args, group, 
     nbytes = count * dtype.itemsize
     algbw, busbw = bandwidths(nbytes, time_us, nranks)
     return Row(path.name, nbytes, count, dtype_name, op, time_us, algbw, busbw, wrong, round(cpu_us, 3),
-               median_us=None if math.isnan(median_us) else round(median_us, 3))
+               median_us=None if math.isnan(median_us) else round(median_us, 3),
+               iqr_us=None if math.isnan(iqr_us) else round(iqr_us, 3))
 
 
 # ---- what an all-reduce costs the computation it overlaps ------------------------------------------------------
@@ -365,7 +372,7 @@ def ratio_lines(rows: list[Row], from_bytes: int = 4 << 20) -> list[str]:
 # ---- outputs -----------------------------------------------------------------------------------------------------
 
 FIELDS = ["path", "size", "count", "type", "redop", "time_us", "algbw", "busbw", "wrong", "cpu_us", "median_us",
-          "host_us"]
+          "iqr_us", "host_us"]
 
 
 def to_json(rows: list[Row]) -> str:

@@ -403,12 +403,18 @@ class Measurement:
     cpu_us: float | None = None  # the project's benchmark: process CPU time per operation
     host_us: float | None = None  # its --overlap: extra computation per all-reduce launched during it
     median_us: float | None = None  # its median operation (CPU devices); time_us is the mean, as nccl-tests'
+    iqr_us: float | None = None  # the interquartile range of its operations (CPU devices)
 
     @property
     def typical_us(self) -> float:
         """What a fit follows: the median operation where the benchmark recorded one (on a shared CPU the mean
         carries every scheduler outlier: 0.9-2.6 ms at 8 B-32 KiB on the 2-vCPU testbed), else the mean."""
         return self.median_us if self.median_us is not None else self.time_us
+
+    @property
+    def spread(self) -> float | None:
+        """Relative spread of the operations (interquartile range over the median), where recorded."""
+        return self.iqr_us / self.typical_us if self.iqr_us is not None and self.median_us else None
 
 
 @dataclass
@@ -499,7 +505,8 @@ def _bench_row(d: dict, where: str) -> Measurement:
         if algo or proto:
             label = f"{_canon(algo, _ALGO_NAMES) if algo else '*'}/{_canon(proto, PROTOS) if proto else '*'}"
         return Measurement(int(float(d["size"])), _num(d["time_us"]), _num(d.get("algbw")), _num(d.get("busbw")),
-                           label, _num(d.get("cpu_us")), _num(d.get("host_us")), _num(d.get("median_us")))
+                           label, _num(d.get("cpu_us")), _num(d.get("host_us")), _num(d.get("median_us")),
+                           _num(d.get("iqr_us")))
     except (KeyError, ValueError, TypeError) as e:
         raise UserError(f"{where}: bad benchmark row {d!r} ({e.__class__.__name__}: {e})") from e
 
@@ -649,11 +656,11 @@ class Regime:
 
 
 def _fit_line(pts) -> tuple[float, float, float]:
-    """Least squares of t ≈ a + b·x on relative error (weights 1/t²), a >= 0, b >= 0; x in MB.
-    Returns (a, b, weighted SSE). Closed form from the weighted sums, so the regime search stays cheap."""
+    """Least squares of t ≈ a + b·x on relative error (weights v/t² for points (x, t, v)), a >= 0, b >= 0; x in
+    MB. Returns (a, b, weighted SSE). Closed form from the weighted sums, so the regime search stays cheap."""
     sw = swx = swxx = swt = swxt = swtt = 0.0
-    for x, t in pts:
-        w = 1.0 / (t * t)
+    for x, t, v in pts:
+        w = v / (t * t)
         sw += w; swx += w * x; swxx += w * x * x; swt += w * t; swxt += w * x * t; swtt += w * t * t  # noqa: E702
     det = sw * swxx - swx * swx
     a = b = None
@@ -672,17 +679,31 @@ def _sse(ab, sw, swx, swxx, swt, swxt, swtt) -> float:
     return max(0.0, swtt + a * a * sw + b * b * swxx + 2 * a * b * swx - 2 * a * swt - 2 * b * swxt)
 
 
-def fit_regimes(sizes: list[float], times: list[float], max_regimes: int = 4, tol: float = 0.02) -> list[Regime]:
+MONOTONE = 0.9  # a regime may start at most 10 % below where the previous one ends (a bigger message is not faster)
+MIN_SPREAD = 0.01  # relative spread below which a size's measurement counts as no more precise (fit weights)
+
+
+def fit_regimes(sizes: list[float], times: list[float], max_regimes: int = 4, tol: float = 0.02,
+                spreads: list[float | None] | None = None) -> list[Regime]:
     """Split the size axis into at most `max_regimes` contiguous regimes, each fitted with latency + bandwidth.
     Each split minimizes the summed squared relative error; the count is the fewest regimes whose RMS relative
     error is within `tol` (or within 1.5x of the best count's, if no count reaches `tol`), so that a regime is
-    added to explain a change of slope, not noise."""
+    added to explain a change of slope, not noise.
+
+    `spreads`: each size's measured relative spread (interquartile range / median; None where unknown). Where
+    every size has one, each point weighs 1/spread² (at least MIN_SPREAD): on a shared CPU an 8 KiB all-reduce
+    scatters by +-50 % and an 8 MiB one by 1 %, and unweighted the noisy small sizes drag the large sizes'
+    bandwidth (10 % off at 8 MiB on the testbed)."""
     if len(sizes) != len(times) or not sizes:
         raise UserError("fit: need as many times as sizes, and at least one")
     if any(t <= 0 for t in times) or any(s < 0 for s in sizes):
         raise UserError("fit: times must be positive and sizes non-negative")
+    weights = [1.0] * len(sizes)
+    if spreads is not None and len(spreads) == len(sizes) and all(s is not None for s in spreads):
+        raw = [1.0 / max(s, MIN_SPREAD) ** 2 for s in spreads]
+        weights = [w * len(raw) / sum(raw) for w in raw]  # mean 1: the RMS below stays a relative error
     order = sorted(range(len(sizes)), key=lambda i: sizes[i])
-    pts = [(sizes[i] / 1e6, times[i]) for i in order]
+    pts = [(sizes[i] / 1e6, times[i], weights[i]) for i in order]
     n = len(pts)
     # Boundaries only between distinct sizes, so repeated measurements of one size stay in one regime.
     cuts = [0] + [i for i in range(1, n) if pts[i][0] != pts[i - 1][0]] + [n]
@@ -690,23 +711,37 @@ def fit_regimes(sizes: list[float], times: list[float], max_regimes: int = 4, to
     cost = {}
     for ia, i in enumerate(cuts):
         for j in cuts[ia + 1:]:
-            if j - i >= min_pts and len({x for x, _ in pts[i:j]}) >= 2:
+            if j - i >= min_pts and len({x for x, _, _ in pts[i:j]}) >= 2:
                 cost[i, j] = _fit_line(pts[i:j])
     if not cost:
         a, b, _ = _fit_line(pts)
         return [Regime(math.inf, a, 1000.0 / b if b > 0 else math.inf)]
-    best: dict[tuple[int, int], tuple[float, list[tuple[int, int]]]] = {(0, 0): (0.0, [])}
-    for k in range(1, max_regimes + 1):
-        for j in cuts[1:]:
-            options = [(best[k - 1, i][0] + cost[i, j][2], best[k - 1, i][1] + [(i, j)])
-                       for i in cuts if (k - 1, i) in best and (i, j) in cost]
+    # Dynamic programme over (regime count, last regime): the last regime is kept so that the next one can be
+    # refused where it would model a bigger message as markedly faster than a smaller one (at their boundary).
+    def boundary(i: int) -> float:  # MB: where a regime ending before point i hands over to the next
+        return math.sqrt(max(pts[i - 1][0], 1e-9) * pts[i][0])
+
+    def at(seg: tuple[int, int], x: float) -> float:
+        a, b, _ = cost[seg]
+        return a + b * x
+
+    ending: dict[tuple[int, int], list[tuple[float, list[tuple[int, int]]]]] = {}  # (count, end) -> solutions
+    for (i, j), (_, _, sse) in cost.items():
+        if i == 0:
+            ending.setdefault((1, j), []).append((sse, [(0, j)]))
+    for k in range(2, max_regimes + 1):
+        for (i, j), (_, _, sse) in sorted(cost.items()):
+            x = boundary(i) if i > 0 else 0.0
+            options = [(c + sse, segs + [(i, j)]) for c, segs in ending.get((k - 1, i), [])
+                       if at((i, j), x) >= MONOTONE * at(segs[-1], x)]
             if options:
-                best[k, j] = min(options, key=lambda o: o[0])
-    rms = {k: math.sqrt(best[k, n][0] / n) for k in range(1, max_regimes + 1) if (k, n) in best}
+                ending.setdefault((k, j), []).append(min(options, key=lambda o: o[0]))
+    best = {k: min(ending[k, n], key=lambda o: o[0]) for k in range(1, max_regimes + 1) if (k, n) in ending}
+    rms = {k: math.sqrt(cost_k / n) for k, (cost_k, _) in best.items()}
     good_enough = max(tol, 1.5 * min(rms.values()))
     k = min(k for k, e in rms.items() if e <= good_enough)
     regimes = []
-    segs = best[k, n][1]
+    segs = best[k][1]
     for idx, (i, j) in enumerate(segs):
         a, b, _ = cost[i, j]
         # A regime reaches up to the geometric middle of the gap to the next measured size.
@@ -733,7 +768,8 @@ class FittedModel:
         groups: dict[str, list[Measurement]] = {}
         for m in ms.rows:
             groups.setdefault(m.label, []).append(m)
-        fits = {lab: fit_regimes([m.size for m in rows], [m.typical_us for m in rows], max_regimes)
+        fits = {lab: fit_regimes([m.size for m in rows], [m.typical_us for m in rows], max_regimes,
+                                 spreads=[m.spread for m in rows])
                 for lab, rows in sorted(groups.items())}
         cpu = {lab: fit_per_op([(m.size, m.cpu_us) for m in rows]) for lab, rows in sorted(groups.items())
                if all(m.cpu_us is not None for m in rows)}

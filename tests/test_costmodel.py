@@ -127,6 +127,44 @@ def test_fit_recovers_known_regimes_from_synthetic_data():
     assert len(one) == 1 and one[0].lat_us == pytest.approx(5.0) and one[0].bw == pytest.approx(20.0)
 
 
+# The reducer path on the emulated 2-node testbed (1 Gbit/s), recorded: size (B), median and interquartile range of
+# 20 operations (us). Small sizes scatter by up to 8x their median (the shared CPU's scheduler), large ones by 1-10 %.
+TESTBED = [(8, 202.5, 14.9), (32, 341.9, 2400.6), (128, 460.0, 3702.2), (512, 3386.2, 3590.8), (2048, 425.4, 65.9),
+           (8192, 443.6, 108.3), (32768, 441.5, 31.0), (131072, 1107.5, 43.7), (524288, 4398.4, 142.1),
+           (2097152, 18181.5, 1965.6), (8388608, 72371.6, 3596.4), (33554432, 287247.8, 4187.6)]
+
+
+def _fitted(regimes):
+    return lambda n: next(r for r in regimes if n <= r.max_bytes).time_us(n)
+
+
+def test_fit_weighs_each_size_by_its_measured_spread():
+    sizes, medians, iqrs = zip(*TESTBED)
+    spreads = [q / m for m, q in zip(medians, iqrs)]
+    large = [(s, m) for s, m in zip(sizes, medians) if s >= 512 * 1024]
+    weighted = _fitted(cm.fit_regimes(sizes, medians, spreads=spreads))
+    assert all(abs(weighted(s) / m - 1) < 0.03 for s, m in large)
+    # Unweighted, the noisy small sizes pull the large sizes' bandwidth 9 % off.
+    plain = _fitted(cm.fit_regimes(sizes, medians))
+    assert max(abs(plain(s) / m - 1) for s, m in large) > 0.05
+    # A benchmark's spread reaches the fit: the JSON's iqr_us.
+    rows = [{"path": "reducer", "size": s, "time_us": m, "median_us": m, "iqr_us": q} for s, m, q in TESTBED]
+    ms = cm.MeasurementSet([cm._bench_row(r, "t") for r in rows])
+    assert ms.rows[1].spread == pytest.approx(2400.6 / 341.9)
+    assert cm.FittedModel.from_measurements(ms).time_us(8388608) == pytest.approx(weighted(8388608))
+
+
+def test_a_fitted_regime_never_makes_a_bigger_message_markedly_faster():
+    # Unconstrained, the weighted fit of TESTBED ended a regime at 1 KiB at 6.4 ms and started the next at 0.43 ms
+    # (a line through the 8 B and the 512 B medians, the latter a scheduler outlier).
+    sizes, medians, iqrs = zip(*TESTBED)
+    grid = [2 ** k for k in range(3, 27)]
+    for spreads in (None, [q / m for m, q in zip(medians, iqrs)]):
+        for k in (2, 3, 4):
+            t = _fitted(cm.fit_regimes(sizes, medians, max_regimes=k, spreads=spreads))
+            assert min(t(b) / t(a) for a, b in zip(grid, grid[1:])) >= 0.9
+
+
 def test_a_benchmark_with_median_operations_is_fitted_to_them_not_to_the_mean(tmp_path):
     # 200 us + bytes / 0.1 GB/s per operation; the means carry scheduler outliers of +2 ms at some small sizes.
     sizes = [8 * 4 ** k for k in range(12)]

@@ -50,6 +50,11 @@ def test_two_lanes_overlap_latency_and_share_the_links_bandwidth():
     # One lane per group: two groups run at once, one group queues.
     tl = sim.replay([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], 10.0, latency_ms=[1.0] * 3, groups=["a", "b", "a"])
     assert tl.end == pytest.approx([1.0, 1.0, 2.0])
+    # The link is shared between groups first, then within a group: b's one transfer gets half of it, a's two a
+    # quarter each; after b ends at 20, a's two share the whole link (per connection, as the testbed's network
+    # replay of per_class's buckets shows: analysis.replay).
+    tl = sim.replay([0.0, 0.0, 0.0], [10.0, 10.0, 10.0], 100.0, lanes=2, groups=["a", "a", "b"])
+    assert tl.end == pytest.approx([30.0, 30.0, 20.0])
     # Twice slower while backward computes (until 2): 1 ms of the 3 ms latency done by then, 2 ms after.
     tl = sim.replay([0.0, 0.0], [3.0, 3.0], 2.0, slowdown=2.0, lanes=2, latency_ms=[3.0, 3.0])
     assert tl.end == pytest.approx([4.0, 4.0])
