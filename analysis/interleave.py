@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from dtrain.errors import UserError, exit_on_user_error
+from dtrain.files import output_dir
 
 PROG = "analysis.interleave"
 
@@ -82,8 +83,11 @@ def main(argv=None) -> int:
         device, backend = ddist.init(cells[0][1].dist)
         try:
             def prepare() -> None:  # on rank 0; its error reaches every rank
+                if out.exists() and not out.is_dir():
+                    raise UserError(f"--out {out}: a file is in the way; give a new folder")
                 if out.exists() and any(out.iterdir()):
-                    raise UserError(f"{out}: not empty; an interleaved job starts in a new folder")
+                    raise UserError(f"--out {out}: not empty; an interleaved job starts in a new folder")
+                output_dir(out, "--out")
                 for name, _ in cells:
                     prepare_run_dir(out / name, resume=False)
 

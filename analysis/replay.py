@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.errors import UserError, exit_on_user_error
+from dtrain.files import check_writable
 
 PROG = "analysis.replay"
 IDLE_S = 0.3  # between repeats: about a forward pass, so each repeat starts, like a step's backward, after a pause
@@ -176,6 +177,9 @@ def main(argv=None) -> int:
         if args.repeats < 1:
             raise UserError("--repeats must be at least 1")
         from dtrain import dist as ddist
+
+        if args.json and args.json != "-" and ddist.env_rank()[0] == 0:  # rank 0 writes it
+            check_writable(args.json, "--json")
         from dtrain.config import DistConfig
 
         device, backend = ddist.init(DistConfig())
@@ -203,7 +207,7 @@ def _replay(args) -> int:
         if args.json:
             from collectives.bench import write_out
 
-            write_out(args.json, json.dumps(doc, indent=1) + "\n")
+            write_out(args.json, json.dumps(doc, indent=1) + "\n", "--json")
         if args.json != "-":
             print(format_report(doc))
     return 0

@@ -22,6 +22,7 @@ import pandas as pd
 from analysis import plots
 from analysis.records import PHASES, Run, find_runs, load_bench, load_run
 from dtrain.errors import UserError, exit_on_user_error
+from dtrain.files import output_dir
 
 PROG = "analysis.report"
 
@@ -109,7 +110,7 @@ def pick_timeline_run(runs: list[Run], wanted: str | None) -> Run | None:
                 return r
         raise UserError(f"--timeline '{wanted}': no such run among the inputs")
     timed = [r for r in runs if not r.buckets.empty and "launch_ms" in r.buckets
-             and r.buckets["launch_ms"].notna().any()]
+             and r.buckets["launch_ms"].notna().any() and "step_ms" in r.steps]  # and step records to pick from
     order = {"per_class": 0, "bucketed": 1}
     return min(timed, key=lambda r: order.get(r.strategy, 2), default=None)
 
@@ -117,6 +118,8 @@ def pick_timeline_run(runs: list[Run], wanted: str | None) -> Run | None:
 def timeline_table(run: Run, warmup: int, step: int | None = None) -> tuple[pd.DataFrame, int, float | None]:
     """The buckets of one step (by default the measured step whose time is the median) and when its backward ended:
     wait() marks it, else the backward time of one micro-batch."""
+    if "step_ms" not in run.steps:
+        raise UserError(f"{run.path}: no step records (steps.jsonl) to pick a step from")
     m = run.measured(warmup)
     if step is None:
         timed = set(run.buckets.loc[run.buckets["launch_ms"].notna(), "step"])
@@ -421,6 +424,7 @@ def main(argv=None) -> int:
         if args.warmup < 0:
             raise UserError("--warmup must be 0 or positive")
         topology = None if args.topology in ("none", "") else args.topology
+        output_dir(args.out, "--out")  # before the work, not after it
         sections = build(args.runs, args.out, args.bench, topology, args.warmup, args.target_val_nll, args.timeline)
     for s in sections:
         print(f"{s.key:<16} {'written' if s.figure is not None else s.note}")

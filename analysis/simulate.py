@@ -4,8 +4,9 @@ Sits after the records: from one profiled step of a run (compute phases from ste
 buckets.jsonl) and a cost model (`collectives.costmodel`: a fit to the benchmark, or a topology preset) it predicts
 step time and exposed communication per strategy and bucket size. With a preset (NCCL) the collectives run on a
 single communication stream; for a gloo run with a fitted model, two at a time per process group (ProcessGroupGloo's
-threads), sharing the link, and on a CPU machine the benchmark's measured cost of a collective to the computation it
-overlaps (`collectives.bench --overlap`) lengthens backward. Everything it prints is modeled.
+threads), sharing the link per connection (between groups, then within one), and on a CPU machine the benchmark's
+measured cost of a collective to the computation it overlaps (`collectives.bench --overlap`) lengthens backward.
+Everything it prints is modeled.
 
     python -m analysis.simulate --run runs/m30k --topology local:bench.json --strategies flat,bucketed,per_class
     python -m analysis.simulate --run runs/m30k --topology local:bench.json --measured runs/flat runs/b5 runs/b25
@@ -244,20 +245,49 @@ def load_run(path: str | Path) -> Run:
         if not (p / f).is_file():
             raise UserError(f"{p}: not a run directory (no {f})")
     cfg = config_mod.load(p / "config.yaml")
-    header = json.loads((p / "run.json").read_text()) if (p / "run.json").is_file() else {}
+    try:
+        header = json.loads((p / "run.json").read_text()) if (p / "run.json").is_file() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{p}/run.json: not JSON ({e.__class__.__name__})") from e
+    if not isinstance(header, dict):
+        raise UserError(f"{p}/run.json: not a JSON object")
     steps = [s for s in read_jsonl(p / "steps.jsonl") if "step_ms" in s]
     if not steps:
         raise UserError(f"{p}/steps.jsonl: no step records")
+    _check_numbers(steps, p / "steps.jsonl", STEP_FIELDS, ("data_ms", "comm_exposed_ms"))
     def by_step(rows):
         out: dict[int, list[dict]] = {}
         for r in rows:
             out.setdefault(int(r["step"]), []).append(r)
         return {k: sorted(v, key=lambda r: r["bucket"]) for k, v in out.items()}
 
-    world = int(header.get("world_size") or 1)
-    others = {rank: by_step(read_jsonl(p / rank_file(rank))) for rank in range(1, world)
-              if (p / rank_file(rank)).is_file()}
-    return Run(p, cfg, header, steps, by_step(read_jsonl(p / "buckets.jsonl")), others)
+    def buckets(path):
+        rows = read_jsonl(path)
+        _check_numbers(rows, path, BUCKET_FIELDS, BUCKET_TIMES)
+        return by_step(rows)
+
+    world = header.get("world_size") or 1
+    if not isinstance(world, int) or world < 1:
+        raise UserError(f"{p}/run.json: world_size must be a positive integer, not {world!r}")
+    others = {rank: buckets(p / rank_file(rank)) for rank in range(1, world) if (p / rank_file(rank)).is_file()}
+    return Run(p, cfg, header, steps, buckets(p / "buckets.jsonl"), others)
+
+
+STEP_FIELDS = ("step", "step_ms", "forward_ms", "backward_ms", "optimizer_ms")
+BUCKET_FIELDS = ("step", "bucket", "bytes")
+BUCKET_TIMES = ("ready_ms", "launch_ms", "complete_ms", "wait_start_ms")  # null where not measured
+
+
+def _check_numbers(rows: list[dict], path: Path, required: tuple, optional: tuple) -> None:
+    """Records the simulator computes with: the `required` fields numbers, the `optional` ones numbers or null."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    for k, row in enumerate(rows, 1):
+        bad = [f for f in required if not number(row.get(f))]
+        bad += [f for f in optional if row.get(f) is not None and not number(row[f])]
+        if bad:
+            raise UserError(f"{path}: record {k}: {', '.join(bad)} must be a number")
 
 
 def slowest_rank_records(run: Run, step: int) -> tuple[list[dict], float | None]:
@@ -267,7 +297,7 @@ def slowest_rank_records(run: Run, step: int) -> tuple[list[dict], float | None]
     in completion times (an all-reduce completes on every rank at about the same moment). Also returns the largest
     delay another rank added to a bucket's launch (ms), None where no other rank's records cover the step."""
     own = run.buckets.get(step, [])
-    others = [recs[step] for recs in run.rank_buckets.values() if len(recs.get(step, [])) == len(own)]
+    others = [recs[step] for recs in run.rank_buckets.values() if own and len(recs.get(step, [])) == len(own)]
     if not own or not others or any(r.get("complete_ms") is None or r.get("launch_ms") is None
                                     for recs in (own, *others) for r in recs):
         return own, None
@@ -934,10 +964,16 @@ def _main(args) -> None:
         raise UserError("--lanes must be at least 1")
     if args.every_step and (args.paper or not args.measured):
         raise UserError("--every-step repeats the check against --measured runs: give --run and --measured")
+    if args.warmup is not None and args.warmup < 0:
+        raise UserError("--warmup must be at least 0")
+    if args.median and args.step is not None:
+        raise UserError("--median replays the medians of the steady steps, --step one step: give one of them")
     strategies = _parse_list(args.strategies)
+    if not strategies:
+        raise UserError("--strategies: give at least one strategy")
     caps = _parse_list(args.bucket_sizes, float)
-    if any(c <= 0 for c in caps):
-        raise UserError("--bucket-sizes must be positive (MiB)")
+    if not caps or any(not math.isfinite(c) or c <= 0 for c in caps):
+        raise UserError("--bucket-sizes must be positive, finite numbers (MiB)")
     if args.paper:
         topo = cm.topology(args.topology or "p100x8")
         model = cm.NcclModel(topo)

@@ -49,6 +49,7 @@ import yaml
 
 from analysis.records import LAUNCH_FILE, finished
 from dtrain.errors import UserError, exit_on_user_error
+from dtrain.files import output_dir
 
 PROG = "analysis.sweep"
 MATRIX_KEYS = ("name", "launcher", "nodes", "nproc", "profiles", "strategies", "knobs", "only", "variants", "set",
@@ -411,7 +412,7 @@ def run_bench(m: Matrix, out: Path, env: dict) -> Outcome:
 def sweep(m: Matrix, out: Path, jobs: list[Job]) -> list[Outcome]:
     from tqdm import tqdm
 
-    out.mkdir(parents=True, exist_ok=True)
+    output_dir(out, "--out")
     # torchrun gives each rank one thread when several share a node; a sweep's single-rank runs get the same, so
     # runs of different shapes are measured alike.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.errors import UserError, exit_on_user_error
+from dtrain.files import check_writable, write_atomic
 
 PROG = "collectives.bench"
 
@@ -76,6 +77,8 @@ def sweep_sizes(min_bytes: int, max_bytes: int, factor: float, increment: int) -
     """nccl-tests' sweep: multiply by `factor`, or add `increment` when one is given."""
     if min_bytes > max_bytes:
         raise UserError(f"-b ({min_bytes}) is larger than -e ({max_bytes})")
+    if not math.isfinite(factor):
+        raise UserError(f"-f must be a finite number, not {factor}")
     if increment <= 0 and factor <= 1 and min_bytes != max_bytes:
         raise UserError(f"-f must be above 1 (or give -i) to sweep from {min_bytes} to {max_bytes}")
     sizes, s = [], min_bytes
@@ -389,12 +392,11 @@ def to_csv(rows: list[Row]) -> str:
     return buf.getvalue()
 
 
-def write_out(dest: str, text: str) -> None:
+def write_out(dest: str, text: str, option: str) -> None:
     if dest == "-":
         sys.stdout.write(text)
     else:
-        with open(dest, "w") as f:
-            f.write(text)
+        write_atomic(dest, text, option)
 
 
 # ---- command line ------------------------------------------------------------------------------------------------
@@ -537,11 +539,15 @@ def main(argv=None) -> int:
             raise UserError("-n must be at least 1 and -w at least 0")
         if args.profile and not args.tensor_class:
             raise UserError("--profile gives a tensor class's settings: use it with --class")
+        from dtrain import dist as ddist
+
+        for option, dest in (("--json", args.json), ("--csv", args.csv)):
+            if dest and dest != "-" and ddist.env_rank()[0] == 0:  # rank 0 writes them
+                check_writable(dest, option)  # before minutes of measuring, not after
         if args.overlap is not None:
             args.overlap = parse_size(args.overlap)
             if args.path == "raw":
                 raise UserError("--overlap measures the reducer path: drop --path raw")
-        from dtrain import dist as ddist
         from dtrain.config import DistConfig
 
         device, backend = ddist.init(DistConfig())
@@ -605,9 +611,9 @@ def _bench(args, sizes: list[int], dtypes: list[str], device, backend: str) -> i
         measure_overlap(rows, args.overlap, group, nranks, device, emit)
     if main_rank:
         if args.json:
-            write_out(args.json, to_json(rows))
+            write_out(args.json, to_json(rows), "--json")
         if args.csv:
-            write_out(args.csv, to_csv(rows))
+            write_out(args.csv, to_csv(rows), "--csv")
     return 0 if all(not r.wrong for r in rows) else 1
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dtrain.errors import UserError, exit_on_user_error
+from dtrain.files import check_writable, write_atomic
 
 ALGOS = ("Tree", "Ring")  # NCCL's tuner indices 0 and 1 (facts §1); NVLS, CollNet and PAT are not modeled
 PROTOS = ("LL", "LL128", "Simple")  # indices 0..2
@@ -369,7 +370,11 @@ class NcclTableModel(_NcclPick):
                 for i, cell in enumerate(values):
                     lat, _, bw = cell.partition("/")
                     if i // 3 < len(algos) and algos[i // 3] in ALGOS:
-                        cells[(head.lower(), algos[i // 3], PROTOS[i % 3])] = (float(lat), float(bw))
+                        try:
+                            cells[(head.lower(), algos[i // 3], PROTOS[i % 3])] = (float(lat), float(bw))
+                        except ValueError:
+                            raise UserError(f"{path}: NCCL tuning table cell '{cell}' in row {head} is not "
+                                            "latency/bandwidth (a truncated log?)") from None
         if not cells:
             raise UserError(f"{path}: no NCCL tuning table found (rank 0 prints it, with NCCL_DEBUG=INFO "
                             "NCCL_DEBUG_SUBSYS=TUNING or INIT,TUNING)")
@@ -826,6 +831,9 @@ class FittedModel:
         return self._regime(self._label(nbytes, coll, algo, proto), nbytes).lat_us
 
     def choices(self, nbytes: int, coll: str = "allreduce") -> list[Choice]:
+        _check_coll(coll)
+        if coll != self.coll:
+            raise UserError(f"model '{self.name}' was fitted on {self.coll}, not {coll}")
         out = []
         for lab in self.fits:
             algo, _, proto = lab.partition("/")
@@ -1130,6 +1138,8 @@ def _cmd_recommend(argv) -> None:
     ap.add_argument("--out", help="write the profile with the recommendation merged in (YAML)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.out:
+        check_writable(args.out, "--out")  # before the work, not after it
     from analysis import simulate as sim
     from dtrain import config as config_mod
 
@@ -1151,9 +1161,10 @@ def _cmd_recommend(argv) -> None:
         + (["--run", args.run] if args.run else [])
     text = overlay_yaml(args.profile, rec, argv_used)
     if args.out:
-        out = Path(args.out)
-        out.write_text(text)
-        config_mod.load(out)  # the overlay must be a valid profile
+        import yaml
+
+        config_mod.from_dict(yaml.safe_load(text), args.out)  # the overlay must be a valid profile
+        write_atomic(args.out, text, "--out")
     print(json.dumps(rec, indent=1) if args.json else format_recommend(rec)
           + (f"\n# profile written to {args.out}" if args.out else "\n# profile with the recommendation "
              "(--out to save it):\n" + text))
@@ -1188,7 +1199,10 @@ def parse_sizes(spec: str) -> list[int]:
             out.append(s)
             s *= factor
         return out
-    return [parse_size(s) for s in spec.split(",") if s.strip()]
+    sizes = [parse_size(s) for s in spec.split(",") if s.strip()]
+    if not sizes:
+        raise UserError(f"bad sizes '{spec}': give min:max[:factor] or a list of sizes")
+    return sizes
 
 
 def human(nbytes: float) -> str:
@@ -1308,12 +1322,13 @@ def _cmd_table(argv) -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     model = load_model(args.topology)
-    if args.channels or args.bw_per_channel:
+    if args.channels is not None or args.bw_per_channel is not None:
         if not isinstance(model, NcclModel):
             raise UserError("--channels/--bw-per-channel apply to topology presets, not to a fitted model")
-        if (args.channels is not None and args.channels < 1) or (args.bw_per_channel is not None
-                                                                  and args.bw_per_channel <= 0):
-            raise UserError("--channels must be >= 1 and --bw-per-channel > 0")
+        if (args.channels is not None and args.channels < 1) or (
+                args.bw_per_channel is not None and not (math.isfinite(args.bw_per_channel)
+                                                         and args.bw_per_channel > 0)):
+            raise UserError("--channels must be >= 1 and --bw-per-channel a finite number > 0")
         t = model.topo
         model = NcclModel(replace(t, channels=args.channels or t.channels,
                                   bw_per_channel=args.bw_per_channel or t.bw_per_channel,
@@ -1335,6 +1350,8 @@ def _cmd_fit(argv) -> None:
     args = ap.parse_args(argv)
     if args.max_regimes < 1:
         raise UserError("--max-regimes must be >= 1")
+    if args.out:
+        check_writable(args.out, "--out")
     ms = read_measurements(args.file)
     fm = FittedModel.from_measurements(ms, name=f"local:{args.file}", max_regimes=args.max_regimes)
     if args.topology and args.topology.partition(":")[0] == "local":
@@ -1344,7 +1361,7 @@ def _cmd_fit(argv) -> None:
         print(f"# note: the measurements have {ms.ranks} ranks, {preset.name} has {preset.ranks}", file=sys.stderr)
     rep = fit_report(ms, fm, preset)
     if args.out:
-        Path(args.out).write_text(json.dumps(fm.to_dict(), indent=1) + "\n")
+        write_atomic(args.out, json.dumps(fm.to_dict(), indent=1) + "\n", "--out")
     print(json.dumps(rep, indent=1) if args.json else format_fit(rep, preset.name if preset else None))
 
 

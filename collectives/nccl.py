@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from dtrain.config import NcclSettings
 from dtrain.errors import UserError, exit_on_user_error
+from dtrain.log import read_jsonl
 
 PROTOCOLS = ("LL", "LL128", "Simple")  # NCCL's protocol indices 0..2 (facts §1)
 ALGORITHMS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")  # indices 0..6
@@ -792,20 +793,27 @@ def parse_log(lines) -> tuple[list[Decision], list[EnvSetting]]:
 
 def load_buckets(path: str | Path) -> list[dict]:
     """Buckets from `buckets.jsonl` (one record a bucket and step) or a JSON list: {index, class, nbytes}, unique."""
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read bucket records ({e.__class__.__name__})") from None
     try:
         records = json.loads(text)
         records = records if isinstance(records, list) else [records]
     except json.JSONDecodeError:
-        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        records = read_jsonl(Path(path))  # one record a line; a bad line is named
     out = {}
     for r in records:
+        if not isinstance(r, dict):
+            raise UserError(f"{path}: a bucket record is not a JSON object: {r!r}")
         cls = r.get("tensor_class", r.get("class"))
         nbytes = r.get("nbytes", r.get("bytes"))
         if cls is None or nbytes is None:
             raise UserError(f"{path}: bucket record without class or nbytes: {r}")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise UserError(f"{path}: bucket record with nbytes {nbytes!r}, not a byte count: {r}")
         key = r.get("index", r.get("bucket", len(out)))
-        out[key] = {"index": key, "class": cls, "nbytes": int(nbytes)}
+        out[key] = {"index": key, "class": cls, "nbytes": nbytes}
     return list(out.values())
 
 

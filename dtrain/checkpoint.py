@@ -97,13 +97,31 @@ def latest(run_dir: Path) -> Path | None:
     return good[-1] if good else None
 
 
-def load(path: Path, map_location="cpu") -> dict:
+# Besides "model": what `Trainer.state` writes and `Trainer.resume` reads back (an averaged.pt holds only "model").
+TRAINING_KEYS = ("step", "optimizer", "scheduler", "data", "rng", "model_hash", "world_size")
+
+
+def load(path: Path, map_location="cpu", keys=()) -> dict:
+    """The checkpoint's state dict, which must hold "model" (parameter name → tensor) and `keys`.
+
+    A matching checksum only says the file is what was written, not that dtrain wrote it (a `torch.save` of some
+    other object, a checkpoint of another tool), so the contents are checked too before any caller indexes them.
+    """
     try:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        state = torch.load(path, map_location=map_location, weights_only=False)
     except FileNotFoundError:
         raise UserError(f"{path}: checkpoint not found") from None
     except Exception as e:  # truncated zip, wrong format: the user's file, not dtrain's bug
         raise UserError(f"{path}: not a readable checkpoint ({e.__class__.__name__})") from None
+    if not isinstance(state, dict):
+        raise UserError(f"{path}: not a dtrain checkpoint (holds a {type(state).__name__}, not a dict)")
+    missing = [k for k in ("model", *keys) if k not in state]
+    if missing:
+        raise UserError(f"{path}: not a dtrain checkpoint (no {', '.join(repr(k) for k in missing)})")
+    model = state["model"]
+    if not (isinstance(model, dict) and model and all(isinstance(v, torch.Tensor) for v in model.values())):
+        raise UserError(f"{path}: not a dtrain checkpoint ('model' is not a mapping of parameter names to tensors)")
+    return state
 
 
 def average(paths: list[Path]) -> dict[str, torch.Tensor]:
@@ -145,12 +163,13 @@ def _cmd_inspect(args) -> int:
         print(f"checksum    {'ok' if problem is None else problem}")
         print(f"contents    unreadable: {str(e).split(': ', 1)[-1]}")
         return 1
-    n = sum(v.numel() for v in state.get("model", {}).values())
+    n = sum(v.numel() for v in state["model"].values())
+    data = state.get("data") if isinstance(state.get("data"), dict) else {}  # absent from an averaged.pt
     print(f"step        {state.get('step')}")
     print(f"config hash {state.get('config_hash')}")
     print(f"model hash  {state.get('model_hash')}")
     print(f"parameters  {n:,}")
-    print(f"data        epoch {state.get('data', {}).get('epoch')}, step {state.get('data', {}).get('step')}")
+    print(f"data        epoch {data.get('epoch')}, step {data.get('step')}")
     print(f"world size  {state.get('world_size')}")
     print(f"checksum    {'ok' if problem is None else problem}")
     return 0 if problem is None else 1
@@ -164,8 +183,9 @@ def _cmd_diff(args) -> None:
     diffs = {k: (ma[k].double() - mb[k].double()).abs().max().item() if ma[k].numel() else 0.0 for k in ma}
     where = max(diffs, key=diffs.get)
     print(f"max |A - B| over parameters: {diffs[where]:.6g} (largest in {where})")
-    if "optimizer" in a and "optimizer" in b:
-        same = _states_equal(a["optimizer"]["state"], b["optimizer"]["state"])
+    oa, ob = a.get("optimizer"), b.get("optimizer")
+    if isinstance(oa, dict) and isinstance(ob, dict) and "state" in oa and "state" in ob:
+        same = _states_equal(oa["state"], ob["state"])
         print(f"optimizer states: {'identical' if same else 'differ'}")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -249,7 +250,7 @@ def _coerce(tp, value, path: str, src: _Source):
             return value
         return {_coerce(args[0], k, path, src): _coerce(args[1], v, f"{path}.{k}", src) for k, v in value.items()}
     if tp is float and isinstance(value, str) and _SCIENTIFIC.match(value):
-        return float(value)  # PyYAML (YAML 1.1) reads `1e-9` as a string; users mean the number
+        value = float(value)  # PyYAML (YAML 1.1) reads `1e-9` as a string; users mean the number
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -258,7 +259,17 @@ def _coerce(tp, value, path: str, src: _Source):
     }[tp](value)
     if not ok:
         raise UserError(f"{src.where(path)}: '{path}' must be {_type_name(tp)}, got {value!r}")
-    return float(value) if tp is float else value
+    if tp is float:
+        # YAML's .inf and .nan (and 1e999) are floats, but no setting means anything with them: `x > 0` lets inf
+        # through and every comparison lets nan fail silently, so range checks below would not catch them.
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond the float range
+            number = math.inf
+        if not math.isfinite(number):
+            raise UserError(f"{src.where(path)}: '{path}' must be a finite number, got {value!r}")
+        return number
+    return value
 
 
 def _build(cls, raw, path: str, src: _Source):
@@ -307,11 +318,18 @@ def apply_override(raw: dict, assignment: str) -> None:
     node[parts[-1]] = value
 
 
+_NAME = re.compile(r"[A-Za-z0-9_=+-][A-Za-z0-9_.=+-]*")
+
+
 def _validate(cfg: RunConfig, src: _Source) -> None:
     def check(ok: bool, path: str, msg: str):
         if not ok:
             raise UserError(f"{src.where(path)}: '{path}' {msg}")
 
+    # The name becomes the run directory runs/<name>-<time> (and a glob to find it on restart): one path component
+    # of the characters analysis.sweep allows in run names, so it cannot climb out of runs/ or be hidden.
+    check(_NAME.fullmatch(cfg.name) is not None, "name",
+          f"must be letters, digits and - _ . = + (a single path component, not starting with '.'), got {cfg.name!r}")
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     for name in ("N", "d_model", "d_ff", "h"):
         check(getattr(m, name) > 0, f"model.{name}", f"must be positive, got {getattr(m, name)}")

@@ -94,11 +94,14 @@ def main(argv=None) -> None:
     ap.add_argument("--checkpoint", choices=["averaged", "latest"], default="averaged")
     args = ap.parse_args(argv)
     with exit_on_user_error("dtrain.evaluate"):
+        # Checked here: the run's eval section was validated with its profile, but this override bypasses that.
+        if args.beam is not None and args.beam < 1:
+            raise UserError(f"--beam must be at least 1 (1 = greedy), got {args.beam}")
         run_dir = Path(args.run)
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"{run_dir}: not a run directory (no config.yaml)")
         cfg = config_mod.load(run_dir / "config.yaml")
-        overrides = {"split": args.split} | ({"beam": args.beam} if args.beam else {})
+        overrides = {"split": args.split} | ({"beam": args.beam} if args.beam is not None else {})
         ecfg = EvalConfig(**{**cfg.eval.__dict__, **overrides})
         device, _ = ddist.init(cfg.dist)
         if not (run_dir / "bpe.model").is_file():

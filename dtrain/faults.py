@@ -39,6 +39,8 @@ def parse(spec: str) -> Fault:
         key, sep, value = part.partition("=")
         if not sep or not value.isdigit():
             raise UserError(f"--fault '{spec}': '{part}' must be key=<non-negative integer>")
+        if key in fields:
+            raise UserError(f"--fault '{spec}': '{key}' is given twice")
         fields[key] = int(value)
     if set(fields) != _KINDS[kind]:
         raise UserError(f"--fault '{spec}': {kind} takes exactly {', '.join(sorted(_KINDS[kind]))}")

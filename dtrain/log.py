@@ -77,8 +77,8 @@ class RunWriter:
             path = self.run_dir / name
             if not path.exists():
                 continue
-            records = [json.loads(line) for line in path.read_text().splitlines() if line]
-            kept = [r for r in records if r["step"] <= step]
+            records = read_jsonl(path)  # a line torn by the crash being resumed from is dropped here
+            kept = [r for r in records if isinstance(r.get("step"), int) and r["step"] <= step]
             if name == "steps.jsonl":
                 recomputed = len(records) - len(kept)
             tmp = path.with_name(f".{name}.tmp")
@@ -113,7 +113,28 @@ def rank_file(rank: int) -> str:
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The records of a .jsonl file ([] if there is none). A last line cut short (a crash in the middle of a write
+    leaves one, without its newline) is dropped: the record was never complete. Any other line that is not a JSON
+    object is an error naming the file and the line."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read it as text ({e.__class__.__name__})") from e
+    lines = text.split("\n")
+    records = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if no == len(lines):  # the last line, without a newline: torn by a crash
+                break
+            raise UserError(f"{path}:{no}: not a JSON record ({e.msg})") from e
+        if not isinstance(record, dict):
+            raise UserError(f"{path}:{no}: not a JSON object")
+        records.append(record)
+    return records

@@ -63,12 +63,20 @@ def main(argv=None) -> int:
         # Under `torchrun --max-restarts`, a restarted attempt continues from the latest complete checkpoint.
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         resume = args.resume or restarted
+        # Looked at before anything below can create it (NCCL's log directory lives inside the run directory).
+        run_dir_existed = bool(args.run_dir) and Path(args.run_dir).is_dir()
         # The job's NCCL variables must exist before the first communicator does (no-op on gloo: recorded only).
         nccl.apply_global(cfg, log_dir=Path(args.run_dir) / "nccl-logs" if args.run_dir else None)
         device, backend = ddist.init(cfg.dist)
         try:
             def name_and_check() -> str:  # rank 0 names the run directory and checks it; the others take its word
                 run_dir = args.run_dir or default_run_dir(cfg.name, restarted)
+                # Only a directory that does not exist is refused: an existing one without a checkpoint is what a
+                # torchrun --max-restarts attempt finds after a crash before the first checkpoint, with the same
+                # command line, and Trainer.resume starts it from step 0 on purpose.
+                if args.resume and not run_dir_existed:
+                    raise UserError(f"{run_dir}: nothing to resume there (no such directory); "
+                                    "leave out --resume to start a new run")
                 prepare_run_dir(Path(run_dir), resume)
                 return run_dir
 

@@ -130,7 +130,11 @@ class Trainer:
             if self.main:
                 print(f"no complete checkpoint in {self.run_dir}; starting from step 0", flush=True)
             return
-        state = checkpoint.load(Path(path))
+        # A checkpoint whose checksum matches but whose contents are not a training state (another object saved
+        # under its name) is an error naming the file, like an unreadable one, not skipped like a torn write: the
+        # file is exactly what was written, and falling back would drop the step records past the older checkpoint
+        # and later overwrite the file, so a person should look at it first.
+        state = checkpoint.load(Path(path), keys=checkpoint.TRAINING_KEYS)
         if state.get("model_hash") != self.cfg.model_hash():
             raise UserError(f"{path}: checkpoint is of a different model shape than the profile "
                             f"(model hash {state.get('model_hash')} vs {self.cfg.model_hash()})")

@@ -66,3 +66,24 @@ def test_cli_dry_run_prints_resolved_config():
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert "d_model: 512" in r.stdout and "warmup: 4000" in r.stdout
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("sync.bucket_cap_mb=.inf", r"'sync.bucket_cap_mb' must be a finite number, got inf"),
+    ("sync.bucket_cap_mb=.nan", r"'sync.bucket_cap_mb' must be a finite number, got nan"),
+    ("optim.betas=[0.9, .nan]", r"'optim.betas\[1\]' must be a finite number"),
+    ("optim.eps=1e999", r"'optim.eps' must be a finite number"),
+    ("name=../../etc", r"'name' must be letters, digits and - _ . = \+ \(a single path component"),
+    ("name=a/b", r"'name' must be"),
+    ("name=.hidden", r"'name' must be"),
+    ("name=", r"'name' must be"),
+])
+def test_non_finite_floats_and_unsafe_names_are_rejected(tmp_path, override, expected):
+    with pytest.raises(UserError, match=expected):
+        _load(tmp_path, "{}\n", [override])
+
+
+def test_run_names_of_profiles_and_sweeps_stay_valid(tmp_path):
+    # analysis.sweep names runs like this (letters, digits and _ . + - =); profiles use the same characters.
+    for name in ("multi30k-cpu-bucketed-bucket_cap_mb=2", "base-per_group", "smoke-x+y-lr_factor=0.5"):
+        assert _load(tmp_path, f"name: {name}\n").name == name

@@ -352,3 +352,23 @@ def test_nccl_table_on_the_command_line_and_a_log_without_one(tmp_path, capsys):
         cm.load_model(f"nccl-log:{other}")
     with pytest.raises(UserError, match="needs a file"):
         cm.load_model("nccl-log:")
+
+
+def test_bad_command_lines_are_one_line_errors(tmp_path, capsys):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps([{"path": "reducer", "size": s, "time_us": m, "median_us": m, "iqr_us": q}
+                                 for s, m, q in TESTBED]))
+    log = tmp_path / "torn.log"  # a tuning table with a cell cut short
+    log.write_text("\n".join(H200_LOG.read_text().splitlines()[:17]).replace("16.8/   0.2", "16.8/") + "\n")
+    for argv, msg in ((["--topology", "h100x8", "--sizes", ","], "bad sizes ','"),
+                      (["--topology", "h100x8", "--channels", "0"], "--channels must be >= 1"),
+                      (["--topology", "h100x8", "--bw-per-channel", "nan"], "a finite number > 0"),
+                      (["--topology", f"local:{bench}", "--coll", "allgather"], "fitted on allreduce, not allgather"),
+                      (["--topology", f"nccl-log:{log}"], "is not latency/bandwidth (a truncated log?)"),
+                      (["fit", str(bench), "--out", str(tmp_path)], "is a directory"),
+                      (["recommend", "--profile", "profiles/base.yaml", "--topology", "h100x8",
+                        "--out", str(tmp_path / "nowhere" / "rec.yaml")], "does not exist")):
+        with pytest.raises(SystemExit) as e:
+            cm.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and msg in err, (argv, err)

@@ -24,3 +24,27 @@ def test_other_ranks_write_their_bucket_records_and_truncate_their_own_on_resume
     assert RunWriter(tmp_path / "run", False, rank=2).truncate_after(1) == 0
     assert not (tmp_path / "run" / rank_file(2)).exists()
     assert json.loads((tmp_path / "run" / rank_file(1)).read_text().splitlines()[0])["ready_ms"] == 2.0
+
+
+def test_a_line_torn_by_a_crash_is_dropped_and_any_other_bad_line_is_named(tmp_path):
+    import pytest
+
+    from dtrain.errors import UserError
+
+    p = tmp_path / "steps.jsonl"
+    p.write_text('{"step": 1, "step_ms": 5.0}\n{"step": 2, "step_ms": 5.0}\n{"step": 3, "st')  # crash mid-write
+    assert [r["step"] for r in read_jsonl(p)] == [1, 2]
+    # A resume keeps the complete records and leaves a well-formed file.
+    (tmp_path / "buckets.jsonl").write_text("")
+    assert RunWriter(tmp_path, True).truncate_after(5) == 0
+    assert p.read_text() == '{"step": 1, "step_ms": 5.0}\n{"step": 2, "step_ms": 5.0}\n'
+    # A bad line with records after it is not a torn tail: an error naming the file and line, the file untouched.
+    p.write_text('{"step": 1}\n{"step": 2,,}\n{"step": 3}\n')
+    with pytest.raises(UserError, match=r"steps.jsonl:2: not a JSON record"):
+        read_jsonl(p)
+    with pytest.raises(UserError, match=r"steps.jsonl:2: not a JSON record"):
+        RunWriter(tmp_path, True).truncate_after(1)
+    assert p.read_text() == '{"step": 1}\n{"step": 2,,}\n{"step": 3}\n'
+    p.write_text('{"step": 1}\n[1, 2]\n')
+    with pytest.raises(UserError, match=r"steps.jsonl:2: not a JSON object"):
+        read_jsonl(p)

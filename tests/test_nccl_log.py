@@ -147,3 +147,20 @@ def test_no_check_without_parse_log_or_logs(tmp_path):
     assert nccl.verify_run(cfg, recorded_run(tmp_path)) is None  # parse_log off
     cfg = config.load(REPO / "profiles" / "per_group.yaml", ["collectives.parse_log=true"])
     assert nccl.verify_run(cfg, tmp_path / "elsewhere") is None and not (tmp_path / "elsewhere").exists()
+
+
+def test_damaged_bucket_records_are_named_errors(tmp_path):
+    import pytest
+
+    from dtrain.errors import UserError
+
+    p = tmp_path / "buckets.jsonl"
+    p.write_text('{"bucket": 0, "class": "ffn", "bytes": 64}\n{"bucket": 1,, }\n{"bucket": 2}\n')
+    with pytest.raises(UserError, match=r"buckets.jsonl:2: not a JSON record"):
+        nccl.load_buckets(p)
+    p.write_text('{"bucket": 0, "class": "ffn", "bytes": "64"}\n')
+    with pytest.raises(UserError, match="not a byte count"):
+        nccl.load_buckets(p)
+    p.write_text('[1, 2]')
+    with pytest.raises(UserError, match="not a JSON object"):
+        nccl.load_buckets(p)

@@ -15,7 +15,8 @@ from dtrain.faults import Fault, parse
 def test_fault_specs_parse_and_reject():
     assert parse("crash@step=7,rank=1") == Fault("crash", rank=1, step=7)
     assert parse("slow@rank=0,ms=50") == Fault("slow", rank=0, ms=50)
-    for bad in ("boom@step=1,rank=0", "crash@step=1", "hang@step=x,rank=0", "nan@step=0,rank=0"):
+    for bad in ("boom@step=1,rank=0", "crash@step=1", "hang@step=x,rank=0", "nan@step=0,rank=0",
+                "crash@step=1,rank=0,rank=1"):
         with pytest.raises(Exception, match="--fault"):
             parse(bad)
 
@@ -112,3 +113,62 @@ def test_resume_with_a_different_model_shape(tmp_path, straight_run):
                   "--set", "model.d_model=128", *NO_EVAL)
     assert_one_line_error(r, r"checkpoint is of a different model shape")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def _run_with_foreign_checkpoint(tmp_path):
+    """A run directory whose only checkpoint has a matching checksum but holds a list, not a training state."""
+    from dtrain import checkpoint
+
+    run = tmp_path / "foreign"
+    path = checkpoint.save(run, 10, [1, 2], keep=5)  # torch.save of any object, checksum file and all
+    (run / "steps.jsonl").write_text('{"step": 10}\n')
+    return run, path
+
+
+def test_checkpoint_of_wrong_contents_is_a_one_line_error(tmp_path):
+    import torch
+
+    from dtrain import checkpoint, config
+    from dtrain.errors import UserError
+    from dtrain.evaluate import load_model_for_eval
+
+    run, path = _run_with_foreign_checkpoint(tmp_path)
+    cli = [sys.executable, "-m", "dtrain.checkpoint"]
+    r = subprocess.run([*cli, "diff", str(run), str(path)], capture_output=True, text=True, cwd=REPO)
+    assert_one_line_error(r, r"step-0000010.pt: not a dtrain checkpoint \(holds a list, not a dict\)")
+    r = subprocess.run([*cli, "inspect", str(path)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "checksum    ok" in r.stdout and "contents    unreadable: not a dtrain checkpoint" in r.stdout
+    with pytest.raises(UserError, match=r"step-0000010.pt: not a dtrain checkpoint"):
+        load_model_for_eval(run, "latest", 100, config.load("profiles/smoke.yaml"))
+    # A dict is not enough: resuming needs the whole training state, evaluating a "model" of tensors.
+    partial = checkpoint.save(tmp_path / "partial", 5, {"model": {"w": torch.zeros(2)}}, keep=1)
+    with pytest.raises(UserError, match=r"no 'step', 'optimizer', 'scheduler', 'data', 'rng', 'model_hash'"):
+        checkpoint.load(partial, keys=checkpoint.TRAINING_KEYS)
+    for i, model in enumerate(([1], {}, {"w": 1})):  # `diff` and `inspect` would index or sum over these
+        bad_model = checkpoint.save(tmp_path / f"bad-model-{i}", 5, {"model": model}, keep=1)
+        with pytest.raises(UserError, match=r"'model' is not a mapping of parameter names to tensors"):
+            checkpoint.load(bad_model)
+
+
+def test_resume_from_a_checkpoint_of_wrong_contents(tmp_path):
+    run, path = _run_with_foreign_checkpoint(tmp_path)
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
+    r = run_train("--profile", "profiles/smoke.yaml", "--run-dir", str(run), "--resume", *NO_EVAL)
+    assert_one_line_error(r, r"step-0000010.pt: not a dtrain checkpoint \(holds a list, not a dict\)")
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before  # nothing lost
+    assert (run / "steps.jsonl").read_text() == '{"step": 10}\n'
+
+
+def test_evaluate_rejects_a_beam_below_one(tmp_path):
+    for beam in ("-3", "0"):
+        r = subprocess.run([sys.executable, "-m", "dtrain.evaluate", "--run", str(tmp_path), "--beam", beam,
+                            "--split", "val"], capture_output=True, text=True, cwd=REPO)
+        assert_one_line_error(r, rf"--beam must be at least 1 \(1 = greedy\), got {beam}$")
+
+
+def test_resume_of_a_run_dir_that_does_not_exist(tmp_path):
+    missing = tmp_path / "no-such-run"
+    r = run_train("--profile", "profiles/smoke.yaml", "--run-dir", str(missing), "--resume", *NO_EVAL)
+    assert_one_line_error(r, r"no-such-run: nothing to resume there \(no such directory\)")
+    assert not missing.exists()

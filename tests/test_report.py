@@ -223,3 +223,11 @@ def test_runs_of_a_sweep_load_in_natural_order(tmp_path):
     from analysis.records import find_runs
     assert [p.name for p in find_runs([tmp_path])] == ["s-bucketed-bucket_cap_mb=0.5", "s-bucketed-bucket_cap_mb=8",
                                                       "s-bucketed-bucket_cap_mb=32", "s-flat"]
+
+
+def test_an_output_folder_in_the_way_is_named_before_any_work(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        report.main([str(tmp_path), "--out", str(tmp_path / "afile")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--out" in err and "a file is in the way" in err and err.count("\n") == 1

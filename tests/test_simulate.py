@@ -3,6 +3,7 @@ profiled step, and a prediction end to end on a small hand-written run directory
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -101,7 +102,10 @@ def test_calibration_from_one_profiled_step():
 
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     for argv in (["--run", str(tmp_path)], ["--run", str(tmp_path), "--topology", "h100x8"],
-                 ["--paper", "--topology", "nope"], ["--paper", "--bucket-sizes", "0"]):
+                 ["--paper", "--topology", "nope"], ["--paper", "--bucket-sizes", "0"],
+                 ["--paper", "--bucket-sizes", "nan"], ["--paper", "--bucket-sizes", "inf"],
+                 ["--paper", "--strategies", ","], ["--paper", "--warmup", "-1"],
+                 ["--run", str(tmp_path), "--median", "--step", "5"]):
         with pytest.raises(SystemExit) as e:
             sim.main(argv)
         assert e.value.code == 2
@@ -368,3 +372,30 @@ def test_interleaved_configurations_are_ranked_by_paired_step_differences():
     assert sim.ranking([a, b]).discordant == [("a", "b")]
     b.samples = {("job2", i): v for (_, i), v in b.samples.items()}  # different jobs: not paired, intervals overlap
     assert sim.paired(a, b) is None and sim.ranking([a, b]).ties == 1
+
+
+@pytest.mark.parametrize("damage,msg", [
+    (lambda p: (p / "steps.jsonl").write_text('{"step": 1,,}\n' + (p / "steps.jsonl").read_text()),
+     "steps.jsonl:1: not a JSON record"),
+    (lambda p: (p / "run.json").write_text("{not json"), "run.json: not JSON"),
+    (lambda p: (p / "steps.jsonl").write_text((p / "steps.jsonl").read_text().replace('"backward_ms"', '"bwd"')),
+     "record 1: backward_ms must be a number"),
+    (lambda p: (p / "buckets.jsonl").write_text(re.sub(r'"bytes": (\d+)', r'"bytes": "\1"',
+                                                       (p / "buckets.jsonl").read_text())),
+     "buckets.jsonl: record 1: bytes must be a number"),
+])
+def test_a_damaged_run_directory_is_a_one_line_error(tmp_path, capsys, damage, msg):
+    _write_run(tmp_path / "run")
+    damage(tmp_path / "run")
+    with pytest.raises(SystemExit) as e:
+        sim.main(["--run", str(tmp_path / "run"), "--topology", "h100x8"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and msg in err, err
+
+
+def test_a_run_without_bucket_records_is_replayed_from_its_steps_alone(tmp_path, capsys):
+    _write_run(tmp_path / "run")
+    (tmp_path / "run" / "buckets.jsonl").write_text("")
+    (tmp_path / "run" / "buckets.rank1.jsonl").write_text("")
+    sim.main(["--run", str(tmp_path / "run"), "--topology", "h100x8", "--strategies", "flat"])
+    assert "flat" in capsys.readouterr().out

@@ -187,3 +187,13 @@ def test_shuffle_reorders_the_runs_by_seed(tmp_path, capsys):
     plain, one, again, other = order(), order("--shuffle", "1"), order("--shuffle", "1"), order("--shuffle", "2")
     assert sorted(one) == sorted(plain) and len(plain) == 6
     assert one == again and one != plain and other != one
+
+
+def test_an_output_path_in_the_way_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    for out, msg in ((tmp_path / "afile", "a file is in the way"), (tmp_path / "afile" / "sub", "cannot make")):
+        with pytest.raises(SystemExit) as e:
+            sweep.main(["--matrix", str(write_matrix(tmp_path)), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and msg in err and err.count("\n") == 1, err
+    assert (tmp_path / "afile").read_text() == "x"
