@@ -685,7 +685,12 @@ def _sse(ab, sw, swx, swxx, swt, swxt, swtt) -> float:
 
 
 MONOTONE = 0.9  # a regime may start at most 10 % below where the previous one ends (a bigger message is not faster)
-MIN_SPREAD = 0.01  # relative spread below which a size's measurement counts as no more precise (fit weights)
+# Fit weights: a size's relative spread (interquartile range / median) is taken as at least MIN_SPREAD (no median
+# is known better than to 1 %) and at most MAX_SPREAD. On the shared CPU the operations of a small all-reduce are
+# bimodal (most near the median, a quarter or more at 3-4 ms), so their interquartile range is 2-10x the median and
+# says more about that second mode than about how well the median is known; uncapped, the small sizes weighed
+# nothing and a one-regime fit put 1 KiB at 26 us where every median was 240 us or more.
+MIN_SPREAD, MAX_SPREAD = 0.01, 0.5
 
 
 def fit_regimes(sizes: list[float], times: list[float], max_regimes: int = 4, tol: float = 0.02,
@@ -696,16 +701,16 @@ def fit_regimes(sizes: list[float], times: list[float], max_regimes: int = 4, to
     added to explain a change of slope, not noise.
 
     `spreads`: each size's measured relative spread (interquartile range / median; None where unknown). Where
-    every size has one, each point weighs 1/spread² (at least MIN_SPREAD): on a shared CPU an 8 KiB all-reduce
-    scatters by +-50 % and an 8 MiB one by 1 %, and unweighted the noisy small sizes drag the large sizes'
-    bandwidth (10 % off at 8 MiB on the testbed)."""
+    every size has one, each point weighs 1/spread² (the spread held within MIN_SPREAD..MAX_SPREAD): on a shared
+    CPU a small all-reduce scatters by 50 % or more and an 8 MiB one by 1 %, and unweighted the noisy small sizes
+    drag the large sizes' bandwidth (10 % off at 8 MiB on the testbed)."""
     if len(sizes) != len(times) or not sizes:
         raise UserError("fit: need as many times as sizes, and at least one")
     if any(t <= 0 for t in times) or any(s < 0 for s in sizes):
         raise UserError("fit: times must be positive and sizes non-negative")
     weights = [1.0] * len(sizes)
     if spreads is not None and len(spreads) == len(sizes) and all(s is not None for s in spreads):
-        raw = [1.0 / max(s, MIN_SPREAD) ** 2 for s in spreads]
+        raw = [1.0 / min(max(s, MIN_SPREAD), MAX_SPREAD) ** 2 for s in spreads]
         weights = [w * len(raw) / sum(raw) for w in raw]  # mean 1: the RMS below stays a relative error
     order = sorted(range(len(sizes)), key=lambda i: sizes[i])
     pts = [(sizes[i] / 1e6, times[i], weights[i]) for i in order]

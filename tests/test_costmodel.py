@@ -3,6 +3,7 @@ fits recovering known latency/bandwidth, the parsers, and the CLI's one-line err
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,13 @@ TESTBED = [(8, 202.5, 14.9), (32, 341.9, 2400.6), (128, 460.0, 3702.2), (512, 33
            (2097152, 18181.5, 1965.6), (8388608, 72371.6, 3596.4), (33554432, 287247.8, 4187.6)]
 
 
+# The same on another day: the small sizes' operations bimodal (interquartile ranges of 2-11x the median).
+TESTBED_BIMODAL = [(8, 241.6, 158.9), (32, 468.4, 3571.7), (128, 583.5, 3346.0), (512, 290.2, 2501.7),
+                   (2048, 467.4, 2335.3), (8192, 1594.5, 3510.6), (32768, 318.2, 3441.7), (131072, 1099.7, 53.2),
+                   (524288, 4422.2, 806.1), (2097152, 17532.5, 265.6), (8388608, 70659.9, 809.8),
+                   (33554432, 283767.3, 2470.1)]
+
+
 def _fitted(regimes):
     return lambda n: next(r for r in regimes if n <= r.max_bytes).time_us(n)
 
@@ -147,6 +155,12 @@ def test_fit_weighs_each_size_by_its_measured_spread():
     # Unweighted, the noisy small sizes pull the large sizes' bandwidth 9 % off.
     plain = _fitted(cm.fit_regimes(sizes, medians))
     assert max(abs(plain(s) / m - 1) for s, m in large) > 0.05
+    # Sizes scattering by several times their median still count (their spread is capped): without the cap the
+    # small sizes weighed nothing and one regime put them all at a tenth of their medians.
+    sizes, medians, iqrs = zip(*TESTBED_BIMODAL)
+    bimodal = _fitted(cm.fit_regimes(sizes, medians, spreads=[q / m for m, q in zip(medians, iqrs)]))
+    assert statistics.median(abs(bimodal(s) / m - 1) for s, m in zip(sizes, medians) if s <= 32768) < 0.5
+    assert all(abs(bimodal(s) / m - 1) < 0.03 for s, m in zip(sizes, medians) if s >= 128 * 1024)
     # A benchmark's spread reaches the fit: the JSON's iqr_us.
     rows = [{"path": "reducer", "size": s, "time_us": m, "median_us": m, "iqr_us": q} for s, m, q in TESTBED]
     ms = cm.MeasurementSet([cm._bench_row(r, "t") for r in rows])
