@@ -53,8 +53,8 @@ def test_dtypes_and_ops():
                                       (["-o", "xor"], "unknown op"), (["-b", "1M", "-e", "1K"], "larger than"),
                                       (["--overlap", "2Q"], "bad size '2Q'"),
                                       (["--overlap", "--path", "raw"], "--overlap measures the reducer path"),
-                                      (["-e", "1K", "-f", "nan"], "-f must be a finite number"),
-                                      (["-e", "1K", "-f", "inf"], "-f must be a finite number"),
+                                      (["-b", "8", "-e", "1K", "-f", "nan"], "-f must be a finite number"),
+                                      (["-b", "8", "-e", "1K", "-f", "inf"], "-f must be a finite number"),
                                       (["--json", "/nonexistent/dir/x.json"], "does not exist"),
                                       (["--csv", "."], "is a directory")])
 def test_bad_input_is_one_line_and_exit_2(argv, msg, capsys):
