@@ -167,7 +167,7 @@ def main(argv=None) -> int:
                  "their recorded launch times, with no computation (run under torchrun with the run's world size).")
     # Positional: under torchrun an option named --run would be taken for an abbreviation of torchrun's --run-path.
     ap.add_argument("run", help="a run directory with bucket records (buckets.jsonl)")
-    ap.add_argument("--step", type=int, help="the step to replay (default: the median steady step)")
+    ap.add_argument("--step", type=int, help="the step to replay (default: the most typical steady step)")
     ap.add_argument("--median", action="store_true", help="replay the medians of the steady steps instead of one")
     ap.add_argument("--repeats", type=int, default=9, help="replays of the step (default 9)")
     ap.add_argument("--topology", help="also replay the launches on a cost model (local:<bench.json> or a preset)")

@@ -4,6 +4,7 @@ profiled step, and a prediction end to end on a small hand-written run directory
 import json
 import math
 import re
+import statistics
 import shutil
 
 import pytest
@@ -399,3 +400,18 @@ def test_a_run_without_bucket_records_is_replayed_from_its_steps_alone(tmp_path,
     (tmp_path / "run" / "buckets.rank1.jsonl").write_text("")
     sim.main(["--run", str(tmp_path / "run"), "--topology", "h100x8", "--strategies", "flat"])
     assert "flat" in capsys.readouterr().out
+
+
+def test_the_default_profiled_step_is_the_most_typical_not_just_the_median_step_time(tmp_path):
+    _write_run(tmp_path / "run", steps=10)
+    path = tmp_path / "run" / "steps.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:
+        r["step_ms"] += 0.1 * r["step"]  # step 7 has the median step time of the steady steps 4-10 ...
+    rows[6].update(forward_ms=1.0, backward_ms=16.0)  # ... but a forward and backward unlike any other's
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = sim.load_run(tmp_path / "run")
+    assert statistics.median_low(s["step_ms"] for s in sim.steady_steps(run)) == rows[6]["step_ms"]
+    chosen = sim.profiled_step(run)
+    assert chosen.step in (6, 8) and chosen.forward_ms == 5.0
+    assert sim.profiled_step(run, step=7).forward_ms == 1.0  # --step still replays the step asked for
