@@ -18,7 +18,6 @@ Run it with the run's world size. Rank 0 reads the run and sends the schedule to
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -28,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from dtrain.errors import UserError, exit_on_user_error
+from dtrain.errors import ArgumentParser, UserError, exit_on_user_error
 from dtrain.files import check_writable
 
 PROG = "analysis.replay"
@@ -157,14 +156,11 @@ def format_report(doc: dict) -> str:
     return "\n".join(lines + [text])
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UserError(message)
-
 
 def main(argv=None) -> int:
-    ap = _Parser(prog=f"python -m {PROG}", description="Replay a recorded step's collectives on the network at "
-                 "their recorded launch times, with no computation (run under torchrun with the run's world size).")
+    ap = ArgumentParser(prog=f"python -m {PROG}",
+                        description="Replay a recorded step's collectives on the network at their recorded launch "
+                                    "times, with no computation (run under torchrun with the run's world size).")
     # Positional: under torchrun an option named --run would be taken for an abbreviation of torchrun's --run-path.
     ap.add_argument("run", help="a run directory with bucket records (buckets.jsonl)")
     ap.add_argument("--step", type=int, help="the step to replay (default: the most typical steady step)")

@@ -16,7 +16,6 @@ Everything it prints is modeled.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import dataclasses
 import json
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from collectives import costmodel as cm
-from dtrain.errors import UserError, exit_on_user_error
+from dtrain.errors import ArgumentParser, UserError, exit_on_user_error
 
 PROG = "analysis.simulate"
 DEFAULT_STRATEGIES = ("per_tensor", "flat", "bucketed", "per_class", "ddp", "noop")
@@ -938,14 +937,11 @@ def _parse_list(text: str, kind=str) -> list:
         raise UserError(f"bad list '{text}': {e}") from e
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UserError(message)
-
 
 def main(argv=None) -> None:
-    ap = _Parser(prog=f"python -m {PROG}", description="Predict step time and exposed communication per strategy "
-                 "and bucket size from one profiled step and a cost model (modeled, not measured).")
+    ap = ArgumentParser(prog=f"python -m {PROG}",
+                        description="Predict step time and exposed communication per strategy and bucket size from "
+                                    "one profiled step and a cost model (modeled, not measured).")
     ap.add_argument("--run", help="a run directory (config.yaml, run.json, steps.jsonl, buckets.jsonl)")
     ap.add_argument("--topology", help="cost model: a preset (h100x8 ...) or local:<bench.csv|json|fit.json>")
     ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES))
@@ -965,9 +961,8 @@ def main(argv=None) -> None:
     ap.add_argument("--paper", action="store_true", help="project the paper's base configuration (8 P100)")
     ap.add_argument("--mfu", type=float, default=0.3, help="--paper: assumed fraction of the GPU's fp32 peak")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
     with exit_on_user_error(PROG):
-        _main(args)
+        _main(ap.parse_args(argv))
 
 
 def default_lanes(run: Run, model) -> int:

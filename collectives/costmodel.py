@@ -13,7 +13,6 @@ prints is modeled, not measured, unless a row says otherwise.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import functools
 import io
@@ -26,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from dtrain.errors import UserError, exit_on_user_error
+from dtrain.errors import ArgumentParser, UserError, exit_on_user_error
 from dtrain.files import check_writable, write_atomic
 
 ALGOS = ("Tree", "Ring")  # NCCL's tuner indices 0 and 1 (facts §1); NVLS, CollNet and PAT are not modeled
@@ -1133,8 +1132,9 @@ def overlay_yaml(profile_path: str, rec: dict, argv: list[str]) -> str:
 
 
 def _cmd_recommend(argv) -> None:
-    ap = _Parser(prog="python -m collectives.costmodel recommend",
-                 description="Per-class bucket sizes and NCCL protocol/algorithm for a profile's model (modeled).")
+    ap = ArgumentParser(prog="python -m collectives.costmodel recommend",
+                        description="Per-class bucket sizes and NCCL protocol/algorithm for a profile's model "
+                                    "(modeled).")
     ap.add_argument("--profile", required=True)
     ap.add_argument("--topology", required=True, help="a preset (NCCL's choice) or local:<fit>")
     ap.add_argument("--fit", help="cost every choice with this fit (per algo/proto) instead of the analytic model")
@@ -1311,14 +1311,10 @@ def format_fit(rep: dict, preset_name: str | None) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one-line error and exit 2, like every other bad input
-        raise UserError(message)
-
 
 def _cmd_table(argv) -> None:
-    ap = _Parser(prog="python -m collectives.costmodel",
-                 description="Modeled time of one collective per size, every (algo, proto), and NCCL's pick.")
+    ap = ArgumentParser(prog="python -m collectives.costmodel",
+                        description="Modeled time of one collective per size, every (algo, proto), and NCCL's pick.")
     ap.add_argument("--topology", required=True, help=f"one of: {', '.join(preset_names())}")
     ap.add_argument("--sizes", default="8:1G", help="min:max[:factor] or a comma list (default 8:1G)")
     ap.add_argument("--coll", default="allreduce", choices=COLLECTIVES)
@@ -1343,9 +1339,9 @@ def _cmd_table(argv) -> None:
 
 
 def _cmd_fit(argv) -> None:
-    ap = _Parser(prog="python -m collectives.costmodel fit",
-                 description="Fit latency/bandwidth per size regime (and per algo/proto when the log tells) to an "
-                             "nccl-tests log or the project's benchmark CSV/JSON, with the error per size.")
+    ap = ArgumentParser(prog="python -m collectives.costmodel fit",
+                        description="Fit latency/bandwidth per size regime (and per algo/proto when the log tells) "
+                                    "to an nccl-tests log or the project's benchmark CSV/JSON, with the error per size.")
     ap.add_argument("file")
     ap.add_argument("--topology", help="also show a model's time and error per size: a preset, or nccl-log:<file> "
                                        "(NCCL's own table)")

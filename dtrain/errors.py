@@ -4,6 +4,7 @@ Every command-line entry point catches `UserError`, prints its message on one li
 bad input never shows a traceback. Anything else escaping is a bug in dtrain and keeps its traceback.
 """
 
+import argparse
 import os
 import sys
 from contextlib import contextmanager
@@ -15,6 +16,14 @@ class UserError(Exception):
 
 class JobFailure(Exception):
     """The job cannot go on (a peer stopped answering, too many non-finite steps); the message says why."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are `UserError`s: one line and exit 2 under `exit_on_user_error`, like every other
+    bad input (argparse's own prints the usage block)."""
+
+    def error(self, message):
+        raise UserError(message)
 
 
 @contextmanager

@@ -106,7 +106,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
                  ["--paper", "--topology", "nope"], ["--paper", "--bucket-sizes", "0"],
                  ["--paper", "--bucket-sizes", "nan"], ["--paper", "--bucket-sizes", "inf"],
                  ["--paper", "--strategies", ","], ["--paper", "--warmup", "-1"],
-                 ["--run", str(tmp_path), "--median", "--step", "5"]):
+                 ["--run", str(tmp_path), "--median", "--step", "5"], ["--bogus"]):
         with pytest.raises(SystemExit) as e:
             sim.main(argv)
         assert e.value.code == 2
