@@ -83,11 +83,8 @@ def main(argv=None) -> int:
         device, backend = ddist.init(cells[0][1].dist)
         try:
             def prepare() -> None:  # on rank 0; its error reaches every rank
-                if out.exists() and not out.is_dir():
-                    raise UserError(f"--out {out}: a file is in the way; give a new folder")
-                if out.exists() and any(out.iterdir()):
+                if any(output_dir(out, "--out").iterdir()):
                     raise UserError(f"--out {out}: not empty; an interleaved job starts in a new folder")
-                output_dir(out, "--out")
                 for name, _ in cells:
                     prepare_run_dir(out / name, resume=False)
 

@@ -42,6 +42,7 @@ class Schedule:
     run: str
     step: int
     world: int
+    backend: str  # the run's: what the simulator's replay of it assumes (`simulate.default_lanes`)
     class_groups: bool
     classes: list[str]
     nbytes: list[int]
@@ -59,7 +60,8 @@ def read_schedule(run_dir: str, step: int | None, median: bool) -> Schedule:
     recs = prof.records
     if not recs or any(r.get(k) is None for r in recs for k in ("launch_ms", "complete_ms")):
         raise UserError(f"{run_dir}: step {prof.step} has no bucket records with launch and completion times")
-    return Schedule(str(run.path), prof.step, run.world, cm.bucket_plan(run.cfg).class_groups,
+    return Schedule(str(run.path), prof.step, run.world, str(run.header.get("backend", "gloo")),
+                    cm.bucket_plan(run.cfg).class_groups,
                     [str(r.get("class")) for r in recs], [int(r["bytes"]) for r in recs],
                     [float(r["launch_ms"]) for r in recs], [float(r["complete_ms"]) for r in recs], prof.notes)
 
@@ -116,7 +118,7 @@ def modeled(sched: Schedule, topology: str) -> tuple[list[float], list[str]]:
     from collectives import costmodel as cm
 
     model = cm.load_model(topology)
-    lanes = sim.GLOO_LANES if isinstance(model, cm.FittedModel) else 1
+    lanes = sim.default_lanes(sched.backend, model)
     groups = sched.classes if sched.class_groups and lanes > 1 else None
     tl = sim.replay(sched.launch_ms, [sim.cost_ms(model, n) for n in sched.nbytes], 0.0, True, 1.0, lanes,
                     [sim.latency_ms(model, n) for n in sched.nbytes], groups)

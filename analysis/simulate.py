@@ -965,10 +965,9 @@ def main(argv=None) -> None:
         _main(ap.parse_args(argv))
 
 
-def default_lanes(run: Run, model) -> int:
+def default_lanes(backend: str, model) -> int:
     """gloo runs GLOO_LANES collectives at once per process group; NCCL's model here is one stream."""
-    gloo = str(run.header.get("backend", "gloo")) == "gloo"
-    return GLOO_LANES if gloo and not isinstance(model, cm.NcclModel) else 1
+    return GLOO_LANES if backend == "gloo" and not isinstance(model, cm.NcclModel) else 1
 
 
 def _main(args) -> None:
@@ -1004,7 +1003,7 @@ def _main(args) -> None:
         prof = profiled_step(run, args.step, args.warmup, args.median)
         curve = ready_curve(run, prof)
         on_cpu = str(run.header.get("device", "cpu")).startswith("cpu")
-        lanes = args.lanes or default_lanes(run, model)
+        lanes = args.lanes or default_lanes(str(run.header.get("backend", "gloo")), model)
         class_groups = cm.bucket_plan(run.cfg).class_groups
         host_cost = on_cpu and not args.no_host_cost
         calib = (Calibration(note="off", lanes=lanes) if args.no_calibrate

@@ -811,12 +811,15 @@ class FittedModel:
     def label_time_us(self, label: str, nbytes: float) -> float:
         return self._regime(label, nbytes).time_us(nbytes)
 
-    def _label(self, nbytes: float, coll: str, algo: str | None, proto: str | None) -> str:
-        """The fit that costs this call: with labelled fits, (algo, proto) selects one, else the fastest of them
-        (NCCL-like); the bench's reducer path when there is one, which is what the planned strategies run."""
+    def _check_coll(self, coll: str) -> None:
         _check_coll(coll)
         if coll != self.coll:
             raise UserError(f"model '{self.name}' was fitted on {self.coll}, not {coll}")
+
+    def _label(self, nbytes: float, coll: str, algo: str | None, proto: str | None) -> str:
+        """The fit that costs this call: with labelled fits, (algo, proto) selects one, else the fastest of them
+        (NCCL-like); the bench's reducer path when there is one, which is what the planned strategies run."""
+        self._check_coll(coll)
         labels = [lab for lab in self.fits if _label_matches(lab, algo, proto)]
         if "reducer" in labels:
             return "reducer"
@@ -835,9 +838,7 @@ class FittedModel:
         return self._regime(self._label(nbytes, coll, algo, proto), nbytes).lat_us
 
     def choices(self, nbytes: int, coll: str = "allreduce") -> list[Choice]:
-        _check_coll(coll)
-        if coll != self.coll:
-            raise UserError(f"model '{self.name}' was fitted on {self.coll}, not {coll}")
+        self._check_coll(coll)
         out = []
         for lab in self.fits:
             algo, _, proto = lab.partition("/")
