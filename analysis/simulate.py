@@ -966,8 +966,9 @@ def main(argv=None) -> None:
 
 
 def default_lanes(backend: str, model) -> int:
-    """gloo runs GLOO_LANES collectives at once per process group; NCCL's model here is one stream."""
-    return GLOO_LANES if backend == "gloo" and not isinstance(model, cm.NcclModel) else 1
+    """gloo runs GLOO_LANES collectives at once per process group, which a fit to its benchmark models; NCCL's
+    models (a preset, or the table NCCL logged) are one stream."""
+    return GLOO_LANES if backend == "gloo" and isinstance(model, cm.FittedModel) else 1
 
 
 def _main(args) -> None:

@@ -415,3 +415,15 @@ def test_the_default_profiled_step_is_the_most_typical_not_just_the_median_step_
     chosen = sim.profiled_step(run)
     assert chosen.step in (6, 8) and chosen.forward_ms == 5.0
     assert sim.profiled_step(run, step=7).forward_ms == 1.0  # --step still replays the step asked for
+
+
+def test_two_lanes_only_for_a_gloo_run_costed_by_a_fit(tmp_path):
+    from test_costmodel import H200_LOG
+
+    fit = tmp_path / "bench.json"
+    fit.write_text(json.dumps([{"path": "reducer", "size": 8 * 4 ** k, "time_us": 100.0 + 8 * 4 ** k / 100.0}
+                               for k in range(10)]))
+    assert sim.default_lanes("gloo", cm.load_model(f"local:{fit}")) == sim.GLOO_LANES
+    assert sim.default_lanes("nccl", cm.load_model(f"local:{fit}")) == 1
+    for nccl_model in ("h100x8", f"nccl-log:{H200_LOG}"):  # NCCL's models: one stream, whatever ran the profile
+        assert sim.default_lanes("gloo", cm.load_model(nccl_model)) == 1
