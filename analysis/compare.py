@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dtrain.errors import UserError, exit_on_user_error
-from dtrain.log import read_jsonl
+from common.errors import UserError, exit_on_user_error
+from common.jsonl import read_jsonl
 
 PROG = "analysis.compare"
 DEFAULT_STRATEGIES = "ddp,per_tensor,flat,bucketed,per_class,noop"

@@ -24,8 +24,8 @@ import random
 import sys
 from pathlib import Path
 
-from dtrain.errors import UserError, exit_on_user_error
-from dtrain.files import output_dir
+from common.errors import UserError, exit_on_user_error
+from common.files import output_dir
 
 PROG = "analysis.interleave"
 
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         from tqdm import tqdm
 
         from collectives import nccl
-        from dtrain import dist as ddist
+        from collectives import dist as ddist
         from dtrain.log import prepare_run_dir
         from dtrain.model import sdpa_backend
         from dtrain.trainer import Trainer

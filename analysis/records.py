@@ -16,7 +16,7 @@ import pandas as pd
 import yaml
 
 from analysis.simulate import CAPPED  # strategies whose buckets follow sync.bucket_cap_mb
-from dtrain.log import read_jsonl
+from common.jsonl import read_jsonl
 
 # Phase columns of steps.jsonl in the order a step runs them (ms); what is left of step_ms is "other".
 PHASES = ("data_ms", "forward_ms", "backward_ms", "comm_exposed_ms", "optimizer_ms")

@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from dtrain.errors import ArgumentParser, UserError, exit_on_user_error
-from dtrain.files import check_writable
+from common.errors import ArgumentParser, UserError, exit_on_user_error
+from common.files import check_writable
 
 PROG = "analysis.replay"
 IDLE_S = 0.3  # between repeats: about a forward pass, so each repeat starts, like a step's backward, after a pause
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
         args = ap.parse_args(argv)
         if args.repeats < 1:
             raise UserError("--repeats must be at least 1")
-        from dtrain import dist as ddist
+        from collectives import dist as ddist
 
         if args.json and args.json != "-" and ddist.env_rank()[0] == 0:  # rank 0 writes it
             check_writable(args.json, "--json")

@@ -21,8 +21,8 @@ import pandas as pd
 
 from analysis import plots
 from analysis.records import PHASES, Run, find_runs, load_bench, load_run
-from dtrain.errors import UserError, exit_on_user_error
-from dtrain.files import output_dir
+from common.errors import UserError, exit_on_user_error
+from common.files import output_dir
 
 PROG = "analysis.report"
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from collectives import costmodel as cm
-from dtrain.errors import ArgumentParser, UserError, exit_on_user_error
+from common.errors import ArgumentParser, UserError, exit_on_user_error
 
 PROG = "analysis.simulate"
 DEFAULT_STRATEGIES = ("per_tensor", "flat", "bucketed", "per_class", "ddp", "noop")
@@ -237,7 +237,8 @@ class Run:
 
 def load_run(path: str | Path) -> Run:
     from dtrain import config as config_mod
-    from dtrain.log import rank_file, read_jsonl
+    from common.jsonl import read_jsonl
+    from dtrain.log import rank_file
 
     p = Path(path)
     for f in ("config.yaml", "steps.jsonl"):

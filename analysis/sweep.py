@@ -48,8 +48,8 @@ from pathlib import Path
 import yaml
 
 from analysis.records import LAUNCH_FILE, finished
-from dtrain.errors import UserError, exit_on_user_error
-from dtrain.files import output_dir
+from common.errors import UserError, exit_on_user_error
+from common.files import output_dir
 
 PROG = "analysis.sweep"
 MATRIX_KEYS = ("name", "launcher", "nodes", "nproc", "profiles", "strategies", "knobs", "only", "variants", "set",

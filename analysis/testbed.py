@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtrain.errors import UserError, exit_on_user_error
+from common.errors import UserError, exit_on_user_error
 
 PROG = "analysis.testbed"
 SUBNET = "10.77.0"  # a private /24 used only inside the testbed's namespaces, so it can never clash with the host

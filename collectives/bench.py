@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dtrain.errors import UserError, exit_on_user_error
-from dtrain.files import check_writable, write_atomic
+from common.errors import UserError, exit_on_user_error
+from common.files import check_writable, write_atomic
 
 PROG = "collectives.bench"
 
@@ -539,7 +539,7 @@ def main(argv=None) -> int:
             raise UserError("-n must be at least 1 and -w at least 0")
         if args.profile and not args.tensor_class:
             raise UserError("--profile gives a tensor class's settings: use it with --class")
-        from dtrain import dist as ddist
+        from collectives import dist as ddist
 
         for option, dest in (("--json", args.json), ("--csv", args.csv)):
             if dest and dest != "-" and ddist.env_rank()[0] == 0:  # rank 0 writes them
@@ -548,7 +548,7 @@ def main(argv=None) -> int:
             args.overlap = parse_size(args.overlap)
             if args.path == "raw":
                 raise UserError("--overlap measures the reducer path: drop --path raw")
-        from dtrain.config import DistConfig
+        from collectives.settings import DistConfig
 
         device, backend = ddist.init(DistConfig())
         try:

@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from dtrain.errors import ArgumentParser, UserError, exit_on_user_error
-from dtrain.files import check_writable, write_atomic
+from common.errors import ArgumentParser, UserError, exit_on_user_error
+from common.files import check_writable, write_atomic
 
 ALGOS = ("Tree", "Ring")  # NCCL's tuner indices 0 and 1 (facts §1); NVLS, CollNet and PAT are not modeled
 PROTOS = ("LL", "LL128", "Simple")  # indices 0..2

@@ -8,8 +8,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from dtrain.config import DistConfig
-from dtrain.errors import UserError
+from collectives.settings import DistConfig
+from common.errors import UserError
 
 
 def env_rank() -> tuple[int, int, int]:

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dtrain.config import NcclSettings
-from dtrain.errors import UserError, exit_on_user_error
-from dtrain.log import read_jsonl
+from collectives.settings import NcclSettings
+from common.errors import UserError, exit_on_user_error
+from common.jsonl import read_jsonl
 
 PROTOCOLS = ("LL", "LL128", "Simple")  # NCCL's protocol indices 0..2 (facts §1)
 ALGORITHMS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")  # indices 0..6
@@ -367,7 +367,7 @@ def render_plan(plan: NcclPlan, backend: str = "nccl") -> str:
 
 def plan_text(cfg, version=None, backend: str | None = None) -> str:
     """For `dtrain.train --dry-run`: the plan of this profile (NCCL version: the runtime's when CUDA is present)."""
-    from dtrain.dist import choose_backend
+    from collectives.dist import choose_backend
 
     backend = backend or choose_backend(cfg.dist)
     version = version if version is not None else nccl_version()
@@ -634,7 +634,7 @@ def apply_global(cfg, backend: str | None = None, version=..., factory=None, log
     tuner plugin, debug log), builds the plugin in tuner mode, and arms `class_group`. Returns the run-header record,
     which `run_record()` completes as groups are created. On gloo nothing is set: requested, not applied."""
     global _STATE
-    from dtrain.dist import choose_backend
+    from collectives.dist import choose_backend
 
     backend = backend or choose_backend(cfg.dist)
     applied = backend == "nccl"

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from collectives.tensor_classes import CollectiveSettings
-from dtrain.errors import UserError
+from common.errors import UserError
 
 
 @dataclass(frozen=True)

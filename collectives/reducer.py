@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from analysis.profiling import comm_span
+from collectives.spans import comm_span
 from collectives.plan import Bucket
 from collectives.timing import Stamp, ms_between, stamp
 

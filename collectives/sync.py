@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.config import SyncConfig
+from collectives.settings import SyncConfig
 
 
 class GradSync:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dtrain.errors import UserError
+from common.errors import UserError
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # NCCL choices are recorded per class and handed to `collectives.nccl.class_group`; on gloo nothing applies them.

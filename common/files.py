@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dtrain.errors import UserError
+from common.errors import UserError
 
 
 def check_writable(path: str | Path, option: str) -> Path:

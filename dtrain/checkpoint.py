@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dtrain.errors import UserError, exit_on_user_error
+from common.errors import UserError, exit_on_user_error
 
 CKPT_DIR = "checkpoints"
 

@@ -9,16 +9,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from dtrain.errors import UserError
+from collectives.nccl import validate_config
+from collectives.settings import CollectivesConfig, DistConfig, NcclSettings, SyncConfig  # noqa: F401 (re-exported)
+from collectives.strategies import available
+from collectives.tensor_classes import config_problems
+from common.errors import UserError
+from common.schema import Source, apply_override, build, read_yaml  # noqa: F401 (apply_override re-exported)
 
 # The paper's Table 3 models, plus small presets that train on two CPU cores.
 MODEL_PRESETS = {
@@ -84,42 +86,6 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class DistConfig:
-    backend: str = "auto"  # auto: nccl when CUDA is present, else gloo
-    timeout_s: float = 600.0
-
-
-@dataclass(frozen=True)
-class SyncConfig:
-    strategy: str = "ddp"  # ddp, per_tensor, flat, bucketed, per_class, powersgd, noop (see collectives/strategies)
-    bucket_cap_mb: float | None = None  # None: DDP's default (25 MiB, with a 1 MiB first bucket); 25 for the others
-    first_bucket_mb: float | None = None  # ddp, bucketed: cap of the bucket ready first; None: as bucket_cap_mb
-    hook: str | None = None  # ddp: a stock DDP comm hook: allreduce, fp16_compress, bf16_compress
-    classes: dict = field(default_factory=dict)  # tensor class rules and settings: collectives/tensor_classes.py
-    powersgd_rank: int = 1  # powersgd: matrix approximation rank
-    powersgd_start_iter: int = 2  # powersgd: plain all-reduce before this iteration (error feedback needs >= 2)
-
-
-@dataclass(frozen=True)
-class NcclSettings:
-    """One tensor class's NCCL choices; null = NCCL decides. Validated and applied by `collectives.nccl`."""
-
-    proto: str | None = None  # LL, LL128, Simple
-    algo: str | None = None  # Ring, Tree, CollNetDirect, CollNetChain, NVLS, NVLSTree, PAT
-    min_ctas: int | None = None
-    max_ctas: int | None = None
-
-
-@dataclass(frozen=True)
-class CollectivesConfig:
-    mode: str = "global"  # global | per_group | tuner
-    default: NcclSettings = field(default_factory=NcclSettings)
-    classes: dict[str, NcclSettings] = field(default_factory=dict)  # tensor class → settings
-    parse_log: bool = False  # NCCL_DEBUG=INFO, SUBSYS=ENV,TUNING into a log file, checked against the bucket plan
-    validated: bool = False  # the forced settings passed the benchmark's #wrong check on this platform
-
-
-@dataclass(frozen=True)
 class EvalConfig:
     at_end: bool = True  # decode and score `split` with the (averaged) final model
     split: str = "test"
@@ -156,138 +122,7 @@ class RunConfig:
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Loading: YAML nodes keep their line numbers so an error can point at the line.
-
-
-class _Source:
-    """Where values came from: a file name and, per dotted key, its line."""
-
-    def __init__(self, name: str, lines: dict[str, int] | None = None):
-        self.name, self.lines = name, lines or {}
-
-    def where(self, path: str) -> str:
-        line = self.lines.get(path)
-        if line is None and "." in path:  # a missing key: point at its parent mapping
-            line = self.lines.get(path.rsplit(".", 1)[0])
-        return f"{self.name}:{line}" if line else self.name
-
-
-def _node_to_python(node: yaml.Node, path: str, lines: dict[str, int]):
-    lines[path] = node.start_mark.line + 1
-    if isinstance(node, yaml.MappingNode):
-        out = {}
-        for k, v in node.value:
-            key = yaml.safe_load(yaml.serialize(k)) if not isinstance(k, yaml.ScalarNode) else k.value
-            sub = f"{path}.{key}" if path else str(key)
-            if key in out:
-                raise UserError(f"line {k.start_mark.line + 1}: duplicate key '{sub}'")
-            out[key] = _node_to_python(v, sub, lines)
-        return out
-    if isinstance(node, yaml.SequenceNode):
-        return [_node_to_python(v, f"{path}[{i}]", lines) for i, v in enumerate(node.value)]
-    return yaml.safe_load(yaml.serialize(node))
-
-
-def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{path}: profile not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot read profile ({e.__class__.__name__})") from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise UserError(f"{where}: malformed YAML: {getattr(e, 'problem', None) or e}") from None
-    lines: dict[str, int] = {}
-    try:
-        raw = {} if node is None else _node_to_python(node, "", lines)
-    except UserError as e:
-        raise UserError(f"{path}:{e}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: a profile must be a mapping of sections, not {type(raw).__name__}")
-    return raw, lines
-
-
-_SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(tp, value, path: str, src: _Source):
-    """Check `value` against the annotation `tp` (strictly: no str → int, no int → bool)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(a, value, path, src)
-            except UserError as e:
-                errors.append(e)
-        raise errors[0]
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path, src)
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise UserError(f"{src.where(path)}: '{path}' must be a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(a, v, f"{path}[{i}]", src) for i, (a, v) in enumerate(zip(args, value)))
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise UserError(f"{src.where(path)}: '{path}' must be a mapping, got {value!r}")
-        args = typing.get_args(tp)
-        if not args:
-            return value
-        return {_coerce(args[0], k, path, src): _coerce(args[1], v, f"{path}.{k}", src) for k, v in value.items()}
-    if tp is float and isinstance(value, str) and _SCIENTIFIC.match(value):
-        value = float(value)  # PyYAML (YAML 1.1) reads `1e-9` as a string; users mean the number
-    ok = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str),
-    }[tp](value)
-    if not ok:
-        raise UserError(f"{src.where(path)}: '{path}' must be {_type_name(tp)}, got {value!r}")
-    if tp is float:
-        # YAML's .inf and .nan (and 1e999) are floats, but no setting means anything with them: `x > 0` lets inf
-        # through and every comparison lets nan fail silently, so range checks below would not catch them.
-        try:
-            number = float(value)
-        except OverflowError:  # an integer beyond the float range
-            number = math.inf
-        if not math.isfinite(number):
-            raise UserError(f"{src.where(path)}: '{path}' must be a finite number, got {value!r}")
-        return number
-    return value
-
-
-def _build(cls, raw, path: str, src: _Source):
-    if not isinstance(raw, dict):
-        raise UserError(f"{src.where(path)}: '{path}' must be a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in names:
-            sub = f"{path}.{key}" if path else str(key)
-            raise UserError(
-                f"{src.where(sub)}: unknown key '{sub}' (known: {', '.join(sorted(names))})"
-            )
-    kwargs = {k: _coerce(hints[k], v, f"{path}.{k}" if path else k, src) for k, v in raw.items()}
-    return cls(**kwargs)
-
-
-def _apply_preset(raw: dict, src: _Source) -> None:
+def _apply_preset(raw: dict, src: Source) -> None:
     model = raw.get("model")
     if not isinstance(model, dict) or model.get("preset") is None:
         return
@@ -300,28 +135,10 @@ def _apply_preset(raw: dict, src: _Source) -> None:
     raw["model"] = {**MODEL_PRESETS[name], **model}
 
 
-def apply_override(raw: dict, assignment: str) -> None:
-    """`a.b=value`: the value is parsed as YAML (so `1e-3`, `true`, `null`, `[1, 2]` mean what they say)."""
-    key, sep, text = assignment.partition("=")
-    if not sep or not key:
-        raise UserError(f"--set '{assignment}': expected KEY=VALUE, e.g. --set train.max_steps=100")
-    try:
-        value = yaml.safe_load(text) if text != "" else ""
-    except yaml.YAMLError:
-        value = text
-    parts = key.split(".")
-    node = raw
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise UserError(f"--set '{assignment}': '{p}' is not a section")
-    node[parts[-1]] = value
-
-
 _NAME = re.compile(r"[A-Za-z0-9_=+-][A-Za-z0-9_.=+-]*")
 
 
-def _validate(cfg: RunConfig, src: _Source) -> None:
+def _validate(cfg: RunConfig, src: Source) -> None:
     def check(ok: bool, path: str, msg: str):
         if not ok:
             raise UserError(f"{src.where(path)}: '{path}' {msg}")
@@ -372,8 +189,6 @@ def _validate(cfg: RunConfig, src: _Source) -> None:
     check(s.powersgd_rank > 0, "sync.powersgd_rank", f"must be positive, got {s.powersgd_rank}")
     check(s.powersgd_start_iter >= 2, "sync.powersgd_start_iter",
           f"must be at least 2 (DDP rebuilds its buckets after iteration 1), got {s.powersgd_start_iter}")
-    from collectives.tensor_classes import config_problems
-
     for path, msg in config_problems(s):
         check(False, path, msg)
     e = cfg.eval
@@ -383,19 +198,15 @@ def _validate(cfg: RunConfig, src: _Source) -> None:
     check(e.max_len_b >= 0, "eval.max_len_b", "must be 0 or positive")
     check(e.length_penalty >= 0, "eval.length_penalty", "must be 0 or positive")
     # Strategy names are checked against the registry of `collectives` at attach time, and here early.
-    from collectives.strategies import available
-
     check(s.strategy in available(), "sync.strategy",
           f"unknown strategy '{s.strategy}' (available: {', '.join(available())})")
-    from collectives.nccl import validate_config
-
     validate_config(cfg.collectives, check)
 
 
 def from_dict(raw: dict, source: str = "<dict>", lines: dict[str, int] | None = None) -> RunConfig:
-    src = _Source(source, lines)
+    src = Source(source, lines)
     _apply_preset(raw, src)
-    cfg = _build(RunConfig, raw, "", src)
+    cfg = build(RunConfig, raw, "", src)
     _validate(cfg, src)
     return cfg
 
@@ -403,7 +214,7 @@ def from_dict(raw: dict, source: str = "<dict>", lines: dict[str, int] | None = 
 def load(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read a profile, apply `--set` overrides, validate. Raises `UserError` naming file, line and key."""
     path = Path(path)
-    raw, lines = _read_yaml(path)
+    raw, lines = read_yaml(path)
     for assignment in overrides:
         apply_override(raw, assignment)
         lines.pop(assignment.partition("=")[0], None)  # the value no longer comes from that line

@@ -19,7 +19,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from dtrain.checkpoint import sha256_file
-from dtrain.errors import UserError
+from common.errors import UserError
 from dtrain.tokenizer import BOS, EOS, PAD
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Show how a profile's tensor-class rules split the model's parameters (collectives.tensor_classes).
 
-    python -m collectives.classes --profile profiles/multi30k-cpu.yaml
-    python -m collectives.classes --profile profiles/smoke.yaml --set sync.classes.ffn.wire_dtype=bf16 --list
+    python -m dtrain.describe --profile profiles/multi30k-cpu.yaml
+    python -m dtrain.describe --profile profiles/smoke.yaml --set sync.classes.ffn.wire_dtype=bf16 --list
 
 Per class, in rule order: tensor count, total bytes, the size range, and the class's collective settings. The model is
 built on the meta device, so even `big` costs no memory.
@@ -15,7 +15,7 @@ import sys
 import torch
 
 from collectives import tensor_classes as tc
-from dtrain.errors import exit_on_user_error
+from common.errors import exit_on_user_error
 
 
 def human(nbytes: float) -> str:
@@ -55,12 +55,12 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="collectives.classes", description="Per tensor class: count, bytes, size range.")
+    ap = argparse.ArgumentParser(prog="dtrain.describe", description="Per tensor class: count, bytes, size range.")
     ap.add_argument("--profile", required=True, help="a run profile (its model and sync.classes)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--list", action="store_true", help="also list every parameter with its class")
     args = ap.parse_args(argv)
-    with exit_on_user_error("collectives.classes"):
+    with exit_on_user_error("dtrain.describe"):
         from dtrain import config as config_mod
         from dtrain.model import Transformer
 

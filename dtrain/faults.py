@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dtrain.errors import UserError
+from common.errors import UserError
 
 _KINDS = {"crash": {"step", "rank"}, "hang": {"step", "rank"}, "nan": {"step", "rank"}, "slow": {"rank", "ms"}}
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from dtrain import config as config_mod
-from dtrain.errors import UserError
+from common.errors import UserError
+from common.jsonl import read_jsonl
 
 
 def prepare_run_dir(run_dir: Path, resume: bool) -> None:
@@ -110,31 +111,3 @@ class RunWriter:
 def rank_file(rank: int) -> str:
     """Where rank `rank` > 0 writes its bucket records with `train.record_ranks`."""
     return f"buckets.rank{rank}.jsonl"
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The records of a .jsonl file ([] if there is none). A last line cut short (a crash in the middle of a write
-    leaves one, without its newline) is dropped: the record was never complete. Any other line that is not a JSON
-    object is an error naming the file and the line."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot read it as text ({e.__class__.__name__})") from e
-    lines = text.split("\n")
-    records = []
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if no == len(lines):  # the last line, without a newline: torn by a crash
-                break
-            raise UserError(f"{path}:{no}: not a JSON record ({e.msg})") from e
-        if not isinstance(record, dict):
-            raise UserError(f"{path}:{no}: not a JSON object")
-        records.append(record)
-    return records

@@ -1,9 +1,8 @@
 """torch.profiler over a window of training steps: one Chrome-format trace per rank, viewable in Perfetto.
 
 Sits beside the training loop, which drives it (`StepProfiler.start(step)` before the loop, `.step()` after each
-optimizer step, `.stop()` at the end), and beside the reducer, which wraps each bucket's collective in
-`comm_span(...)` so the trace shows every all-reduce from launch to completion, named with its bucket index, tensor
-class, bytes and wire dtype. Outside a profiled window `comm_span` costs one flag check.
+optimizer step, `.stop()` at the end). The reducer labels each bucket's collective (`collectives.spans`), so the trace
+shows every all-reduce from launch to completion, named with its bucket index, tensor class, bytes and wire dtype.
 
     DTRAIN_PROFILE=10:3 torchrun --nproc_per_node=2 -m dtrain.train --profile profiles/smoke.yaml --run-dir runs/p
     # → runs/p/profile/rank0.steps10-12.json, rank1...; open them at https://ui.perfetto.dev
@@ -13,17 +12,15 @@ from __future__ import annotations
 
 import os
 import re
-from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
-from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-from dtrain.errors import UserError
+from collectives.spans import SPAN_PREFIX
+from common.errors import UserError
 
 ENV = "DTRAIN_PROFILE"  # "START:COUNT" (COUNT steps from step START) or "FIRST-LAST", steps numbered from 1
-SPAN_PREFIX = "dtrain::allreduce"
 
 
 def parse_window(spec: str) -> tuple[int, int]:
@@ -36,61 +33,6 @@ def parse_window(spec: str) -> tuple[int, int]:
     if first < 1 or count < 1:
         raise UserError(f"profile window '{spec}': steps start at 1 and the window needs at least one step")
     return first, count
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Labelled communication spans (called by the reducer)
-
-
-class _Span(AbstractContextManager):
-    """A profiler range opened at launch; `until(future)` moves its end to the collective's completion."""
-
-    def __init__(self, name: str):
-        self._rf = record_function(name)
-
-    def __enter__(self) -> "_Span":
-        self._rf.__enter__()
-        return self
-
-    def until(self, fut: torch.futures.Future) -> torch.futures.Future:
-        # The range ends in the future's callback, on the backend's thread, when the all-reduce has completed;
-        # the returned future completes with the same value once the range is closed.
-        return self._rf._call_end_callbacks_on_future(fut)
-
-    def __exit__(self, *exc) -> None:
-        self._rf.__exit__(*exc)  # a no-op once `until` has taken over the end
-
-
-class _NoSpan(AbstractContextManager):
-    def __enter__(self) -> "_NoSpan":
-        return self
-
-    def until(self, fut):
-        return fut
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-_NO_SPAN = _NoSpan()
-
-
-def span_name(bucket: int, tensor_class: str, nbytes: int, wire_dtype: str | None = None) -> str:
-    wire = f" wire={wire_dtype}" if wire_dtype else ""
-    return f"{SPAN_PREFIX}[bucket={bucket} class={tensor_class} bytes={nbytes}{wire}]"
-
-
-def comm_span(bucket: int, tensor_class: str, nbytes: int, wire_dtype: str | None = None):
-    """Context for launching one bucket's collective; inside a profiled window it records a range named
-    `dtrain::allreduce[bucket=3 class=ffn bytes=1048576 wire=bf16]`:
-
-        with comm_span(b.index, b.tensor_class, b.nbytes, b.settings.wire_dtype) as span:
-            work = dist.all_reduce(wire, group=group, async_op=True)
-            fut = span.until(work.get_future())   # the range ends when the all-reduce completes
-    """
-    if not torch.autograd._profiler_enabled():
-        return _NO_SPAN
-    return _Span(span_name(bucket, tensor_class, nbytes, wire_dtype))
 
 
 _SPAN_FIELDS = re.compile(r"bucket=(\d+) class=(\S+) bytes=(\d+)(?: wire=(\w+))?")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from collectives import nccl
 from dtrain import config as config_mod
-from dtrain import dist as ddist
-from dtrain.errors import UserError, exit_on_user_error
+from collectives import dist as ddist
+from common.errors import UserError, exit_on_user_error
 from dtrain.faults import parse as parse_fault
 from dtrain.log import prepare_run_dir
 from dtrain.trainer import Trainer

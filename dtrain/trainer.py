@@ -15,16 +15,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from analysis.profiling import StepProfiler
-from analysis.telemetry import Telemetry
+from dtrain.profiler import StepProfiler
+from dtrain.telemetry import Telemetry
 from collectives import nccl
 from collectives.sync import attach
 from collectives.timing import ms_between, stamp
 from dtrain import checkpoint
-from dtrain import dist as ddist
+from collectives import dist as ddist
 from dtrain.config import RunConfig
 from dtrain.data import BatchStream, Pairs, TokenBatcher, cache_root, collate, multi30k_dir, multi30k_split
-from dtrain.errors import JobFailure, UserError
+from common.errors import JobFailure, UserError
 from dtrain.faults import Fault, FaultInjector
 from dtrain.log import RunWriter
 from dtrain.loss import LabelSmoothing

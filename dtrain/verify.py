@@ -4,9 +4,9 @@ Each rank feeds different batches to a small Transformer; every strategy's avera
 reference, each gradient all-reduced on its own and divided by the world size, over a few steps (so the re-planned
 buckets and `zero_grad(set_to_none=True)` between steps are covered), with or without gradient accumulation.
 
-    python -m collectives.verify --nproc 2 --strategies all
-    python -m collectives.verify --nproc 3 --strategies bucketed,per_class --accum 2 --json
-    python -m collectives.verify --nproc 2 --strategies per_class --set sync.classes.ffn.wire_dtype=bf16
+    python -m dtrain.verify --nproc 2 --strategies all
+    python -m dtrain.verify --nproc 3 --strategies bucketed,per_class --accum 2 --json
+    python -m dtrain.verify --nproc 2 --strategies per_class --set sync.classes.ffn.wire_dtype=bf16
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from dtrain.errors import UserError, exit_on_user_error
+from common.errors import UserError, exit_on_user_error
 
 TOLERANCE = 1e-6  # relative, for lossless strategies
 VOCAB, PAD = 96, 0
@@ -134,7 +134,7 @@ def passed(result: dict) -> bool:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="collectives.verify", description="Check every strategy's averaged gradients "
+    ap = argparse.ArgumentParser(prog="dtrain.verify", description="Check every strategy's averaged gradients "
                                  "against per-tensor all-reduces on real gloo ranks.")
     ap.add_argument("--nproc", type=int, default=2, help="ranks to spawn (default 2)")
     ap.add_argument("--strategies", default="all", help="comma-separated names, or 'all' (default)")
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     from collectives.strategies import available
 
     args = parse_args(argv)
-    with exit_on_user_error("collectives.verify"):
+    with exit_on_user_error("dtrain.verify"):
         names = available() if args.strategies == "all" else [s for s in args.strategies.split(",") if s]
         for s in names:
             if s not in available():

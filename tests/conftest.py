@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtrain.log import read_jsonl
+from common.jsonl import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from collectives import bench
 from conftest import REPO
-from dtrain.errors import UserError
+from common.errors import UserError
 
 
 # ---- parsing -----------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from dtrain import config
-from dtrain.errors import UserError
+from common.errors import UserError
 
 from conftest import REPO
 

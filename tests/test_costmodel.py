@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from collectives import costmodel as cm
-from dtrain.errors import UserError
+from common.errors import UserError
 
 DATA = Path(__file__).parent / "data"
 H100 = cm.NcclModel(cm.topology("h100x8"))  # 12 channels x 30 GB/s, NVLink, one node of 8

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from dtrain.data import TokenBatcher, multi30k_split, pack, read_parallel
-from dtrain.errors import UserError
+from common.errors import UserError
 
 
 def _lengths(n=500, seed=0):

@@ -1,11 +1,11 @@
-"""dtrain.files: output paths checked before the work, files written whole or not at all."""
+"""common.files: output paths checked before the work, files written whole or not at all."""
 
 import os
 
 import pytest
 
-from dtrain.errors import UserError
-from dtrain.files import check_writable, output_dir, write_atomic
+from common.errors import UserError
+from common.files import check_writable, output_dir, write_atomic
 
 
 def test_output_paths_are_checked_and_named(tmp_path):

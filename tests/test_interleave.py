@@ -9,7 +9,7 @@ import pytest
 
 from analysis import interleave
 from analysis import simulate as sim
-from dtrain.errors import UserError
+from common.errors import UserError
 
 from conftest import REPO, records
 

@@ -2,7 +2,8 @@
 
 import json
 
-from dtrain.log import RunWriter, rank_file, read_jsonl
+from common.jsonl import read_jsonl
+from dtrain.log import RunWriter, rank_file
 
 
 def test_other_ranks_write_their_bucket_records_and_truncate_their_own_on_resume(tmp_path):
@@ -29,7 +30,7 @@ def test_other_ranks_write_their_bucket_records_and_truncate_their_own_on_resume
 def test_a_line_torn_by_a_crash_is_dropped_and_any_other_bad_line_is_named(tmp_path):
     import pytest
 
-    from dtrain.errors import UserError
+    from common.errors import UserError
 
     p = tmp_path / "steps.jsonl"
     p.write_text('{"step": 1, "step_ms": 5.0}\n{"step": 2, "step_ms": 5.0}\n{"step": 3, "st')  # crash mid-write

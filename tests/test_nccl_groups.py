@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from collectives import nccl
 from dtrain import config
-from dtrain.errors import UserError
+from common.errors import UserError
 
 WATCHED = ("NCCL_PROTO", "NCCL_ALGO", "DTRAIN_TUNER_CLASS", "DTRAIN_TUNER_RULES", "NCCL_TUNER_PLUGIN")
 

@@ -152,7 +152,7 @@ def test_no_check_without_parse_log_or_logs(tmp_path):
 def test_damaged_bucket_records_are_named_errors(tmp_path):
     import pytest
 
-    from dtrain.errors import UserError
+    from common.errors import UserError
 
     p = tmp_path / "buckets.jsonl"
     p.write_text('{"bucket": 0, "class": "ffn", "bytes": 64}\n{"bucket": 1,, }\n{"bucket": 2}\n')

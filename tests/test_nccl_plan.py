@@ -12,7 +12,7 @@ import torch
 from collectives import nccl
 from dtrain import config
 from dtrain.config import NcclSettings
-from dtrain.errors import UserError
+from common.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from collectives import strategies
 from collectives import tensor_classes as tc
 from collectives.plan import Bucket, BucketingStrategy, pack, ready_order
 from dtrain.config import SyncConfig
-from dtrain.errors import UserError
+from common.errors import UserError
 from dtrain.model import Transformer
 
 MiB = 2**20

@@ -1,4 +1,4 @@
-"""analysis.profiling: the step window, the no-op span outside a window, and a traced one-rank training run whose
+"""dtrain.profiler: the step window, the no-op span outside a window, and a traced one-rank training run whose
 bucket all-reduces carry their bucket index and tensor class from launch to completion."""
 
 import json
@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from analysis.profiling import SPAN_PREFIX, StepProfiler, comm_span, parse_window
-from collectives import verify
+from collectives.spans import SPAN_PREFIX, comm_span
+from dtrain.profiler import StepProfiler, parse_window
+from dtrain import verify
 from collectives.sync import attach
 from dtrain.config import SyncConfig
-from dtrain.errors import UserError
+from common.errors import UserError
 
 
 @pytest.mark.parametrize("spec, want", [("10:3", (10, 3)), ("10-12", (10, 3)), (" 1:1 ", (1, 1))])

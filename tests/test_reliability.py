@@ -129,7 +129,7 @@ def test_checkpoint_of_wrong_contents_is_a_one_line_error(tmp_path):
     import torch
 
     from dtrain import checkpoint, config
-    from dtrain.errors import UserError
+    from common.errors import UserError
     from dtrain.evaluate import load_model_for_eval
 
     run, path = _run_with_foreign_checkpoint(tmp_path)

@@ -11,7 +11,7 @@ import pytest
 
 from analysis import simulate as sim
 from collectives import costmodel as cm
-from dtrain.errors import UserError
+from common.errors import UserError
 
 
 def test_replay_overlaps_buckets_with_backward_on_one_stream():

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives import verify
+from dtrain import verify
 from collectives.strategies import available
 from collectives.sync import attach
 from dtrain.config import SyncConfig
@@ -202,7 +202,7 @@ def test_every_lossless_strategy_matches_the_reference(nproc):
 
 
 def test_verify_cli_json_and_lossy_per_class():
-    r = subprocess.run([sys.executable, "-m", "collectives.verify", "--nproc", "2", "--strategies",
+    r = subprocess.run([sys.executable, "-m", "dtrain.verify", "--nproc", "2", "--strategies",
                         "per_class,bucketed", "--set", "sync.classes.ffn.wire_dtype=bf16", "--json"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -210,7 +210,7 @@ def test_verify_cli_json_and_lossy_per_class():
     assert set(doc) == {"per_class", "bucketed"} and set(doc["bucketed"]) == {"max_abs", "max_rel", "lossless"}
     assert doc["per_class"]["lossless"] is False and 0 < doc["per_class"]["max_rel"] < 0.05  # bf16 rounding
     assert doc["bucketed"]["lossless"] is True and doc["bucketed"]["max_rel"] <= verify.TOLERANCE
-    bad = subprocess.run([sys.executable, "-m", "collectives.verify", "--strategies", "nope"], cwd=REPO,
+    bad = subprocess.run([sys.executable, "-m", "dtrain.verify", "--strategies", "nope"], cwd=REPO,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown strategy 'nope'" in bad.stderr
 

@@ -11,7 +11,7 @@ import yaml
 
 from analysis import sweep
 from analysis.records import LAUNCH_FILE, finished
-from dtrain.errors import UserError
+from common.errors import UserError
 
 from conftest import REPO
 

@@ -1,5 +1,5 @@
 """Tensor classes: the default rules on dtrain's Transformer, first match wins, size bounds, the catch-all, the
-profile's `sync.classes` (errors name the dotted key), and `python -m collectives.classes`."""
+profile's `sync.classes` (errors name the dotted key), and `python -m dtrain.describe`."""
 
 import subprocess
 import sys
@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
-from collectives import classes as classes_cli
+from dtrain import describe as classes_cli
 from collectives import tensor_classes as tc
 from dtrain import config as config_mod
 from dtrain.config import SyncConfig
-from dtrain.errors import UserError
+from common.errors import UserError
 from dtrain.model import Transformer
 
 from conftest import REPO
@@ -112,11 +112,11 @@ def test_classes_summary_counts_bytes_and_ranges():
 
 
 def test_classes_cli_prints_the_table_and_fails_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "collectives.classes", "--profile", "profiles/smoke.yaml",
+    r = subprocess.run([sys.executable, "-m", "dtrain.describe", "--profile", "profiles/smoke.yaml",
                         "--set", "sync.classes.ffn.wire_dtype=bf16"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     lines = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:]}
     assert lines["embedding"][1] == "1" and lines["ffn"][1] == "8" and "bf16" in lines["ffn"]
-    r = subprocess.run([sys.executable, "-m", "collectives.classes", "--profile", "profiles/smoke.yaml",
+    r = subprocess.run([sys.executable, "-m", "dtrain.describe", "--profile", "profiles/smoke.yaml",
                         "--set", "sync.classes.ffn.wire_dtype=int8"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "sync.classes.ffn.wire_dtype" in r.stderr

@@ -13,7 +13,7 @@ import pytest
 
 from analysis import testbed
 from conftest import REPO
-from dtrain.errors import UserError
+from common.errors import UserError
 
 
 def _why_not() -> str | None:

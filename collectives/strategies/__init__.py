@@ -25,7 +25,7 @@ def available() -> list[str]:
 
 
 def get(name: str) -> type:
-    from dtrain.errors import UserError
+    from common.errors import UserError
 
     if name not in _REGISTRY:
         raise UserError(f"unknown strategy '{name}' for 'sync.strategy' (available: {', '.join(available())})")
