@@ -85,6 +85,8 @@ class BucketingStrategy:
     name: ClassVar[str] = "base"
     overlap: ClassVar[bool] = True
     class_groups: ClassVar[bool] = False  # each tensor class gets its own process group
+    uses_cap: ClassVar[bool] = False  # its buckets follow `sync.bucket_cap_mb`
+    plans_like: ClassVar[str | None] = None  # a planned strategy whose buckets model this one's (None: its own)
 
     @dataclass(frozen=True)
     class Config:

@@ -21,6 +21,9 @@ class GradSync:
     name = "base"
     lossless = True  # False for strategies whose averaged gradients differ from the exact mean
     communicates = True  # False only for the no-communication headroom baseline
+    class_groups = False  # each tensor class gets its own process group
+    uses_cap = False  # its buckets follow `sync.bucket_cap_mb`
+    plans_like: str | None = None  # a planned strategy whose bucket layout models this one's (cost model, simulator)
 
     def __init__(self, model: nn.Module, cfg: SyncConfig, process_group: dist.ProcessGroup | None = None):
         self.model, self.cfg, self.process_group = model, cfg, process_group

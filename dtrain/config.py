@@ -15,10 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from collectives.nccl import validate_config
+from collectives.config import validate as validate_comm
 from collectives.settings import CollectivesConfig, DistConfig, NcclSettings, SyncConfig  # noqa: F401 (re-exported)
-from collectives.strategies import available
-from collectives.tensor_classes import config_problems
 from common.errors import UserError
 from common.schema import Source, apply_override, build, read_yaml  # noqa: F401 (apply_override re-exported)
 
@@ -176,31 +174,13 @@ def _validate(cfg: RunConfig, src: Source) -> None:
     check(t.threads is None or t.threads > 0, "train.threads", "must be positive or null")
     check(t.sdpa_backend in SDPA_BACKENDS, "train.sdpa_backend",
           f"must be one of {', '.join(SDPA_BACKENDS)}, got '{t.sdpa_backend}'")
-    check(cfg.dist.backend in ("auto", "gloo", "nccl"), "dist.backend",
-          f"must be auto, gloo or nccl, got '{cfg.dist.backend}'")
-    check(cfg.dist.timeout_s > 0, "dist.timeout_s", "must be positive")
-    s = cfg.sync
-    check(s.bucket_cap_mb is None or s.bucket_cap_mb > 0, "sync.bucket_cap_mb",
-          f"must be positive or null, got {s.bucket_cap_mb}")
-    check(s.hook in (None, "allreduce", "fp16_compress", "bf16_compress"), "sync.hook",
-          f"must be null, allreduce, fp16_compress or bf16_compress, got '{s.hook}'")
-    check(s.first_bucket_mb is None or s.first_bucket_mb > 0, "sync.first_bucket_mb",
-          f"must be positive or null, got {s.first_bucket_mb}")
-    check(s.powersgd_rank > 0, "sync.powersgd_rank", f"must be positive, got {s.powersgd_rank}")
-    check(s.powersgd_start_iter >= 2, "sync.powersgd_start_iter",
-          f"must be at least 2 (DDP rebuilds its buckets after iteration 1), got {s.powersgd_start_iter}")
-    for path, msg in config_problems(s):
-        check(False, path, msg)
     e = cfg.eval
     check(e.split in ("val", "test"), "eval.split", f"must be 'val' or 'test', got '{e.split}'")
     check(e.beam > 0, "eval.beam", "must be positive")
     check(e.batch_size > 0, "eval.batch_size", "must be positive")
     check(e.max_len_b >= 0, "eval.max_len_b", "must be 0 or positive")
     check(e.length_penalty >= 0, "eval.length_penalty", "must be 0 or positive")
-    # Strategy names are checked against the registry of `collectives` at attach time, and here early.
-    check(s.strategy in available(), "sync.strategy",
-          f"unknown strategy '{s.strategy}' (available: {', '.join(available())})")
-    validate_config(cfg.collectives, check)
+    validate_comm(cfg.sync, cfg.collectives, cfg.dist, check)
 
 
 def from_dict(raw: dict, source: str = "<dict>", lines: dict[str, int] | None = None) -> RunConfig:

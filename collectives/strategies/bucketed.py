@@ -15,6 +15,8 @@ DDP_FIRST_BUCKET_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
 @register("bucketed")
 class Bucketed(BucketingStrategy):
+    uses_cap = True
+
     @dataclass(frozen=True)
     class Config:
         bucket_cap_mb: float | None = None  # None: DDP's defaults, 25 MiB with a 1 MiB first bucket

@@ -36,6 +36,8 @@ class DDPSync(GradSync):
     # with more than one bucket in flight their order then differs between ranks (gloo aborts on the mismatch).
     # Such hooks run one bucket at a time: a bucket's hook first waits for the previous bucket's future.
     serialize_buckets = False
+    uses_cap = True
+    plans_like = "bucketed"  # `bucketed` lays buckets out as DDP's rebuilt reducer does, from the same two knobs
 
     def __init__(self, model, cfg, process_group=None):
         super().__init__(model, cfg, process_group)

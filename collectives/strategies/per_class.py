@@ -11,6 +11,7 @@ from collectives.strategies import register
 @register("per_class")
 class PerClass(BucketingStrategy):
     class_groups = True
+    uses_cap = True
 
     def lossless(self, settings):
         return all(s.wire_dtype == "fp32" for s in settings.values())

@@ -16,6 +16,7 @@ from collectives.strategies.ddp import DDPSync
 @register("powersgd")
 class PowerSGDSync(DDPSync):
     serialize_buckets = True  # each bucket's P and Q all-reduces are chained from callbacks (see DDPSync)
+    plans_like = None  # compressed: no bucket plan of the lossless strategies models it
     def __init__(self, model, cfg, process_group=None):
         super().__init__(model, cfg, process_group)
         self.lossless = False

@@ -1,0 +1,77 @@
+"""The communication library's part of a profile: validation of its sections, and loading them on their own.
+
+`dtrain.config` validates a whole profile and calls `validate` for `dist`, `sync` and `collectives`. The library's own
+command-line tools (the benchmark, the NCCL tools) call `load`, which reads just those sections of a profile with the
+same strict loader and the same file:line errors; the engine's sections are left to the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from collectives.nccl import validate_config
+from collectives.settings import CollectivesConfig, DistConfig, SyncConfig
+from collectives.strategies import available
+from collectives.tensor_classes import config_problems
+from common.errors import UserError
+from common.schema import Source, apply_override, build, read_yaml
+
+SECTIONS = ("dist", "sync", "collectives")
+STOCK_HOOKS = (None, "allreduce", "fp16_compress", "bf16_compress")
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """The sections of a profile that `collectives` reads."""
+
+    dist: DistConfig = field(default_factory=DistConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    collectives: CollectivesConfig = field(default_factory=CollectivesConfig)
+
+
+def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check: Callable[[bool, str, str], None]
+             ) -> None:
+    """`check(ok, dotted_key, message)` for every rule of the three sections (the caller adds file and line)."""
+    check(dist.backend in ("auto", "gloo", "nccl"), "dist.backend", f"must be auto, gloo or nccl, got '{dist.backend}'")
+    check(dist.timeout_s > 0, "dist.timeout_s", "must be positive")
+    s = sync
+    check(s.bucket_cap_mb is None or s.bucket_cap_mb > 0, "sync.bucket_cap_mb",
+          f"must be positive or null, got {s.bucket_cap_mb}")
+    check(s.hook in STOCK_HOOKS, "sync.hook",
+          f"must be null, allreduce, fp16_compress or bf16_compress, got '{s.hook}'")
+    check(s.first_bucket_mb is None or s.first_bucket_mb > 0, "sync.first_bucket_mb",
+          f"must be positive or null, got {s.first_bucket_mb}")
+    check(s.powersgd_rank > 0, "sync.powersgd_rank", f"must be positive, got {s.powersgd_rank}")
+    check(s.powersgd_start_iter >= 2, "sync.powersgd_start_iter",
+          f"must be at least 2 (DDP rebuilds its buckets after iteration 1), got {s.powersgd_start_iter}")
+    for path, msg in config_problems(s):
+        check(False, path, msg)
+    # Strategy names are checked against the registry at attach time, and here early.
+    check(s.strategy in available(), "sync.strategy",
+          f"unknown strategy '{s.strategy}' (available: {', '.join(available())})")
+    validate_config(coll, check)
+
+
+def from_dict(raw: dict, source: str = "<dict>", lines: dict[str, int] | None = None) -> CommConfig:
+    """The library's sections of a profile's raw mapping; the other sections are not read."""
+    src = Source(source, lines)
+    cfg = build(CommConfig, {k: v for k, v in raw.items() if k in SECTIONS}, "", src)
+
+    def check(ok: bool, path: str, msg: str) -> None:
+        if not ok:
+            raise UserError(f"{src.where(path)}: '{path}' {msg}")
+
+    validate(cfg.sync, cfg.collectives, cfg.dist, check)
+    return cfg
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> CommConfig:
+    """Read `dist`, `sync` and `collectives` of a profile, with `--set` overrides of those sections."""
+    path = Path(path)
+    raw, lines = read_yaml(path)
+    for assignment in overrides:
+        apply_override(raw, assignment)
+        lines.pop(assignment.partition("=")[0], None)
+    return from_dict(raw, str(path) + (" (with --set)" if overrides else ""), lines)
