@@ -949,22 +949,13 @@ def ready_params(cfg, vocab: int | None = None) -> tuple:
     return _ready_params(cfg.model, vocab or cfg.data.vocab_size)
 
 
-class Plan(NamedTuple):
-    buckets: list  # collectives.plan.Bucket, in launch order
-    overlap: bool  # launched from the gradient hooks (else all at wait())
-    class_groups: bool  # each tensor class on its own communicator, with its own NCCL settings
-
-
 def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = None,
-                classes: dict[str, dict] | None = None, vocab: int | None = None) -> Plan:
+                classes: dict[str, dict] | None = None, vocab: int | None = None):
     """The plan of `cfg`'s model under `strategy` (default: the profile's), built on meta tensors in the expected
-    ready order; `classes` overrides `sync.classes.<class>` settings (bucket_cap_mb ...). `ddp` is planned as
-    `bucketed`, which mirrors DDP's layout."""
+    ready order; `classes` overrides `sync.classes.<class>` settings (bucket_cap_mb ...)."""
     import dataclasses as dc
 
     from collectives import strategies
-    from collectives import tensor_classes as tcm
-    from collectives.plan import BucketingStrategy
 
     name = strategy or cfg.sync.strategy
     classes_raw = {k: dict(v) for k, v in (cfg.sync.classes or {}).items()}
@@ -972,21 +963,7 @@ def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = 
         classes_raw.setdefault(c, {}).update(over)
     sync = dc.replace(cfg.sync, strategy=name, classes=classes_raw,
                       bucket_cap_mb=bucket_cap_mb if bucket_cap_mb is not None else cfg.sync.bucket_cap_mb)
-    named = list(ready_params(cfg, vocab))
-    tc = tcm.from_config(sync)
-    class_of = tc.assign(named)
-    settings = {r.name: tc.setting(r.name) for r in tc.rules}
-    cls = strategies.get(name)
-    if name == "ddp":  # `bucketed` lays buckets out as DDP's rebuilt reducer does, from the same two knobs
-        strat = strategies.get("bucketed").from_sync(sync)
-    elif isinstance(cls, type) and issubclass(cls, BucketingStrategy):
-        strat = cls.from_sync(sync)
-    else:
-        raise UserError(f"strategy '{name}' has no bucket plan to model (planned strategies: ddp, "
-                        + ", ".join(n for n in strategies.available()
-                                    if isinstance(strategies.get(n), type)
-                                    and issubclass(strategies.get(n), BucketingStrategy)) + ")")
-    return Plan(strat.plan(named, class_of, settings), strat.overlap, strat.class_groups)
+    return strategies.plan_for(sync, list(ready_params(cfg, vocab)))
 
 
 def recommend(cfg, model, fitted: FittedModel | None = None, timeline=None, vocab: int | None = None) -> dict:
