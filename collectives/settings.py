@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# NCCL's protocol and algorithm names, in the order of its tuner-plugin indices (NCCL's src/include/nccl_tuner.h and
+# the NCCL_PROTO / NCCL_ALGO environment variables in NCCL's documentation). The one list of them in the project.
+NCCL_PROTOCOLS = ("LL", "LL128", "Simple")
+NCCL_ALGORITHMS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")
 
 @dataclass(frozen=True)
 class DistConfig:

@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from collectives.settings import NCCL_ALGORITHMS, NCCL_PROTOCOLS
 from common.errors import UserError
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # NCCL choices are recorded per class and handed to `collectives.nccl.class_group`; on gloo nothing applies them.
-NCCL_PROTOCOLS = ("LL", "LL128", "Simple")
-NCCL_ALGORITHMS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default bucket size, for the planned strategies too
 
 
