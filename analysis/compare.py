@@ -1,8 +1,9 @@
 """Measured comparison of gradient synchronization strategies: one torchrun training run per strategy, same profile,
 seed and batches, then one table; and a bucket-size sweep of `bucketed` (CSV + PNG of step time vs bucket size).
 
-Sits after the records: it reads each run's steps.jsonl and buckets.jsonl (warm-up steps skipped) and prints median
-and p95 step time, exposed communication, bytes and collectives per step, and the step-time ratio to `ddp`.
+Sits after the records: it reads each run (`analysis.runs`: its steady steps, warm-up and skipped updates left out)
+and prints median and p95 step time, exposed communication, bytes and collectives per step, and the step-time ratio
+to `ddp`.
 
     python -m analysis.compare --profile profiles/multi30k-cpu.yaml --nproc 2 --steps 40 \\
         --strategies ddp,per_tensor,flat,bucketed,per_class,noop --set data.max_tokens=500
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import platform
 import subprocess
@@ -25,8 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from analysis.runs import load_run, warmup_steps
+from collectives.strategies import available
+from common import rundir
 from common.errors import UserError, exit_on_user_error
-from common.jsonl import read_jsonl
+from dtrain import config as config_mod
 
 PROG = "analysis.compare"
 DEFAULT_STRATEGIES = "ddp,per_tensor,flat,bucketed,per_class,noop"
@@ -36,7 +39,7 @@ RUN_OVERRIDES = ("train.max_minutes=null", "train.val_every=0", "eval.at_end=fal
 
 @dataclass
 class Summary:
-    """One run's measurements over its steps after warm-up (times in ms)."""
+    """One run's measurements over its steady steps (times in ms)."""
 
     label: str
     strategy: str
@@ -53,22 +56,18 @@ class Summary:
     ratio_to_ddp: float | None = None
 
 
-def summarize(run_dirs: list[Path], label: str, warmup: int, bucket_mb: float | None = None) -> Summary:
-    """The steps after warm-up of one or more runs of the same job (rounds), pooled."""
+def summarize(run_dirs: list[Path], label: str, warmup: int | None, bucket_mb: float | None = None) -> Summary:
+    """The steady steps of one or more runs of the same job (rounds), pooled; `warmup` overrides the warm-up rule."""
     steps, counts, nbytes, sync = [], [], [], {}
-    for run_dir in map(Path, run_dirs):
-        kept = [s for s in read_jsonl(run_dir / "steps.jsonl") if s["step"] > warmup]
+    for run in (load_run(d, strict=False) for d in run_dirs):
+        kept = run.steady(warmup)
         if not kept:
-            raise UserError(f"{run_dir}: no steps after the {warmup} warm-up steps (raise --steps or lower --warmup)")
-        header = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
-        sync = header.get("sync", {})
-        measured = {s["step"] for s in kept}
-        per_step: dict[int, list[dict]] = {}
-        for r in read_jsonl(run_dir / "buckets.jsonl"):
-            if r["step"] in measured:
-                per_step.setdefault(r["step"], []).append(r)
-        counts += [len(per_step.get(s, [])) for s in sorted(measured)]
-        nbytes += [sum(r["bytes"] for r in per_step.get(s, [])) for s in sorted(measured)]
+            raise UserError(f"{run.path}: no steps after the {warmup_steps(len(run.steps), warmup)} warm-up steps "
+                            "(raise --steps or lower --warmup)")
+        sync = run.sync
+        per_step = [run.buckets.get(s["step"], []) for s in kept]
+        counts += [len(recs) for recs in per_step]
+        nbytes += [sum(r["bytes"] for r in recs) for recs in per_step]
         steps += kept
     step_ms = np.array([s["step_ms"] for s in steps])
     return Summary(label, sync.get("strategy", label), bucket_mb, len(steps), float(np.median(step_ms)),
@@ -109,7 +108,7 @@ def write_csv(rows: list[Summary], path: Path) -> None:
 
 def plot_sweep(rows: list[Summary], refs: list[Summary], path: Path, title: str) -> None:
     """Median step time (p95 as the bar's top) versus bucket size, with ddp and noop (when run) as lines."""
-    import matplotlib
+    import matplotlib  # heavy, and only the bucket sweep draws a figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -171,7 +170,7 @@ def torchrun_command(profile: str, nproc: int, run_dir: Path, overrides: list[st
 
 def run_job(job: Job, args, out: Path, common: list[str], round_: int = 1) -> Path:
     run_dir = out / (job.label if round_ == 1 else f"{job.label}.r{round_}")
-    steps = read_jsonl(run_dir / "steps.jsonl")
+    steps = rundir.read_steps(run_dir)
     if args.reuse and len(steps) >= args.steps:
         return run_dir
     if run_dir.exists():
@@ -194,7 +193,8 @@ def parse_args(argv=None):
     ap.add_argument("--profile", required=True)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
-    ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the statistics (default 5)")
+    ap.add_argument("--warmup", type=int, help="first steps left out of the statistics (default: max(3, 10%%) of "
+                                                "--steps, the warm-up rule of analysis.runs)")
     ap.add_argument("--strategies", default=DEFAULT_STRATEGIES, help=f"comma-separated (default {DEFAULT_STRATEGIES})")
     ap.add_argument("--bucket-mb", default="", help="bucketed sweep over these sync.bucket_cap_mb, e.g. 0.25,1,4,16,64")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -209,9 +209,6 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     with exit_on_user_error(PROG):
-        from collectives.strategies import available
-        from dtrain import config as config_mod
-
         strategies = [s for s in args.strategies.split(",") if s]
         for s in strategies:
             if s not in available():
@@ -224,8 +221,11 @@ def main(argv=None) -> int:
             raise UserError("--bucket-mb: sizes must be positive")
         if args.rounds < 1 or args.nproc < 1:
             raise UserError("--rounds and --nproc must be positive")
-        if args.steps <= args.warmup:
-            raise UserError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+        warmup = warmup_steps(args.steps, args.warmup)
+        if args.warmup is not None and args.warmup < 0:
+            raise UserError("--warmup must be 0 or positive")
+        if args.steps <= warmup:
+            raise UserError(f"--steps ({args.steps}) must exceed --warmup ({warmup})")
         if not strategies and not bucket_mbs:
             raise UserError("nothing to run: give --strategies and/or --bucket-mb")
         common = list(args.overrides) + list(RUN_OVERRIDES) + [f"train.max_steps={args.steps}",
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     with_ratios(summaries)
     sets = " ".join(f"--set {o}" for o in args.overrides)
     head = (f"# {args.profile} {sets} | {args.nproc} ranks, {args.steps} steps x {args.rounds} round(s), first "
-            f"{args.warmup} of each left out, same seed and batches | {platform.node()} {os.cpu_count()} CPUs, "
+            f"{warmup} of each left out, same seed and batches | {platform.node()} {os.cpu_count()} CPUs, "
             f"load {load_before[0]:.2f} before, {load_after[0]:.2f} after | runs in {out}")
     main_rows = [s for s in summaries if s.bucket_mb is None]
     sweep_rows = [s for s in summaries if s.bucket_mb is not None]

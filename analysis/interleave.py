@@ -1,7 +1,7 @@
 """Interleaved measurement: the configurations of a sweep matrix trained in one job, step by step in turn.
 
-Sequential runs on a machine whose speed drifts (this project's VMs: 20-30% over minutes) compare the machine's
-moments as much as the configurations. Here each configuration gets its own `Trainer` (model replica, optimizer,
+Sequential runs on a machine whose speed drifts over minutes (a shared VM) compare the machine's moments as much as
+the configurations. Here each configuration gets its own `Trainer` (model replica, optimizer,
 gradient synchronization and process groups), all built with the same seed, so they train on the same batches in the
 same order; every step runs each configuration once, in an order shuffled per step (the same on every rank: the
 collectives must be issued in the same order), so a drift in the machine's speed hits all of them alike. Each
@@ -24,8 +24,17 @@ import random
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
+from analysis.sweep import expand, load_matrix
+from collectives import dist as ddist
+from collectives import nccl
 from common.errors import UserError, exit_on_user_error
 from common.files import output_dir
+from dtrain import config as config_mod
+from dtrain.log import prepare_run_dir
+from dtrain.model import sdpa_backend
+from dtrain.trainer import Trainer
 
 PROG = "analysis.interleave"
 
@@ -44,9 +53,6 @@ def parse_args(argv=None):
 
 def load_configs(matrix_path: str, overrides: list[str]) -> list[tuple[str, object]]:
     """(run name, resolved config) per cell of the matrix; they must agree on what the job shares."""
-    from analysis.sweep import expand, load_matrix
-    from dtrain import config as config_mod
-
     m = load_matrix(matrix_path)
     cells = [(job.name, config_mod.load(job.profile, job.overrides + list(overrides))) for job in expand(m)]
     if not cells:
@@ -69,14 +75,6 @@ def load_configs(matrix_path: str, overrides: list[str]) -> list[tuple[str, obje
 def main(argv=None) -> int:
     args = parse_args(argv)
     with exit_on_user_error(PROG):
-        from tqdm import tqdm
-
-        from collectives import nccl
-        from collectives import dist as ddist
-        from dtrain.log import prepare_run_dir
-        from dtrain.model import sdpa_backend
-        from dtrain.trainer import Trainer
-
         cells = load_configs(args.matrix, args.overrides)
         out = Path(args.out)
         nccl.apply_global(cells[0][1])  # the job's NCCL variables (the same for every cell); recorded on gloo
@@ -102,7 +100,7 @@ def main(argv=None) -> int:
                     for tr in order.sample(trainers, len(trainers)):  # a fresh order each step, equal on every rank
                         rec = tr.recorded_step()
                         bar.update(1)
-                        bar.set_postfix_str(f"{tr.cfg.sync.strategy} {rec['step_ms']:.0f} ms")
+                        bar.set_postfix_str(f"{tr.cfg.sync.strategy} {rec.step_ms:.0f} ms")
             bar.close()
             if ddist.is_main():
                 print(f"{len(trainers)} configurations x {steps} steps, interleaved, in {out}", flush=True)

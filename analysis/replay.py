@@ -1,14 +1,14 @@
 """Network replay of a recorded step: its collectives, launched at their recorded times, with no computation.
 
-When the simulator's replay (`analysis.simulate`) misses a run's measured completions, the gap has two possible
+When the simulator's timeline (`analysis.simulate`) misses a run's measured completions, the gap has two possible
 sources: the network does not behave as the cost model says under that step's concurrency (several collectives in
 flight, several process groups), or the training process adds something the network alone would not (computation
 sharing the cores, ranks finishing backward apart). This replays the step's buckets on the real network, each an
 all-reduce of its recorded size on its recorded process group (one per tensor class for per_class, the world
-otherwise), launched at its recorded time (the latest over the ranks, see `simulate.slowest_rank_records`), with no
-model computing beside them, and puts three completion times side by side: the run's (measured in training), this
-replay's (measured, network only), and the cost model's replay of the same launches (modeled, without the slowdown
-the simulator calibrates for computation).
+otherwise), launched at its recorded time (the latest over the ranks, see `analysis.runs.slowest_rank_records`),
+with no model computing beside them, and puts three completion times side by side: the run's (measured in training),
+this replay's (measured, network only), and the cost model's timeline of the same launches (modeled, without the
+slowdown the simulator calibrates for computation).
 
     torchrun --nproc-per-node 2 -m analysis.replay runs/m30k --topology local:bench.json
     python -m analysis.testbed run --nodes 2 --nproc-per-node 1 -- -m analysis.replay runs/m30k --repeats 9
@@ -27,6 +27,13 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from analysis.plans import bucket_plan
+from analysis.runs import load_run
+from analysis.simulate import default_lanes, play_timeline, reference_step
+from collectives import costmodel as cm
+from collectives import dist as ddist
+from collectives.bench import write_out
+from collectives.settings import DistConfig
 from common.errors import ArgumentParser, UserError, exit_on_user_error
 from common.files import check_writable
 
@@ -42,7 +49,7 @@ class Schedule:
     run: str
     step: int
     world: int
-    backend: str  # the run's: what the simulator's replay of it assumes (`simulate.default_lanes`)
+    backend: str  # the run's: what the simulator's timeline of it assumes (`simulate.default_lanes`)
     class_groups: bool
     classes: list[str]
     nbytes: list[int]
@@ -52,18 +59,16 @@ class Schedule:
 
 
 def read_schedule(run_dir: str, step: int | None, median: bool) -> Schedule:
-    from analysis import simulate as sim
-    from collectives import costmodel as cm
-
-    run = sim.load_run(run_dir)
-    prof = sim.profiled_step(run, step, median=median)
-    recs = prof.records
+    """The schedule of the run's reference step (`analysis.simulate.reference_step`: by default its typical step)."""
+    run = load_run(run_dir)
+    ref = reference_step(run, step, median=median)
+    recs = ref.records
     if not recs or any(r.get(k) is None for r in recs for k in ("launch_ms", "complete_ms")):
-        raise UserError(f"{run_dir}: step {prof.step} has no bucket records with launch and completion times")
-    return Schedule(str(run.path), prof.step, run.world, str(run.header.get("backend", "gloo")),
-                    cm.bucket_plan(run.cfg).class_groups,
+        raise UserError(f"{run_dir}: step {ref.step} has no bucket records with launch and completion times")
+    return Schedule(str(run.path), ref.step, run.world, str(run.header.get("backend", "gloo")),
+                    bucket_plan(run.cfg).class_groups,
                     [str(r.get("class")) for r in recs], [int(r["bytes"]) for r in recs],
-                    [float(r["launch_ms"]) for r in recs], [float(r["complete_ms"]) for r in recs], prof.notes)
+                    [float(r["launch_ms"]) for r in recs], [float(r["complete_ms"]) for r in recs], ref.notes)
 
 
 def shared_schedule(args) -> tuple[Schedule, list[float] | None, list[str]]:
@@ -113,15 +118,12 @@ def replay_once(sched: Schedule, groups: dict) -> list[float]:
 
 
 def modeled(sched: Schedule, topology: str) -> tuple[list[float], list[str]]:
-    """The cost model's replay of the same launches: no computation, so no calibrated slowdown."""
-    from analysis import simulate as sim
-    from collectives import costmodel as cm
-
+    """The cost model's timeline of the same launches: no computation, so no calibrated slowdown."""
     model = cm.load_model(topology)
-    lanes = sim.default_lanes(sched.backend, model)
+    lanes = default_lanes(sched.backend, model)
     groups = sched.classes if sched.class_groups and lanes > 1 else None
-    tl = sim.replay(sched.launch_ms, [sim.cost_ms(model, n) for n in sched.nbytes], 0.0, True, 1.0, lanes,
-                    [sim.latency_ms(model, n) for n in sched.nbytes], groups)
+    tl = play_timeline(sched.launch_ms, [model.allreduce_ms(n) for n in sched.nbytes], 0.0, True, 1.0, lanes,
+                       [model.allreduce_latency_ms(n) for n in sched.nbytes], groups)
     return tl.end, model.header()
 
 
@@ -174,12 +176,8 @@ def main(argv=None) -> int:
         args = ap.parse_args(argv)
         if args.repeats < 1:
             raise UserError("--repeats must be at least 1")
-        from collectives import dist as ddist
-
         if args.json and args.json != "-" and ddist.env_rank()[0] == 0:  # rank 0 writes it
             check_writable(args.json, "--json")
-        from dtrain.config import DistConfig
-
         device, backend = ddist.init(DistConfig())
         try:
             if device.type != "cpu":
@@ -203,8 +201,6 @@ def _replay(args) -> int:
     if dist.get_rank() == 0:
         doc = report(sched, replays, model_end, header)
         if args.json:
-            from collectives.bench import write_out
-
             write_out(args.json, json.dumps(doc, indent=1) + "\n", "--json")
         if args.json != "-":
             print(format_report(doc))

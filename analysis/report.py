@@ -20,7 +20,9 @@ import numpy as np
 import pandas as pd
 
 from analysis import plots
-from analysis.records import PHASES, Run, find_runs, load_bench, load_run
+from analysis.runs import PHASES, Run, find_runs, load_run, steady_text, typical_step
+from collectives import strategies
+from collectives import costmodel as cm
 from common.errors import UserError, exit_on_user_error
 from common.files import output_dir
 
@@ -48,15 +50,25 @@ def _pct(values: pd.Series, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
+def load_bench(path: str | Path) -> pd.DataFrame:
+    """Rows of a `collectives.bench` JSON/CSV (or an nccl-tests log): size (B), time_us, algbw, busbw (GB/s), label
+    (the code path, raw or reducer, when both were measured). Rows that failed the correctness pass are left out."""
+    ms = cm.read_measurements(path)
+    df = pd.DataFrame([vars(m) for m in ms.rows])
+    df["source"] = str(path)
+    df["ranks"] = ms.ranks
+    return df
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Tables
 
 
-def summary_table(runs: list[Run], warmup: int) -> pd.DataFrame:
+def summary_table(runs: list[Run], warmup: int | None) -> pd.DataFrame:
     """One row per run: what it was and its median / p95 step, its exposed communication and its quality."""
     rows = []
     for r in runs:
-        m = r.measured(warmup)
+        m = r.steady_frame(warmup)
         bleu = r.bleu
         val = r.val
         rows.append({
@@ -65,7 +77,7 @@ def summary_table(runs: list[Run], warmup: int) -> pd.DataFrame:
             "median_ms": float(m["step_ms"].median()) if len(m) else np.nan,
             "p95_ms": _pct(m["step_ms"], 95) if len(m) else np.nan,
             "exposed_ms": float(m["comm_exposed_ms"].median()) if len(m) and "comm_exposed_ms" in m else np.nan,
-            "train_s": float(r.steps["step_ms"].sum() / 1000) if len(r.steps) else np.nan,
+            "train_s": float(r.step_frame["step_ms"].sum() / 1000) if len(r.steps) else np.nan,
             "val_nll": float(val["val_nll"].iloc[-1]) if len(val) else np.nan,
             "bleu": bleu.get("bleu") if bleu and r.communicates else np.nan,
             "failed": r.launch.get("exit_code") not in (None, 0),
@@ -87,12 +99,12 @@ def step_vs_bucket_table(summary: pd.DataFrame) -> pd.DataFrame:
                                       "runs"]]
 
 
-def breakdown_table(runs: list[Run], warmup: int) -> pd.DataFrame:
+def breakdown_table(runs: list[Run], warmup: int | None) -> pd.DataFrame:
     """Mean of each phase per run: means add up (medians do not: the median step is not the sum of the phases'
     medians), so 'other' is the time a step spends outside the timed phases (loss readback, zero_grad)."""
     rows = []
     for r in runs:
-        m = r.measured(warmup)
+        m = r.steady_frame(warmup)
         if m.empty or not all(p in m for p in PHASES):
             continue
         row = {"label": r.label, "headroom": not r.communicates, **{p: float(m[p].mean()) for p in PHASES}}
@@ -109,33 +121,30 @@ def pick_timeline_run(runs: list[Run], wanted: str | None) -> Run | None:
             if wanted in (r.label, r.path.name, str(r.path)):
                 return r
         raise UserError(f"--timeline '{wanted}': no such run among the inputs")
-    timed = [r for r in runs if not r.buckets.empty and "launch_ms" in r.buckets
-             and r.buckets["launch_ms"].notna().any() and "step_ms" in r.steps]  # and step records to pick from
+    timed = [r for r in runs if r.steps  # and step records to pick from
+             and any(b.get("launch_ms") is not None for recs in r.buckets.values() for b in recs)]
     order = {"per_class": 0, "bucketed": 1}
     return min(timed, key=lambda r: order.get(r.strategy, 2), default=None)
 
 
-def timeline_table(run: Run, warmup: int, step: int | None = None) -> tuple[pd.DataFrame, int, float | None]:
-    """The buckets of one step (by default the measured step whose time is the median) and when its backward ended:
-    wait() marks it, else the backward time of one micro-batch."""
-    if "step_ms" not in run.steps:
+def timeline_table(run: Run, warmup: int | None, step: int | None = None
+                   ) -> tuple[pd.DataFrame, int, float | None]:
+    """The buckets of one step (by default the most typical steady step with bucket timings, `typical_step`) and
+    when its backward ended: wait() marks it, else the backward time of one micro-batch."""
+    if not run.steps:
         raise UserError(f"{run.path}: no step records (steps.jsonl) to pick a step from")
-    m = run.measured(warmup)
     if step is None:
-        timed = set(run.buckets.loc[run.buckets["launch_ms"].notna(), "step"])
-        cand = m[m["step"].isin(timed)]
-        if cand.empty:
-            cand = run.steps[run.steps["step"].isin(timed)]
-        med = cand["step_ms"].median()
-        step = int(cand.iloc[(cand["step_ms"] - med).abs().argmin()]["step"])
-    b = run.buckets[run.buckets["step"] == step].sort_values("bucket")
+        timed = {s for s, recs in run.buckets.items() if any(r.get("launch_ms") is not None for r in recs)}
+        pool = [s for s in run.steady(warmup) if s["step"] in timed] or [s for s in run.steps if s["step"] in timed]
+        step = int(typical_step(run, pool)["step"])
+    b = run.bucket_frame[run.bucket_frame["step"] == step].sort_values("bucket")
     cols = ["bucket", "class", "bytes", "ready_ms", "launch_ms", "complete_ms", "wait_start_ms", "wait_ms"]
     b = b.reindex(columns=cols).reset_index(drop=True)
     end = b["wait_start_ms"].dropna()
     if len(end):
         backward_end = float(end.iloc[0])
     else:
-        s = run.steps[run.steps["step"] == step]
+        s = run.step_frame[run.step_frame["step"] == step]
         accum = (run.config.get("train") or {}).get("accum_steps", 1) or 1
         backward_end = float(s["backward_ms"].iloc[0]) / accum if len(s) else None
     return b, step, backward_end
@@ -155,13 +164,14 @@ def time_to_target(run: Run, target: float) -> float:
     validation at or below `target` nats per token; NaN if never."""
     val = run.val
     hit = val[val["val_nll"] <= target]
-    if hit.empty or run.steps.empty:
+    if hit.empty or not run.steps:
         return float("nan")
     step = int(hit["step"].iloc[0])
-    return float(run.steps.loc[run.steps["step"] <= step, "step_ms"].sum() / 1000)
+    steps = run.step_frame
+    return float(steps.loc[steps["step"] <= step, "step_ms"].sum() / 1000)
 
 
-def quality_table(runs: list[Run], warmup: int, target: float | None) -> tuple[pd.DataFrame, float | None]:
+def quality_table(runs: list[Run], warmup: int | None, target: float | None) -> tuple[pd.DataFrame, float | None]:
     """Communicating runs with a BLEU score: speed, quality and time to a target validation loss (by default the
     loosest target every one of them reached: the worst of their best validation losses)."""
     scored = [r for r in runs if r.communicates and r.bleu is not None]
@@ -172,13 +182,13 @@ def quality_table(runs: list[Run], warmup: int, target: float | None) -> tuple[p
         target = float(max(bests))
     rows = []
     for r in scored:
-        m = r.measured(warmup)
+        m = r.steady_frame(warmup)
         rows.append({"label": r.label, "series": r.series, "step_ms": float(m["step_ms"].median()),
                      # per 1,000 target tokens (rank 0's): comparable across accumulation and batch sizes
                      "tokens_per_step": float(m["tokens"].mean()),
                      "ms_per_ktok": float((m["step_ms"] / m["tokens"] * 1000).median()),
                      "bleu": float(r.bleu["bleu"]), "steps": len(r.steps),
-                     "train_s": float(r.steps["step_ms"].sum() / 1000),
+                     "train_s": float(r.step_frame["step_ms"].sum() / 1000),
                      "best_val_nll": float(r.val["val_nll"].min()) if len(r.val) else np.nan,
                      "to_target_s": time_to_target(r, target) if target is not None else np.nan,
                      "split": r.bleu.get("split"), "signature": r.bleu.get("signature")})
@@ -194,8 +204,6 @@ def quality_table(runs: list[Run], warmup: int, target: float | None) -> tuple[p
 def busbw_table(bench_paths: list[Path], topology: str | None) -> tuple[pd.DataFrame, str]:
     """Measured rows of the benchmark files, and the cost model's bus bandwidth per protocol (its best algorithm for
     that protocol) for `topology` over the same sizes (8 B to 1 GiB when nothing was measured)."""
-    from collectives import costmodel as cm
-
     parts = []
     for p in bench_paths:
         d = load_bench(p)
@@ -228,14 +236,16 @@ def _missing(key: str, title: str, why: str, table: pd.DataFrame | None = None) 
     return Section(key, title, table=table, note=f"skipped: {why}")
 
 
-def section_step_vs_bucket(runs: list[Run], summary: pd.DataFrame, warmup: int) -> Section:
+def section_step_vs_bucket(runs: list[Run], summary: pd.DataFrame, warmup: int | None) -> Section:
     key, title = "step_vs_bucket", "Step time versus bucket size, per strategy"
     t = step_vs_bucket_table(summary)
     if t.empty:
         return _missing(key, title, "no run has step records")
+    uncapped = ", ".join(n for n in strategies.available()  # the planned ones all communicate
+                         if not strategies.get(n).uses_cap and getattr(strategies.get(n), "communicates", True))
     caption = (f"x: bucket size cap (MiB, sync.bucket_cap_mb, log scale); y: step time (ms), median with a whisker "
-               f"to the p95, first {warmup} steps of each run left out. One line per strategy; strategies without a "
-               f"cap (per_tensor, flat, powersgd) are dashed horizontal lines, and the no-communication baseline "
+               f"to the p95, over each run's steady steps ({steady_text(warmup)}). One line per strategy; "
+               f"strategies without a cap ({uncapped}) are dashed horizontal lines, and the no-communication baseline "
                f"(dotted, black) is headroom, not a result. Measured on: {machines(runs)}.")
     return Section(key, title, caption, t, plots.step_vs_bucket(t))
 
@@ -259,27 +269,27 @@ def section_busbw(bench: list[Path], topology: str | None, runs: list[Run] = ())
     return Section(key, title, caption, t, plots.busbw(t))
 
 
-def section_breakdown(runs: list[Run], warmup: int) -> Section:
+def section_breakdown(runs: list[Run], warmup: int | None) -> Section:
     key, title = "breakdown", "Step-time breakdown per configuration"
     t = breakdown_table(runs, warmup)
     if t.empty:
         return _missing(key, title, "no run has per-phase step times")
     caption = ("x: configuration (run); y: mean time per step (ms), stacked: data loading, forward, backward, "
                "exposed communication (time in wait() before the optimizer), optimizer, and the rest of the step "
-               f"(other). Means over the steps after the first {warmup}, so the stack adds up to the mean step. "
-               "DDP all-reduces inside "
-               "its backward, so its communication shows in 'backward'. Hatched bars: the no-communication "
-               f"baseline, headroom only. Measured on: {machines(runs)}.")
+               f"(other). Means over the steady steps ({steady_text(warmup)}), so the stack adds up to the mean "
+               "step. DDP all-reduces inside its backward, so its communication shows in 'backward'. Hatched bars: "
+               f"the no-communication baseline, headroom only. Measured on: {machines(runs)}.")
     return Section(key, title, caption, t, plots.breakdown(t))
 
 
-def section_timeline(runs: list[Run], warmup: int, wanted: str | None) -> Section:
+def section_timeline(runs: list[Run], warmup: int | None, wanted: str | None) -> Section:
     key, title = "timeline", "One step's gradient buckets against the backward pass"
     run = pick_timeline_run(runs, wanted)
     if run is None:
         return _missing(key, title, "no run recorded per-bucket launch and completion times (buckets.jsonl)")
     t, step, backward_end = timeline_table(run, warmup)
-    caption = (f"Run {run.label} ({run.series}), step {step} (the measured step of median time). x: time since the "
+    caption = (f"Run {run.label} ({run.series}), step {step} (its most typical steady step: nearest the run's "
+               "medians of forward, backward, exposed communication and step time). x: time since the "
                "start of the synchronized backward (ms); y: bucket index (in launch order). Tick: the bucket's "
                "gradients are all ready; thin line: waiting for the buckets before it to launch; bar: from launch "
                "to completion of its all-reduce, coloured by tensor class. Grey span: the backward pass; dashed "
@@ -287,7 +297,7 @@ def section_timeline(runs: list[Run], warmup: int, wanted: str | None) -> Sectio
     return Section(key, title, caption, t, plots.timeline(t, backward_end, f"{run.label}: step {step}"))
 
 
-def section_pareto(runs: list[Run], warmup: int, target: float | None) -> Section:
+def section_pareto(runs: list[Run], warmup: int | None, target: float | None) -> Section:
     key, title = "pareto", "BLEU versus speed, Pareto front marked"
     t, target = quality_table(runs, warmup, target)
     if t.empty:
@@ -295,8 +305,8 @@ def section_pareto(runs: list[Run], warmup: int, target: float | None) -> Sectio
     splits = ", ".join(sorted({str(s) for s in t["split"].dropna()})) or "?"
     shown = [r for r in runs if r.label in set(t["label"])]
     caption = (f"y: BLEU (sacreBLEU, split {splits}). Left, x: median step time per 1,000 target tokens of rank 0 "
-               f"(ms, first {warmup} steps left out; with equal batches this orders runs as step time does, and it "
-               "stays comparable when a run accumulates several micro-batches per step); "
+               f"(ms, over the steady steps: {steady_text(warmup)}; with equal batches this orders runs as step "
+               "time does, and it stays comparable when a run accumulates several micro-batches per step); "
                f"right, x: training time to a validation loss of {target:.3f} nats/token (s, the sum of step times "
                "up to the first validation at or below it; the default target is the worst of the runs' best "
                "validation losses, so every run reaches it). Red: the Pareto front (nothing else is both faster and "
@@ -306,12 +316,12 @@ def section_pareto(runs: list[Run], warmup: int, target: float | None) -> Sectio
 
 
 def build(run_paths: list[str | Path], out: str | Path, bench: list[str | Path] = (), topology: str | None = "h100x8",
-          warmup: int = 5, target: float | None = None, timeline: str | None = None) -> list[Section]:
+          warmup: int | None = None, target: float | None = None, timeline: str | None = None) -> list[Section]:
     """Load the runs, build every section, write figures (PNG, SVG), tables (CSV), report.md and report.html."""
     paths = find_runs(run_paths)
     if not paths:
         raise UserError(f"no run directories in {', '.join(map(str, run_paths))} (a run holds steps.jsonl)")
-    runs = [load_run(p) for p in paths]
+    runs = [load_run(p, strict=False) for p in paths]
     _unique_labels(runs)
     # A sweep that ran the benchmark left bench.json in its folder: used unless --bench names files.
     found = [Path(p) / "bench.json" for p in run_paths if (Path(p) / "bench.json").is_file()]
@@ -410,7 +420,8 @@ def parse_args(argv=None):
     ap.add_argument("--topology", default="h100x8",
                     help="cost-model topology for the modeled curves (h100x8, a100x8-ib:2, local:fit.json ...; "
                          "'none' to leave them out; default h100x8)")
-    ap.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of timings (default 5)")
+    ap.add_argument("--warmup", type=int, help="first steps of each run left out of timings (default: max(3, "
+                                                "10%%) of its steps, the warm-up rule of analysis.runs)")
     ap.add_argument("--target-val-nll", type=float,
                     help="validation loss for the time-to-target axis (default: the worst run's best)")
     ap.add_argument("--timeline", help="run (directory name) whose bucket timeline is drawn (default: first "
@@ -421,7 +432,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     with exit_on_user_error(PROG):
-        if args.warmup < 0:
+        if args.warmup is not None and args.warmup < 0:
             raise UserError("--warmup must be 0 or positive")
         topology = None if args.topology in ("none", "") else args.topology
         output_dir(args.out, "--out")  # before the work, not after it

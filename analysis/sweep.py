@@ -21,6 +21,7 @@ A matrix (YAML; only `profiles` is required):
     knobs:                          # profile keys (dotted) → values; every combination is a run
       sync.bucket_cap_mb: [1, 5, 25, 100]
     only:                           # a knob that matters to some strategies only: the others run once without it
+                                    # (a knob its strategy does not read is refused when the run loads)
       sync.bucket_cap_mb: [ddp, bucketed, per_class]
     variants:                       # named override sets, crossed with the rest (a variant may set sync.strategy)
       bf16-all: {sync.strategy: per_class, sync.classes.embedding.wire_dtype: bf16}
@@ -45,20 +46,45 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
+from tqdm import tqdm
 
-from analysis.records import LAUNCH_FILE, finished
+from analysis.runs import finished
+from common import rundir
+from analysis.testbed import Names, status
+from collectives.strategies import available
 from common.errors import UserError, exit_on_user_error
 from common.files import output_dir
+from common.schema import Source, build, read_yaml
+from dtrain import checkpoint
+from dtrain import config as config_mod
+from dtrain.config import RunConfig
 
 PROG = "analysis.sweep"
-MATRIX_KEYS = ("name", "launcher", "nodes", "nproc", "profiles", "strategies", "knobs", "only", "variants", "set",
-               "bench", "testbed")
 LAUNCHERS = ("torchrun", "testbed")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # a matrix or variant name: it goes into directory names
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The matrix
+
+
+@dataclass(frozen=True)
+class MatrixFile:
+    """What a matrix file may hold, as written (the module docstring shows one); `load_matrix` checks the values
+    and resolves it into a `Matrix`. Knob and override values are whatever the profile key takes."""
+
+    name: str | None = None  # default: the file's stem
+    launcher: str = "torchrun"
+    nodes: int | None = None  # default: 2 under the testbed, 1 under torchrun
+    nproc: int = 2
+    profiles: list[str] | str | None = None  # required (checked after loading, so that its absence is named)
+    strategies: list[str] | str | None = None
+    knobs: dict[str, typing.Any] | None = None  # each a non-empty list of values (checked with its key)
+    only: dict[str, list[str]] | None = None
+    variants: dict[str, dict[str, typing.Any]] | None = None
+    set: dict[str, typing.Any] | None = None
+    bench: str | None = None
+    testbed: str = "dtb"
 
 
 @dataclass
@@ -79,10 +105,8 @@ class Matrix:
 
 
 def check_key(key: str) -> str | None:
-    """Why a dotted profile key does not exist in `RunConfig` (None if it does). Below a mapping (`sync.classes`,
-    `collectives.classes`) any name is a key; the profile's own validation judges it when the run loads."""
-    from dtrain.config import RunConfig
-
+    """Why a dotted profile key does not exist in `RunConfig` (None if it does). Below a mapping (`sync.classes`)
+    any name is a key; the profile's own validation judges it when the run loads."""
     cls, parts, i = RunConfig, key.split("."), 0
     while i < len(parts):
         part, last = parts[i], i == len(parts) - 1
@@ -95,7 +119,7 @@ def check_key(key: str) -> str | None:
             value = (typing.get_args(tp) or (None, None))[1]
             if not dataclasses.is_dataclass(value) or len(parts) <= i + 2:
                 return None  # a free-form mapping, or a whole entry of a typed one
-            cls, i = value, i + 2  # dict[str, NcclSettings]: skip the entry's name, check the field below it
+            cls, i = value, i + 2  # dict[str, ClassSettings]: skip the entry's name, check the field below it
             continue
         nested = [a for a in (typing.get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
         if nested and last:
@@ -107,104 +131,77 @@ def check_key(key: str) -> str | None:
 
 
 def load_matrix(path: str | Path) -> Matrix:
-    """Read and check a matrix; every problem is a one-line `UserError` naming the file and the key."""
+    """Read and check a matrix; every problem is a one-line `UserError` naming the file, the line and the key."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: matrix not found") from None
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"{path}: cannot read the matrix ({' '.join(str(e).split())})") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: a matrix is a mapping with at least 'profiles'")
+    raw, lines = read_yaml(path, "matrix")
+    src = Source(str(path), lines)
+    f = build(MatrixFile, raw, "", src)
 
     def bad(key: str, msg: str):
-        raise UserError(f"{path}: '{key}' {msg}")
+        raise UserError(f"{src.where(key)}: '{key}' {msg}")
 
-    for key in raw:
-        if key not in MATRIX_KEYS:
-            bad(key, f"is not a matrix key (known: {', '.join(MATRIX_KEYS)})")
-
-    def str_list(key: str, required: bool = False) -> list[str] | None:
-        v = raw.get(key)
-        if v is None:
-            if required:
-                bad(key, "is required: a list of profile files")
-            return None
-        v = [v] if isinstance(v, str) else v
-        if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
-            bad(key, f"must be a non-empty list of names, got {v!r}")
+    def names(key: str, value: list[str] | str | None) -> list[str] | None:
+        v = [value] if isinstance(value, str) else value
+        if v is not None and (not v or not all(v)):
+            bad(key, f"must be a non-empty list of names, got {value!r}")
         return v
 
-    def mapping(key: str) -> dict:
-        v = raw.get(key) or {}
-        if not isinstance(v, dict):
-            bad(key, f"must be a mapping, got {v!r}")
-        return v
-
-    def profile_key(where: str, key) -> None:
-        problem = check_key(key) if isinstance(key, str) else "must be a dotted profile key"
-        if problem:
-            bad(where, problem)
-
-    profiles = str_list("profiles", required=True)
+    profiles = names("profiles", f.profiles)
+    if profiles is None:
+        bad("profiles", "is required: a list of profile files")
     for p in profiles:
         if not Path(p).is_file():
             bad("profiles", f"names '{p}', which is not a file")
-    strategies = str_list("strategies")
-    if strategies:
-        from collectives.strategies import available
+    strategies = names("strategies", f.strategies)
+    for s in strategies or []:
+        if s not in available():
+            bad("strategies", f"names unknown strategy '{s}' (available: {', '.join(available())})")
+    _check_overrides(f, strategies, bad)
+    if f.launcher not in LAUNCHERS:
+        bad("launcher", f"must be one of {', '.join(LAUNCHERS)}, got {f.launcher!r}")
+    nodes = f.nodes if f.nodes is not None else 2 if f.launcher == "testbed" else 1
+    for key, v in (("nodes", nodes), ("nproc", f.nproc)):
+        if v < 1:
+            bad(key, f"must be a positive integer, got {v!r}")
+    if f.launcher == "torchrun" and nodes != 1:
+        bad("nodes", "needs 'launcher: testbed' (torchrun here runs one node)")
+    name = f.name if f.name is not None else path.stem
+    if not _NAME.fullmatch(name):
+        bad("name", f"must be letters, digits and _ . + -, got {name!r}")
+    return Matrix(name=name, profiles=profiles, strategies=strategies or [None], knobs=f.knobs or {},
+                  only=f.only or {}, variants=f.variants or {}, set=f.set or {}, launcher=f.launcher, nodes=nodes,
+                  nproc=f.nproc, bench=f.bench, testbed=f.testbed, source=str(path))
 
-        for s in strategies:
-            if s not in available():
-                bad("strategies", f"names unknown strategy '{s}' (available: {', '.join(available())})")
-    knobs = mapping("knobs")
+
+def _check_overrides(f: MatrixFile, strategies: list[str] | None, bad) -> None:
+    """The profile keys of `knobs`, `variants` and `set` exist, and the strategy is set in one place only."""
+    knobs, only, variants, sets = f.knobs or {}, f.only or {}, f.variants or {}, f.set or {}
+
+    def profile_key(where: str, key: str) -> None:
+        problem = check_key(key)
+        if problem:
+            bad(where, problem)
+
     for k, values in knobs.items():
         profile_key(f"knobs.{k}", k)
         if k == "sync.strategy":
             bad(f"knobs.{k}", "belongs in 'strategies'")
         if not isinstance(values, list) or not values:
             bad(f"knobs.{k}", f"must be a non-empty list of values, got {values!r}")
-    only = mapping("only")
-    for k, names in only.items():
+    for k in only:
         if k not in knobs:
             bad(f"only.{k}", "names a knob that 'knobs' does not have")
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            bad(f"only.{k}", f"must be a list of strategies, got {names!r}")
-    variants = mapping("variants")
-    for name, sets in variants.items():
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", name):
+    for name, overrides in variants.items():
+        if not _NAME.fullmatch(name):
             bad(f"variants.{name}", "must be named with letters, digits and _ . + - (it goes into directory names)")
-        if not isinstance(sets, dict):
-            bad(f"variants.{name}", f"must map profile keys to values, got {sets!r}")
-        for k in sets:
+        for k in overrides:
             profile_key(f"variants.{name}.{k}", k)
-        if "sync.strategy" in sets and strategies:
+        if "sync.strategy" in overrides and strategies:
             bad(f"variants.{name}.sync.strategy", "conflicts with 'strategies': set the strategy in one place")
-    sets = mapping("set")
     for k in sets:
         profile_key(f"set.{k}", k)
     if "sync.strategy" in sets and (strategies or any("sync.strategy" in v for v in variants.values())):
         bad("set.sync.strategy", "conflicts with 'strategies' or a variant's: set the strategy in one place")
-    launcher = raw.get("launcher", "torchrun")
-    if launcher not in LAUNCHERS:
-        bad("launcher", f"must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
-    for key, default in (("nodes", 2 if launcher == "testbed" else 1), ("nproc", 2)):
-        v = raw.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            bad(key, f"must be a positive integer, got {v!r}")
-    if launcher == "torchrun" and raw.get("nodes", 1) != 1:
-        bad("nodes", "needs 'launcher: testbed' (torchrun here runs one node)")
-    bench = raw.get("bench")
-    if bench is not None and not isinstance(bench, str):
-        bad("bench", f"must be the benchmark's flags as one string, e.g. \"-b 8 -e 64M -f 4\", got {bench!r}")
-    name = raw.get("name", path.stem)
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", name):
-        bad("name", f"must be letters, digits and _ . + -, got {name!r}")
-    return Matrix(name=name, profiles=profiles, strategies=strategies or [None], knobs=knobs, only=only,
-                  variants=variants, set=sets, launcher=launcher,
-                  nodes=raw.get("nodes", 2 if launcher == "testbed" else 1), nproc=raw.get("nproc", 2), bench=bench,
-                  testbed=str(raw.get("testbed", "dtb")), source=str(path))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,8 +250,6 @@ class Job:
 
 def profile_strategy(profile: str) -> str | None:
     """The strategy a profile picks by itself (for `only`); None if it does not load (its run will say why)."""
-    from dtrain import config as config_mod
-
     try:
         return config_mod.load(profile).sync.strategy
     except UserError:
@@ -319,16 +314,12 @@ def last_error_line(text: str) -> str:
 
 
 def _checkpointed(run_dir: Path) -> bool:
-    from dtrain import checkpoint
-
     return checkpoint.latest(run_dir) is not None
 
 
 def testbed_link(m: Matrix) -> str | None:
     """The shaping of node 0's link as the testbed reports it (recorded with each run, for the report)."""
     try:
-        from analysis.testbed import Names, status
-
         rows = status(Names(m.testbed))
         return rows[0]["egress"] if rows else None
     except Exception:  # not root, testbed down: the run itself will say so
@@ -349,7 +340,7 @@ def next_attempt(run_dir: Path) -> str:
     start a "fresh" one otherwise (a run that failed before its first checkpoint starts again)."""
     if finished(run_dir):
         return "skip"
-    if (run_dir / "steps.jsonl").exists() and _checkpointed(run_dir):
+    if (run_dir / rundir.STEPS).exists() and _checkpointed(run_dir):
         return "resume"
     return "fresh"
 
@@ -370,7 +361,7 @@ def run_job(m: Matrix, job: Job, out: Path, env: dict) -> Outcome:
               "command": cmd, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if m.launcher == "testbed":
         record["link"] = testbed_link(m)
-    (run_dir / LAUNCH_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    (run_dir / rundir.LAUNCH).write_text(json.dumps(record, indent=2) + "\n")
     t0 = time.perf_counter()
     with open(logs / f"{job.name}.out", "a") as fo, open(logs / f"{job.name}.err", "a") as fe:
         mark = fe.tell()  # a retried run appends; its error is in what this attempt wrote
@@ -383,7 +374,7 @@ def run_job(m: Matrix, job: Job, out: Path, env: dict) -> Outcome:
     error = "" if done else (last_error_line(err_text) if code != 0 else
                              "exited 0 but its records do not show a finished run")
     record.update(exit_code=code, error=error, seconds=seconds, finished=done)
-    (run_dir / LAUNCH_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    (run_dir / rundir.LAUNCH).write_text(json.dumps(record, indent=2) + "\n")
     with open(out / "sweep.jsonl", "a") as f:
         f.write(json.dumps({k: record[k] for k in ("name", "exit_code", "error", "seconds", "finished", "resumed",
                                                    "started")}) + "\n")
@@ -410,8 +401,6 @@ def run_bench(m: Matrix, out: Path, env: dict) -> Outcome:
 
 
 def sweep(m: Matrix, out: Path, jobs: list[Job]) -> list[Outcome]:
-    from tqdm import tqdm
-
     output_dir(out, "--out")
     # torchrun gives each rank one thread when several share a node; a sweep's single-rank runs get the same, so
     # runs of different shapes are measured alike.
@@ -456,8 +445,6 @@ def main(argv=None) -> int:
             random.Random(args.shuffle).shuffle(jobs)
         out = Path(args.out or f"runs/sweep-{m.name}")
         if args.dry_run:
-            from dtrain import config as config_mod
-
             for job in jobs:
                 state = {"skip": "finished", "resume": "to resume", "fresh": "to run"}[next_attempt(out / job.name)]
                 try:

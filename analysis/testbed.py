@@ -2,9 +2,9 @@
 
 The multi-node regime of the study (communication visible next to compute) without a second machine. `up` builds
 it, `run` launches one torchrun agent per node over it, `status` shows it, `down` removes exactly what `up` made.
-Needs root and iproute2 (`ip`, `tc`).
+Needs root and iproute2 (`ip`, `tc`). The links and the testbed profile (`--profile`): `analysis.testbed_links`.
 
-    python -m analysis.testbed up --nodes 2 --link 1gbit          # or: up --profile profiles/testbed-1gbit.yaml
+    python -m analysis.testbed up --nodes 2 --link 1gbit          # or: up --profile profiles/testbed/1gbit.yaml
     python -m analysis.testbed status
     python -m analysis.testbed probe                              # measured node 0 → node 1 throughput
     python -m analysis.testbed run --nodes 2 --nproc-per-node 1 -- -m collectives.bench -b 8 -e 256M
@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from analysis.testbed_links import Link, format_rate, links_from, load_profile
 from common.errors import UserError, exit_on_user_error
 
 PROG = "analysis.testbed"
@@ -35,65 +36,6 @@ IFACE = "dtb-eth"  # each node's interface name (inside its namespace); GLOO_SOC
 BRIDGE = "br0"  # lives in the hub namespace, so the host's own network namespace is never touched
 MAX_NODES = 64
 DEFAULT_PORT = 29500
-
-
-# ---- link specification ------------------------------------------------------------------------------------------
-
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}  # tc's (decimal) bit rates
-_BYTE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2, "g": 1024**3, "gb": 1024**3}
-
-
-def parse_rate(text: str) -> int | None:
-    """'1gbit' → 10**9 bits/s (tc's units); 'none' → None (an unshaped link)."""
-    s = str(text).strip().lower()
-    if s == "none":
-        return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]+)", s)
-    if not m or m.group(2) not in _RATE_UNITS or float(m.group(1)) <= 0:
-        raise UserError(f"bad link rate '{text}': expected a number with a unit "
-                        f"({', '.join(_RATE_UNITS)}), e.g. 1gbit or 100mbit, or 'none'")
-    return int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
-
-
-def parse_bytes(text: str) -> int:
-    """'256kb' → 262144 (tc's binary byte units: b, kb/k, mb/m, gb/g)."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", str(text).strip().lower())
-    if not m or m.group(2) not in _BYTE_UNITS or float(m.group(1)) <= 0:
-        raise UserError(f"bad byte size '{text}': expected a number with an optional unit (b, kb, mb, gb), e.g. 256kb")
-    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2)])
-
-
-def format_rate(bits: int | None) -> str:
-    if bits is None:
-        return "unshaped"
-    for unit in ("tbit", "gbit", "mbit", "kbit"):
-        if bits >= _RATE_UNITS[unit]:
-            return f"{bits / _RATE_UNITS[unit]:g}{unit}"
-    return f"{bits}bit"
-
-
-@dataclass(frozen=True)
-class Link:
-    """One node's link to the bridge, shaped the same way in both directions (a full-duplex port)."""
-
-    rate: int | None  # bits/s; None = unshaped (veth speed, effectively memory bandwidth)
-    burst: int | None = None  # bytes; None = default_burst(rate)
-    latency_ms: float = 50.0  # tbf queue depth expressed as the longest a packet may wait before it is dropped
-
-    def tbf_args(self) -> list[str]:
-        burst = self.burst or default_burst(self.rate)
-        return ["tbf", "rate", f"{self.rate}bit", "burst", str(burst), "latency", f"{self.latency_ms:g}ms"]
-
-    def describe(self) -> str:
-        if self.rate is None:
-            return "unshaped"
-        return f"tbf {format_rate(self.rate)} burst {self.burst or default_burst(self.rate)}B lat {self.latency_ms:g}ms"
-
-
-def default_burst(rate_bits: int) -> int:
-    # Two milliseconds of traffic, at least 64 KiB: a 64 KiB GSO packet off the veth then passes the bucket whole
-    # (smaller buckets make tbf segment it, costing CPU that the emulated node does not have to spare).
-    return max(64 * 1024, rate_bits // 8 // 500)
 
 
 # ---- the testbed's names -----------------------------------------------------------------------------------------
@@ -464,50 +406,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-# ---- profile section and command line ----------------------------------------------------------------------------
-
-_PROFILE_KEYS = {"nodes", "link", "burst", "latency_ms", "link_per_node"}
-
-
-def load_profile(path: str) -> dict:
-    """The `testbed:` section of a YAML profile (strict keys)."""
-    import yaml
-
-    try:
-        doc = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
-    section = doc.get("testbed") if isinstance(doc, dict) else None
-    if not isinstance(section, dict):
-        raise UserError(f"{path}: no 'testbed:' section")
-    unknown = sorted(set(section) - _PROFILE_KEYS)
-    if unknown:
-        raise UserError(f"{path}: unknown key 'testbed.{unknown[0]}' (known: {', '.join(sorted(_PROFILE_KEYS))})")
-    return section
-
-
-def links_from(args, profile: dict) -> list[Link]:
-    """Resolve the links: command line over profile over defaults (2 nodes at 1gbit)."""
-    def pick(name, key, default):
-        v = getattr(args, name)
-        return v if v is not None else profile.get(key, default)
-
-    per_node = pick("link_per_node", "link_per_node", None)
-    if isinstance(per_node, str):
-        per_node = [x for x in per_node.split(",") if x.strip()]
-    nodes = pick("nodes", "nodes", len(per_node) if per_node else 2)
-    if not isinstance(nodes, int) or isinstance(nodes, bool):
-        raise UserError(f"nodes must be an integer, got {nodes!r}")
-    if per_node and len(per_node) != nodes:
-        raise UserError(f"link_per_node gives {len(per_node)} rate(s) for {nodes} node(s)")
-    burst = pick("burst", "burst", None)
-    burst = parse_bytes(burst) if burst is not None else None
-    latency = float(pick("latency_ms", "latency_ms", 50.0))
-    rates = [parse_rate(r) for r in per_node] if per_node else [parse_rate(pick("link", "link", "1gbit"))] * nodes
-    return [Link(rate, burst, latency) for rate in rates]
-
+# ---- command line -------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -552,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
 def _command(args, job: list[str]) -> int:
     names = Names(check_prefix(args.name))
     if args.cmd == "up":
-        links = links_from(args, load_profile(args.profile) if args.profile else {})
+        links = links_from(args, load_profile(args.profile) if args.profile else None)
         with _signals_as_interrupt():
             up(names, links)
         print_status(names)

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from collectives.nccl import validate_config
+from collectives.nccl.settings import validate_config
 from collectives.settings import CollectivesConfig, DistConfig, SyncConfig
-from collectives.strategies import available
+from collectives.strategies import available, unused_keys
 from collectives.tensor_classes import config_problems
 from common.errors import UserError
-from common.schema import Source, apply_override, build, read_yaml
+from common.schema import Source, apply_overrides, build, read_overlay
 
 SECTIONS = ("dist", "sync", "collectives")
 STOCK_HOOKS = (None, "allreduce", "fp16_compress", "bf16_compress")
@@ -51,12 +51,14 @@ def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check:
     # Strategy names are checked against the registry at attach time, and here early.
     check(s.strategy in available(), "sync.strategy",
           f"unknown strategy '{s.strategy}' (available: {', '.join(available())})")
-    validate_config(coll, check)
+    for path, msg in unused_keys(s):  # a knob the strategy ignores would silently change nothing
+        check(False, path, msg)
+    validate_config(coll, s, check)  # collectives.* and the NCCL keys of sync.classes
 
 
-def from_dict(raw: dict, source: str = "<dict>", lines: dict[str, int] | None = None) -> CommConfig:
+def from_dict(raw: dict, source: str | Source = "<dict>", lines: dict[str, int] | None = None) -> CommConfig:
     """The library's sections of a profile's raw mapping; the other sections are not read."""
-    src = Source(source, lines)
+    src = source if isinstance(source, Source) else Source(source, lines)
     cfg = build(CommConfig, {k: v for k, v in raw.items() if k in SECTIONS}, "", src)
 
     def check(ok: bool, path: str, msg: str) -> None:
@@ -68,10 +70,7 @@ def from_dict(raw: dict, source: str = "<dict>", lines: dict[str, int] | None = 
 
 
 def load(path: str | Path, overrides: list[str] = ()) -> CommConfig:
-    """Read `dist`, `sync` and `collectives` of a profile, with `--set` overrides of those sections."""
-    path = Path(path)
-    raw, lines = read_yaml(path)
-    for assignment in overrides:
-        apply_override(raw, assignment)
-        lines.pop(assignment.partition("=")[0], None)
-    return from_dict(raw, str(path) + (" (with --set)" if overrides else ""), lines)
+    """Read `dist`, `sync` and `collectives` of a profile (with its includes), with `--set` overrides of those
+    sections."""
+    raw, src = read_overlay(path)
+    return from_dict(raw, apply_overrides(raw, src, overrides))

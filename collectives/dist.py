@@ -44,7 +44,7 @@ def init(cfg: DistConfig) -> tuple[torch.device, str]:
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
         # A restarted attempt (torchrun --max-restarts) can be handed the previous attempt's store, keys and all:
         # a rank would then read its peer's stale gloo address before the peer rewrote it and fail to connect
-        # (seen here about one restart in two). A per-attempt prefix keeps the attempts apart.
+        # (a race that restarts under torchrun do lose). A per-attempt prefix keeps the attempts apart.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"dtrain/attempt-{attempt}", store)
         dist.init_process_group(backend, store=store, timeout=timeout, rank=rank, world_size=world, **kwargs)

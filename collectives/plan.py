@@ -86,6 +86,9 @@ class BucketingStrategy:
     overlap: ClassVar[bool] = True
     class_groups: ClassVar[bool] = False  # each tensor class gets its own process group
     uses_cap: ClassVar[bool] = False  # its buckets follow `sync.bucket_cap_mb`
+    # The keys of `sync` it reads besides `strategy` ("classes.<key>": that key of every `sync.classes.<class>`); a
+    # profile that sets another one is refused (`collectives.config.validate`). Its `Config` fields are among them.
+    sync_keys: ClassVar[tuple[str, ...]] = ()
     plans_like: ClassVar[str | None] = None  # a planned strategy whose buckets model this one's (None: its own)
 
     @dataclass(frozen=True)

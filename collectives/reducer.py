@@ -19,6 +19,7 @@ from torch import nn
 from collectives.spans import comm_span
 from collectives.plan import Bucket
 from collectives.timing import Stamp, ms_between, stamp
+from common.rundir import BucketRecord
 
 
 @dataclass
@@ -181,7 +182,7 @@ class Reducer:
         # On CUDA the callback runs on a side stream synchronized with the collective, and its copy and division
         # are asynchronous there. Returning the buffer makes the chained future carry it, so `wait()` orders the
         # caller's stream after them; returning nothing left the optimizer reading half-averaged gradients
-        # (seen on an H200: the benchmark's reducer path #wrong at every size).
+        # (on an H200 the benchmark's reducer path then counted wrong results).
         return st.buffer
 
     # -- wait -------------------------------------------------------------------------------------------------
@@ -201,7 +202,7 @@ class Reducer:
             st.wait_s = time.perf_counter() - t0
         self.armed = False
 
-    def records(self) -> list[dict]:
+    def records(self) -> list[BucketRecord]:
         """One record per bucket for the step just finished; times in ms from the start of the backward."""
         starts = [st.ready_t for st in self.buckets if st.ready_t is not None]
         t0 = self.backward_t or (min(starts, key=lambda s: s.host) if starts else self.wait_t)
@@ -221,11 +222,11 @@ class Reducer:
                 reached = max(reached, complete)
             else:
                 wait_ms = round(st.wait_s * 1000, 3)
-            out.append({"bucket": st.bucket.index, "class": st.bucket.tensor_class, "dtype": str(st.buffer.dtype)[6:],
-                        "wire_dtype": st.bucket.settings.wire_dtype, "tensors": len(st.params),
-                        "numel": st.bucket.numel, "bytes": st.bucket.nbytes, "ready_ms": ms(st.ready_t),
-                        "launch_ms": ms(st.launch_t), "complete_ms": complete, "wait_start_ms": wait_start,
-                        "wait_ms": wait_ms})
+            b = st.bucket
+            out.append(BucketRecord(b.index, b.tensor_class, dtype=str(st.buffer.dtype)[6:],
+                                    wire_dtype=b.settings.wire_dtype, tensors=len(st.params), numel=b.numel,
+                                    nbytes=b.nbytes, ready_ms=ms(st.ready_t), launch_ms=ms(st.launch_t),
+                                    complete_ms=complete, wait_start_ms=wait_start, wait_ms=wait_ms))
         return out
 
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.errors import UserError
+from common.schema import Source, build
+
 # NCCL's protocol and algorithm names, in the order of its tuner-plugin indices (NCCL's src/include/nccl_tuner.h and
 # the NCCL_PROTO / NCCL_ALGO environment variables in NCCL's documentation). The one list of them in the project.
 NCCL_PROTOCOLS = ("LL", "LL128", "Simple")
 NCCL_ALGORITHMS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")
+
 
 @dataclass(frozen=True)
 class DistConfig:
@@ -20,19 +24,50 @@ class DistConfig:
 
 
 @dataclass(frozen=True)
+class ClassSettings:
+    """One tensor class under `sync.classes.<name>`: which parameters it holds (a rule) and how its buckets travel
+    (wire dtype, bucket size, and on NCCL the protocol, algorithm and CTA bounds of its communicator). Every key is
+    optional; `collectives.tensor_classes` turns these into rules and `CollectiveSettings`, `collectives.nccl` reads
+    the NCCL keys."""
+
+    match: str | list[str] | None = None  # fnmatch glob(s) of parameter names; needed by a class that is not a default
+    min_numel: int | None = None  # the rule matches parameters with at least this many elements
+    max_numel: int | None = None  # ... and at most this many
+    wire_dtype: str = "fp32"  # fp32, bf16 or fp16: the dtype the gradients travel in
+    bucket_cap_mb: float | None = None  # None: sync.bucket_cap_mb
+    protocol: str | None = None  # NCCL_PROTOCOLS; None: NCCL (or collectives.default) decides
+    algorithm: str | None = None  # NCCL_ALGORITHMS; None: NCCL (or collectives.default) decides
+    min_ctas: int | None = None  # the class communicator's ncclConfig_t.minCTAs
+    max_ctas: int | None = None  # ... and maxCTAs
+
+
+@dataclass(frozen=True)
 class SyncConfig:
     strategy: str = "ddp"  # ddp, per_tensor, flat, bucketed, per_class, powersgd, noop (see collectives/strategies)
     bucket_cap_mb: float | None = None  # None: DDP's default (25 MiB, with a 1 MiB first bucket); 25 for the others
     first_bucket_mb: float | None = None  # ddp, bucketed: cap of the bucket ready first; None: as bucket_cap_mb
     hook: str | None = None  # ddp: a stock DDP comm hook: allreduce, fp16_compress, bf16_compress
-    classes: dict = field(default_factory=dict)  # tensor class rules and settings: collectives/tensor_classes.py
+    classes: dict[str, ClassSettings] = field(default_factory=dict)  # tensor class name -> its rule and settings
     powersgd_rank: int = 1  # powersgd: matrix approximation rank
     powersgd_start_iter: int = 2  # powersgd: plain all-reduce before this iteration (error feedback needs >= 2)
+
+    def __post_init__(self):
+        # The strict loader gives ClassSettings; code (tests, the cost model's what-if plans) may give a class as a
+        # mapping of the same keys, which goes through the same loader so that a bad key is the same one-line error.
+        if not isinstance(self.classes, dict):
+            raise UserError(f"'sync.classes' must be a mapping of class names, got {self.classes!r}")
+        if not all(isinstance(v, ClassSettings) for v in self.classes.values()):
+            src = Source("sync.classes")
+            object.__setattr__(self, "classes", {
+                name: v if isinstance(v, ClassSettings) else build(ClassSettings, v, f"sync.classes.{name}", src)
+                for name, v in self.classes.items()})
 
 
 @dataclass(frozen=True)
 class NcclSettings:
-    """One tensor class's NCCL choices; null = NCCL decides. Validated and applied by `collectives.nccl`."""
+    """NCCL choices of one communicator: `collectives.default`, and what a tensor class resolves to (its
+    `sync.classes.<name>` protocol/algorithm/CTA bounds over the default); null = NCCL decides. Validated and applied
+    by `collectives.nccl`."""
 
     proto: str | None = None  # LL, LL128, Simple
     algo: str | None = None  # Ring, Tree, CollNetDirect, CollNetChain, NVLS, NVLSTree, PAT
@@ -43,7 +78,6 @@ class NcclSettings:
 @dataclass(frozen=True)
 class CollectivesConfig:
     mode: str = "global"  # global | per_group | tuner
-    default: NcclSettings = field(default_factory=NcclSettings)
-    classes: dict[str, NcclSettings] = field(default_factory=dict)  # tensor class → settings
+    default: NcclSettings = field(default_factory=NcclSettings)  # every communicator; a class's keys override it
     parse_log: bool = False  # NCCL_DEBUG=INFO, SUBSYS=ENV,TUNING into a log file, checked against the bucket plan
     validated: bool = False  # the forced settings passed the benchmark's #wrong check on this platform

@@ -1,6 +1,7 @@
-"""The one seam between the training loop and gradient communication.
+"""The handle of the one seam between a training loop and gradient communication.
 
-The trainer calls `attach(model, sync_config)` once and gets a `GradSync`: it runs forward through `handle.module`,
+A training loop calls `collectives.attach(model, sync_config)` once and gets a `GradSync`: it runs forward through
+`handle.module`,
 wraps all but the last micro-batch of an accumulation in `handle.no_sync()`, and calls `handle.wait()` before
 `optimizer.step()`. It never branches on which strategy is behind the handle.
 """
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from collectives.settings import SyncConfig
+from common.rundir import BucketRecord
 
 
 class GradSync:
@@ -24,6 +26,7 @@ class GradSync:
     class_groups = False  # each tensor class gets its own process group
     uses_cap = False  # its buckets follow `sync.bucket_cap_mb`
     plans_like: str | None = None  # a planned strategy whose bucket layout models this one's (cost model, simulator)
+    sync_keys: tuple[str, ...] = ()  # the `sync` keys it reads; a profile setting another one is refused
 
     def __init__(self, model: nn.Module, cfg: SyncConfig, process_group: dist.ProcessGroup | None = None):
         self.model, self.cfg, self.process_group = model, cfg, process_group
@@ -36,7 +39,7 @@ class GradSync:
     def wait(self) -> None:
         """Block until every gradient is averaged across ranks; the time spent here is exposed communication."""
 
-    def step_records(self) -> list[dict]:
+    def step_records(self) -> list[BucketRecord]:
         """Per-bucket records of the step just synchronized, drained by the trainer after `wait()` and written to
         `<run>/buckets.jsonl` with the step number (bytes, class, dtype, ready/launch/complete times ...)."""
         return []
@@ -45,8 +48,3 @@ class GradSync:
         """Per-strategy facts for the run header (bucket count, sizes ...)."""
         return {"strategy": self.name, "lossless": self.lossless, "communicates": self.communicates}
 
-
-def attach(model: nn.Module, cfg: SyncConfig, process_group: dist.ProcessGroup | None = None) -> GradSync:
-    from collectives.strategies import build
-
-    return build(cfg.strategy, model, cfg, process_group)

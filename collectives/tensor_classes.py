@@ -2,7 +2,7 @@
 
 Sits between the model and the bucketing plan: `collectives.plan` never mixes classes when asked not to, and the
 reducer sends each bucket with its class's settings (wire dtype, bucket cap, NCCL choices) through its class's group.
-Profiles change the defaults under `sync.classes.<name>` (see `from_config`).
+Profiles change the defaults under `sync.classes.<name>` (a `collectives.settings.ClassSettings`; see `from_config`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from collectives.settings import NCCL_ALGORITHMS, NCCL_PROTOCOLS
+from collectives.settings import ClassSettings
 from common.errors import UserError
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,7 +78,6 @@ DEFAULT_RULES: tuple[ClassRule, ...] = (
     ClassRule("other", ("*",)),  # the catch-all: empty for this model, required for any other
 )
 
-_RULE_KEYS = ("match", "min_numel", "max_numel")
 _SETTING_KEYS = tuple(f.name for f in dataclasses.fields(CollectiveSettings))
 
 
@@ -112,8 +111,8 @@ class TensorClasses:
 
 
 def from_config(sync_cfg) -> TensorClasses:
-    """The classes of a `SyncConfig`: `sync.classes` maps a class name to rule keys (match, min_numel, max_numel)
-    and setting keys (wire_dtype, bucket_cap_mb, protocol, algorithm, min_ctas, max_ctas).
+    """The classes of a `SyncConfig`: each `sync.classes.<name>` (a `ClassSettings`) gives a rule (match, min_numel,
+    max_numel) and settings (wire_dtype, bucket_cap_mb, protocol, algorithm, min_ctas, max_ctas).
 
     A class given with `match` is a rule of the profile: those come first, in the order written, followed by the
     default rules not redefined, so the catch-all `other` stays last. A default class given without `match` keeps its
@@ -123,72 +122,56 @@ def from_config(sync_cfg) -> TensorClasses:
     if problems:
         path, msg = problems[0]
         raise UserError(f"'{path}' {msg}")
-    raw = sync_cfg.classes or {}
-    own = []
-    for name, spec in raw.items():
-        if "match" in spec and name != "other":  # 'other' is always '*' and always last
-            match = spec["match"]
-            own.append(ClassRule(name, (match,) if isinstance(match, str) else tuple(match),
-                                 spec.get("min_numel"), spec.get("max_numel")))
+    own = [ClassRule(name, _globs(spec.match), spec.min_numel, spec.max_numel)
+           for name, spec in sync_cfg.classes.items()
+           if spec.match is not None and name != "other"]  # 'other' is always '*' and always last
     own_names = {r.name for r in own}
     rules = tuple(own) + tuple(r for r in DEFAULT_RULES if r.name not in own_names)
     cap = sync_cfg.bucket_cap_mb if sync_cfg.bucket_cap_mb is not None else DEFAULT_BUCKET_CAP_MB
     settings = {}
     for r in rules:
-        spec = raw.get(r.name, {})
-        given = {k: spec[k] for k in _SETTING_KEYS if k in spec}
+        spec = sync_cfg.classes.get(r.name, ClassSettings())
+        given = {k: getattr(spec, k) for k in _SETTING_KEYS if getattr(spec, k) is not None}
         settings[r.name] = CollectiveSettings(**{"bucket_cap_mb": cap, **given})
     return TensorClasses(rules, settings)
 
 
+def _globs(match: str | list[str]) -> tuple[str, ...]:
+    return (match,) if isinstance(match, str) else tuple(match)
+
+
 def config_problems(sync_cfg) -> list[tuple[str, str]]:
-    """Problems with `sync.classes`, as (dotted key, message) pairs for `dtrain.config` to report with a line."""
-    raw = sync_cfg.classes
-    if raw is None:
-        return []
-    if not isinstance(raw, dict):
-        return [("sync.classes", f"must be a mapping of class names, got {raw!r}")]
+    """What the strict loader cannot see in `sync.classes` (it checks keys and types): rules that leave a parameter
+    without a class, bounds, dtypes. As (dotted key, message) pairs for `collectives.config` to report with a line.
+    The NCCL keys (protocol, algorithm, CTA bounds) are checked by `collectives.nccl.validate_config`."""
     defaults = {r.name for r in DEFAULT_RULES}
     out = []
 
     def bad(path, msg):
         out.append((path, msg))
 
-    for name, spec in raw.items():
+    for name, spec in sync_cfg.classes.items():
         base = f"sync.classes.{name}"
-        if not isinstance(spec, dict):
-            bad(base, f"must be a mapping (keys: {', '.join(_RULE_KEYS + _SETTING_KEYS)}), got {spec!r}")
-            continue
-        for key in spec:
-            if key not in _RULE_KEYS + _SETTING_KEYS:
-                bad(f"{base}.{key}", f"is not a class key (known: {', '.join(_RULE_KEYS + _SETTING_KEYS)})")
-        if name not in defaults and "match" not in spec:
+        if name not in defaults and spec.match is None:
             bad(f"{base}.match", f"is required for a class that is not a default one "
                                  f"({', '.join(r.name for r in DEFAULT_RULES)})")
-        if "match" in spec:
-            m = spec["match"]
-            if isinstance(m, str):
-                m = [m]
-            if not (isinstance(m, list) and m and all(isinstance(g, str) and g for g in m)):
-                bad(f"{base}.match", f"must be a glob or a non-empty list of globs, got {spec['match']!r}")
-            elif "*" in m and spec.get("min_numel") is None and spec.get("max_numel") is None and name != "other":
+        if spec.match is not None:
+            globs = _globs(spec.match)
+            if not (globs and all(globs)):
+                bad(f"{base}.match", f"must be a glob or a non-empty list of globs, got {spec.match!r}")
+            elif "*" in globs and spec.min_numel is None and spec.max_numel is None and name != "other":
                 bad(f"{base}.match", "is a catch-all: only the last class, 'other', may match everything")
-        if name == "other" and "match" in spec and spec["match"] not in ("*", ["*"]):
+        if name == "other" and spec.match is not None and _globs(spec.match) != ("*",):
             bad(f"{base}.match", "must stay '*': 'other' is the catch-all that gives every parameter a class")
-        for key in ("min_numel", "max_numel", "min_ctas", "max_ctas"):
-            v = spec.get(key)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        for key in ("min_numel", "max_numel"):
+            v = getattr(spec, key)
+            if v is not None and v < 0:
                 bad(f"{base}.{key}", f"must be a non-negative integer or null, got {v!r}")
-        lo, hi = spec.get("min_numel"), spec.get("max_numel")
-        if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+        lo, hi = spec.min_numel, spec.max_numel
+        if lo is not None and hi is not None and lo > hi:
             bad(f"{base}.min_numel", f"must not exceed max_numel ({lo} > {hi})")
-        v = spec.get("bucket_cap_mb")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-            bad(f"{base}.bucket_cap_mb", f"must be a positive number of MiB, got {v!r}")
-        if "wire_dtype" in spec and spec["wire_dtype"] not in WIRE_DTYPES:
-            bad(f"{base}.wire_dtype", f"must be one of {', '.join(WIRE_DTYPES)}, got {spec['wire_dtype']!r}")
-        if spec.get("protocol") is not None and spec["protocol"] not in NCCL_PROTOCOLS:
-            bad(f"{base}.protocol", f"must be one of {', '.join(NCCL_PROTOCOLS)}, got {spec['protocol']!r}")
-        if spec.get("algorithm") is not None and spec["algorithm"] not in NCCL_ALGORITHMS:
-            bad(f"{base}.algorithm", f"must be one of {', '.join(NCCL_ALGORITHMS)}, got {spec['algorithm']!r}")
+        if spec.bucket_cap_mb is not None and spec.bucket_cap_mb <= 0:
+            bad(f"{base}.bucket_cap_mb", f"must be a positive number of MiB, got {spec.bucket_cap_mb!r}")
+        if spec.wire_dtype not in WIRE_DTYPES:
+            bad(f"{base}.wire_dtype", f"must be one of {', '.join(WIRE_DTYPES)}, got {spec.wire_dtype!r}")
     return out

@@ -2,12 +2,18 @@
 
 Profiles, sweep matrices and testbed profiles all go through it. YAML nodes keep their line numbers, so unknown keys,
 wrong types and non-finite numbers are `UserError`s naming the file, the line and the dotted key.
+
+A profile may be an overlay: `include: base.yaml` (or a list of files, merged in order), paths relative to the
+including file, nested includes allowed. Mappings merge key by key, the including file winning; any other value
+(a list too) replaces the included one. Every key remembers the file and line it came from (`Source`), so an error
+in an included file names that file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -18,17 +24,34 @@ import yaml
 from common.errors import UserError
 
 
-class Source:
-    """Where values came from: a file name and, per dotted key, its line."""
+INCLUDE = "include"  # the top-level key of an overlay
 
-    def __init__(self, name: str, lines: dict[str, int] | None = None):
-        self.name, self.lines = name, lines or {}
+
+class Source:
+    """Where values came from: a file name and, per dotted key, its line; `files` names the file of each key that
+    came from another file than `name` (an included one)."""
+
+    def __init__(self, name: str, lines: dict[str, int] | None = None, files: dict[str, str] | None = None):
+        self.name, self.lines, self.files = name, lines or {}, files or {}
 
     def where(self, path: str) -> str:
-        line = self.lines.get(path)
-        if line is None and "." in path:  # a missing key: point at its parent mapping
-            line = self.lines.get(path.rsplit(".", 1)[0])
-        return f"{self.name}:{line}" if line else self.name
+        key = path
+        while key not in self.lines and "." in key:  # a missing key: point at the closest mapping that holds it
+            key = key.rsplit(".", 1)[0]
+        line = self.lines.get(key)
+        return f"{self.files.get(key, self.name)}:{line}" if line else self.name
+
+    def forget(self, path: str) -> None:
+        """`path` and everything below it no longer come from a file (a `--set` replaced them)."""
+        for key in [k for k in self.lines if _under(k, path)]:
+            del self.lines[key]
+        for key in [k for k in self.files if _under(k, path)]:
+            del self.files[key]
+
+
+def _under(key: str, path: str) -> bool:
+    """`key` is `path` or a key inside it (`path.x`, `path[0]`)."""
+    return key == path or key.startswith(path + ".") or key.startswith(path + "[")
 
 
 def _node_to_python(node: yaml.Node, path: str, lines: dict[str, int]):
@@ -47,13 +70,15 @@ def _node_to_python(node: yaml.Node, path: str, lines: dict[str, int]):
     return yaml.safe_load(yaml.serialize(node))
 
 
-def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
+def read_yaml(path: Path, what: str = "profile") -> tuple[dict, dict[str, int]]:
+    """One YAML file (a mapping; empty: {}) and the line of each dotted key; `what` names the file in errors."""
+    path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UserError(f"{path}: profile not found") from None
+        raise UserError(f"{path}: {what} not found") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot read profile ({e.__class__.__name__})") from None
+        raise UserError(f"{path}: cannot read {what} ({e.__class__.__name__})") from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
@@ -66,8 +91,67 @@ def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     except UserError as e:
         raise UserError(f"{path}:{e}") from None
     if not isinstance(raw, dict):
-        raise UserError(f"{path}: a profile must be a mapping of sections, not {type(raw).__name__}")
+        raise UserError(f"{path}: a {what} must be a mapping of sections, not {type(raw).__name__}")
     return raw, lines
+
+
+def read_overlay(path: str | Path, what: str = "profile") -> tuple[dict, Source]:
+    """A YAML file with its includes merged under it (see the module docstring), and where each key came from."""
+    path = Path(path)
+    raw, lines, files = _layer(path, what, [])
+    return raw, Source(str(path), lines, files)
+
+
+def _layer(path: Path, what: str, chain: list[Path]) -> tuple[dict, dict[str, int], dict[str, str]]:
+    """`path` over its includes: (raw, line of each key, file of each key that is not from `path` itself)."""
+    raw, lines = read_yaml(path, what)
+    spec = raw.pop(INCLUDE, None)
+    at = {k: lines.pop(k) for k in [k for k in lines if _under(k, INCLUDE)]}
+    if spec is None:
+        return raw, lines, {}
+    names = [spec] if isinstance(spec, str) else spec
+    if not (isinstance(names, list) and names and all(isinstance(n, str) and n for n in names)):
+        raise UserError(f"{path}:{at[INCLUDE]}: '{INCLUDE}' must be a file name or a list of them, got {spec!r}")
+    merged: dict = {}
+    merged_lines: dict[str, int] = {}
+    merged_files: dict[str, str] = {}
+    here = chain + [path]
+    for i, name in enumerate(names):
+        line = at.get(f"{INCLUDE}[{i}]", at[INCLUDE])
+        target = Path(os.path.normpath(path.parent / name))  # errors name it as the user would
+        if target.resolve() in [p.resolve() for p in here]:
+            cycle = " -> ".join(str(p) for p in here + [target])
+            raise UserError(f"{path}:{line}: '{INCLUDE}' makes a cycle: {cycle}")
+        if not target.is_file():
+            raise UserError(f"{path}:{line}: '{INCLUDE}' names '{name}', which is not a file ({target})")
+        base, base_lines, base_files = _layer(target, what, here)
+        base_files = {k: base_files.get(k, str(target)) for k in base_lines}
+        _overlay(merged, merged_lines, merged_files, base, base_lines, base_files, "")
+    _overlay(merged, merged_lines, merged_files, raw, lines, {}, "")
+    return merged, merged_lines, merged_files
+
+
+def _overlay(dst: dict, dst_lines: dict, dst_files: dict, top: dict, top_lines: dict, top_files: dict,
+             prefix: str) -> None:
+    """Merge `top` into `dst` in place: mappings key by key, anything else replaced; lines and files follow."""
+    for key, value in top.items():
+        sub = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            _overlay(dst[key], dst_lines, dst_files, value, top_lines, top_files, sub)
+        else:
+            dst[key] = value
+            for k in [k for k in dst_lines if _under(k, sub)]:
+                del dst_lines[k]
+                dst_files.pop(k, None)
+            for k in [k for k in top_lines if _under(k, sub)]:
+                dst_lines[k] = top_lines[k]
+                if k in top_files:
+                    dst_files[k] = top_files[k]
+        dst_lines[sub] = top_lines[sub]  # a merged mapping is where the top file names it
+        if sub in top_files:
+            dst_files[sub] = top_files[sub]
+        else:
+            dst_files.pop(sub, None)
 
 
 _SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
@@ -79,6 +163,8 @@ def _type_name(tp) -> str:
 
 def _coerce(tp, value, path: str, src: Source):
     """Check `value` against the annotation `tp` (strictly: no str → int, no int → bool)."""
+    if tp is typing.Any:
+        return value
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -100,6 +186,11 @@ def _coerce(tp, value, path: str, src: Source):
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise UserError(f"{src.where(path)}: '{path}' must be a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(a, v, f"{path}[{i}]", src) for i, (a, v) in enumerate(zip(args, value)))
+    if origin is list or tp is list:
+        if not isinstance(value, list):
+            raise UserError(f"{src.where(path)}: '{path}' must be a list, got {value!r}")
+        args = typing.get_args(tp)
+        return [_coerce(args[0], v, f"{path}[{i}]", src) for i, v in enumerate(value)] if args else value
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise UserError(f"{src.where(path)}: '{path}' must be a mapping, got {value!r}")
@@ -143,6 +234,17 @@ def build(cls, raw, path: str, src: Source):
             )
     kwargs = {k: _coerce(hints[k], v, f"{path}.{k}" if path else k, src) for k, v in raw.items()}
     return cls(**kwargs)
+
+
+def apply_overrides(raw: dict, src: Source, overrides) -> Source:
+    """`--set` assignments applied to `raw`; the keys they set no longer point at a file line, and the source's
+    name says so."""
+    for assignment in overrides:
+        apply_override(raw, assignment)
+        src.forget(assignment.partition("=")[0])
+    if overrides:
+        src.name += " (with --set)"
+    return src
 
 
 def apply_override(raw: dict, assignment: str) -> None:

@@ -16,9 +16,11 @@ from pathlib import Path
 import yaml
 
 from collectives.config import validate as validate_comm
+from collectives.strategies import unused_keys
 from collectives.settings import CollectivesConfig, DistConfig, NcclSettings, SyncConfig  # noqa: F401 (re-exported)
 from common.errors import UserError
-from common.schema import Source, apply_override, build, read_yaml  # noqa: F401 (apply_override re-exported)
+from common.schema import apply_override  # noqa: F401 (re-exported)
+from common.schema import Source, apply_overrides, build, read_overlay
 
 # The paper's Table 3 models, plus small presets that train on two CPU cores.
 MODEL_PRESETS = {
@@ -183,8 +185,9 @@ def _validate(cfg: RunConfig, src: Source) -> None:
     validate_comm(cfg.sync, cfg.collectives, cfg.dist, check)
 
 
-def from_dict(raw: dict, source: str = "<dict>", lines: dict[str, int] | None = None) -> RunConfig:
-    src = Source(source, lines)
+def from_dict(raw: dict, source: str | Source = "<dict>", lines: dict[str, int] | None = None) -> RunConfig:
+    """A profile's raw mapping → a validated `RunConfig`; `source` (a name, or a `Source` with lines) for errors."""
+    src = source if isinstance(source, Source) else Source(source, lines)
     _apply_preset(raw, src)
     cfg = build(RunConfig, raw, "", src)
     _validate(cfg, src)
@@ -192,16 +195,44 @@ def from_dict(raw: dict, source: str = "<dict>", lines: dict[str, int] | None = 
 
 
 def load(path: str | Path, overrides: list[str] = ()) -> RunConfig:
-    """Read a profile, apply `--set` overrides, validate. Raises `UserError` naming file, line and key."""
-    path = Path(path)
-    raw, lines = read_yaml(path)
-    for assignment in overrides:
-        apply_override(raw, assignment)
-        lines.pop(assignment.partition("=")[0], None)  # the value no longer comes from that line
-    name = str(path)
-    if overrides:
-        name += " (with --set)"
-    return from_dict(raw, name, lines)
+    """Read a profile (with its includes), apply `--set` overrides, validate. Raises `UserError` naming file, line
+    and key."""
+    raw, src = read_overlay(path)
+    return from_dict(raw, apply_overrides(raw, src, overrides))
+
+
+# Per-class NCCL keys that earlier versions recorded under `collectives.classes.<class>`, and their names now.
+_RECORDED_NCCL_KEYS = {"proto": "protocol", "algo": "algorithm", "min_ctas": "min_ctas", "max_ctas": "max_ctas"}
+
+
+def upgrade_recorded(raw: dict, src: Source) -> dict:
+    """A run's recorded config.yaml as this version reads it. Earlier versions wrote per-class NCCL choices under
+    `collectives.classes.<class>` (proto, algo, min_ctas, max_ctas; now `sync.classes.<class>`) and could record a
+    knob that the run's strategy never read (now refused in a profile): the choices move, the ignored knobs go, so
+    that recorded runs stay readable."""
+    coll = raw.get("collectives")
+    if isinstance(coll, dict) and isinstance(coll.get("classes"), dict):
+        classes = raw.setdefault("sync", {}).setdefault("classes", {}) or {}
+        raw["sync"]["classes"] = classes
+        for name, spec in coll.pop("classes").items():
+            for old, new in _RECORDED_NCCL_KEYS.items():
+                if isinstance(spec, dict) and spec.get(old) is not None:
+                    classes.setdefault(name, {})[new] = spec[old]
+    if isinstance(raw.get("sync"), dict):
+        sync = build(SyncConfig, raw["sync"], "sync", src)
+        for key, _ in unused_keys(sync):
+            *parents, last = key.split(".")
+            node = raw
+            for p in parents:
+                node = node[p]
+            node.pop(last, None)
+    return raw
+
+
+def load_recorded(path: str | Path) -> RunConfig:
+    """The resolved profile a run recorded (its config.yaml), from this version or an earlier one."""
+    raw, src = read_overlay(path)
+    return from_dict(upgrade_recorded(raw, src), src)
 
 
 def dump(cfg: RunConfig) -> str:

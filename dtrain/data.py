@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
+from tqdm import tqdm
 
 from dtrain.checkpoint import sha256_file
 from common.errors import UserError
@@ -117,8 +118,6 @@ def multi30k_dir(data_dir: str | None, cache_dir: str | None, src: str = "en", t
 
 
 def download_multi30k(cache: Path, src: str, tgt: str, searched: list[Path] = ()) -> None:
-    from tqdm import tqdm
-
     cache.mkdir(parents=True, exist_ok=True)
     for stem in MULTI30K_SPLITS.values():
         for lang in (src, tgt):

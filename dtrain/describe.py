@@ -16,6 +16,8 @@ import torch
 
 from collectives import tensor_classes as tc
 from common.errors import exit_on_user_error
+from dtrain import config as config_mod
+from dtrain.model import Transformer
 
 
 def human(nbytes: float) -> str:
@@ -61,9 +63,6 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="also list every parameter with its class")
     args = ap.parse_args(argv)
     with exit_on_user_error("dtrain.describe"):
-        from dtrain import config as config_mod
-        from dtrain.model import Transformer
-
         cfg = config_mod.load(args.profile, args.overrides)
         with torch.device("meta"):
             model = Transformer.from_config(cfg.model, cfg.data.vocab_size)

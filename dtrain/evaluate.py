@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+from tqdm import tqdm
 
 from collectives import dist as ddist
 from dtrain import checkpoint, config as config_mod
@@ -36,8 +37,6 @@ def score_split(model: Transformer, tokenizer: Tokenizer, cfg: RunConfig, ecfg: 
     mine = list(range(rank, len(src), world))
     progress = None
     if rank == 0:
-        from tqdm import tqdm
-
         progress = tqdm(total=len(mine), desc=f"decoding {ecfg.split} (rank 0)", unit="sent", leave=False)
     t0 = time.perf_counter()
     hyps = translate(model, tokenizer, [src[i] for i in mine], ecfg.beam, ecfg.length_penalty, ecfg.max_len_b,
@@ -101,7 +100,7 @@ def main(argv=None) -> None:
         run_dir = Path(args.run)
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"{run_dir}: not a run directory (no config.yaml)")
-        cfg = config_mod.load(run_dir / "config.yaml")
+        cfg = config_mod.load_recorded(run_dir / "config.yaml")
         overrides = {"split": args.split} | ({"beam": args.beam} if args.beam is not None else {})
         ecfg = EvalConfig(**{**cfg.eval.__dict__, **overrides})
         device, _ = ddist.init(cfg.dist)

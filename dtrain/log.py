@@ -1,13 +1,5 @@
 """What a run writes (rank 0, and with train.record_ranks each other rank's bucket records): the resolved config, a
-header, JSONL step and eval records.
-
-    <run>/config.yaml      the resolved profile (every default filled in)
-    <run>/run.json         header: versions, backend, world size, host, sync strategy facts, parameter count
-    <run>/steps.jsonl      one record per optimizer step: loss, tokens, lr, phase times in ms
-    <run>/buckets.jsonl    per step and gradient bucket, for strategies that record them: bytes, class, timings
-    <run>/buckets.rank<r>.jsonl   the same from rank r > 0 (train.record_ranks), each on its own clock
-    <run>/eval.jsonl       validation loss every train.val_every steps; BLEU with its signature at the end
-    <run>/checkpoints/     see dtrain.checkpoint
+header, and the JSONL step, bucket and eval records; the files and the records are those of `common.rundir`.
 """
 
 from __future__ import annotations
@@ -21,14 +13,16 @@ from pathlib import Path
 
 import torch
 
-from dtrain import config as config_mod
+from common import rundir
 from common.errors import UserError
 from common.jsonl import read_jsonl
+from common.rundir import BucketRecord, StepRecord, ValRecord
+from dtrain import config as config_mod
 
 
 def prepare_run_dir(run_dir: Path, resume: bool) -> None:
     """Create the run directory; refuse to start a fresh run on top of an existing one."""
-    if not resume and (run_dir / "steps.jsonl").exists():
+    if not resume and (run_dir / rundir.STEPS).exists():
         raise UserError(f"{run_dir}: already holds a run; pass --resume to continue it or choose another --run-dir")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -51,7 +45,7 @@ def versions() -> dict:
 class RunWriter:
     """Appends records; on resume, drops step records past the checkpoint so the file matches the model again.
     `enabled`: this rank writes the run's records (rank 0). A rank > 0 with `rank_records` writes only its bucket
-    records, to its own file (`rank_file`), in the same run directory."""
+    records, to its own file (`rundir.rank_buckets_file`), in the same run directory."""
 
     def __init__(self, run_dir: Path, enabled: bool, rank: int = 0, rank_records: bool = False):
         self.run_dir, self.enabled, self.rank = Path(run_dir), enabled, rank
@@ -62,52 +56,44 @@ class RunWriter:
     def write_header(self, cfg, **facts) -> None:
         if not self.enabled:
             return
-        (self.run_dir / "config.yaml").write_text(config_mod.dump(cfg))
+        (self.run_dir / rundir.CONFIG).write_text(config_mod.dump(cfg))
         header = {"name": cfg.name, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
                   "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                   "versions": versions(), **facts}
-        (self.run_dir / "run.json").write_text(json.dumps(header, indent=2) + "\n")
+        (self.run_dir / rundir.HEADER).write_text(json.dumps(header, indent=2) + "\n")
 
     def truncate_after(self, step: int) -> int:
         """Keep only per-step records with step <= `step` (the ones the resumed model has seen); returns how many
         steps past it had been recorded, i.e. the steps the resumed run computes again. A rank > 0 truncates its
         own bucket records, if it wrote any."""
         recomputed = 0
-        names = ("steps.jsonl", "buckets.jsonl") if self.enabled else (rank_file(self.rank),) if self.rank else ()
+        names = ((rundir.STEPS, rundir.BUCKETS) if self.enabled
+                 else (rundir.rank_buckets_file(self.rank),) if self.rank else ())
         for name in names:
             path = self.run_dir / name
             if not path.exists():
                 continue
             records = read_jsonl(path)  # a line torn by the crash being resumed from is dropped here
             kept = [r for r in records if isinstance(r.get("step"), int) and r["step"] <= step]
-            if name == "steps.jsonl":
+            if name == rundir.STEPS:
                 recomputed = len(records) - len(kept)
-            tmp = path.with_name(f".{name}.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, path)
+            rundir.rewrite_records(path, kept)
         return recomputed
 
-    def _append(self, name: str, records: list[dict], write: bool | None = None) -> None:
-        """One open and one write per call, however many records (a step can carry a hundred bucket records)."""
-        if (self.enabled if write is None else write) and records:
-            with open(self.run_dir / name, "a") as f:
-                f.write("".join(json.dumps(r) + "\n" for r in records))
-
-    def step(self, record: dict) -> None:
-        self._append("steps.jsonl", [record])
-
-    def buckets(self, step: int, records: list[dict]) -> None:
-        """Rank 0: buckets.jsonl; a rank > 0 with `rank_records`: its own file."""
-        rows = [{"step": step, **r} for r in records]
+    def step(self, record: StepRecord) -> None:
         if self.enabled:
-            self._append("buckets.jsonl", rows)
-        else:
-            self._append(rank_file(self.rank), rows, write=self.rank_records)
+            rundir.append_records(self.run_dir / rundir.STEPS, [record.to_json()])
 
-    def eval(self, record: dict) -> None:
-        self._append("eval.jsonl", [record])
+    def buckets(self, step: int, records: list[BucketRecord]) -> None:
+        """Rank 0: buckets.jsonl; a rank > 0 with `rank_records`: its own file."""
+        rows = [r.to_json(step) for r in records]
+        if self.enabled:
+            rundir.append_records(self.run_dir / rundir.BUCKETS, rows)
+        elif self.rank_records:
+            rundir.append_records(self.run_dir / rundir.rank_buckets_file(self.rank), rows)
 
-
-def rank_file(rank: int) -> str:
-    """Where rank `rank` > 0 writes its bucket records with `train.record_ranks`."""
-    return f"buckets.rank{rank}.jsonl"
+    def eval(self, record: ValRecord | dict) -> None:
+        """A validation record, or a BLEU score (a dict: its fields are sacreBLEU's, see `dtrain.evaluate`)."""
+        if self.enabled:
+            rundir.append_records(self.run_dir / rundir.EVALS,
+                                  [record.to_json() if isinstance(record, ValRecord) else record])

@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dtrain.config import MODEL_PRESETS, ModelConfig
 
@@ -219,11 +220,9 @@ class Transformer(nn.Module):
 def sdpa_backend(name: str, device: torch.device):
     """A context manager restricting scaled_dot_product_attention to one kernel (`train.sdpa_backend`).
 
-    On CPU the fused flash kernel's backward is slower than the math path for sequences of tens of tokens
-    (measured here: 1.45 s vs 2.3 s per step of multi30k-cpu in bf16), so "auto" picks math there.
+    On CPU the fused flash kernel's backward is slower than the math path for sequences of tens of tokens (see
+    docs/benchmark.md), so "auto" picks math there.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     if name == "auto":
         if device.type != "cpu":
             return contextlib.nullcontext()

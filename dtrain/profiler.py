@@ -10,6 +10,7 @@ shows every all-reduce from launch to completion, named with its bucket index, t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -44,8 +45,6 @@ def as_async_spans(path: Path) -> int:
     The profiler writes them as complete events on the launching thread, where they overlap the backward ops and
     each other (bucket i+1 launches before bucket i completes); Perfetto wants complete events on one thread
     strictly nested, and gives overlapping async slices lanes of their own. Returns how many were rewritten."""
-    import json
-
     trace = json.loads(path.read_text())
     events, n = [], 0
     for e in trace.get("traceEvents", []):

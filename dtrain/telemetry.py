@@ -11,6 +11,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 FIELDS = ("gpu_util_pct", "gpu_mem_mib", "gpu_power_w")  # what a step record gains on a GPU
 
 
@@ -24,8 +26,6 @@ class Sample:
 
 def _nvml_handle(nvml, device):
     """The NVML handle of a torch CUDA device: by UUID, which survives CUDA_VISIBLE_DEVICES renumbering."""
-    import torch
-
     index = device.index if device.index is not None else torch.cuda.current_device()
     uuid = str(torch.cuda.get_device_properties(index).uuid)
     for candidate in (uuid, f"GPU-{uuid}"):
@@ -61,7 +61,7 @@ class Telemetry:
             return cls.off(f"device {device} is not a GPU")
         try:
             if nvml is None:
-                import pynvml as nvml
+                import pynvml as nvml  # nvidia-ml-py: loaded only for a CUDA device, where NVML can answer
             nvml.nvmlInit()
             return cls(nvml, _nvml_handle(nvml, device), interval_s)
         except Exception as e:  # no driver, no library, a MIG slice NVML will not describe ...

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         faults = [parse_fault(spec) for spec in args.fault]
         if args.dry_run:
             print(config_mod.dump(cfg), end="")
-            print(nccl.plan_text(cfg), end="")  # what each process group would get from NCCL
+            print(nccl.groups_text(cfg), end="")  # what each process group would get from NCCL
             return 0
         if args.resume and not args.run_dir:
             raise UserError("--resume needs --run-dir (the run to continue)")

@@ -14,17 +14,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from dtrain.profiler import StepProfiler
 from dtrain.telemetry import Telemetry
 from collectives import nccl
-from collectives.sync import attach
+from collectives import attach
 from collectives.timing import ms_between, stamp
 from dtrain import checkpoint
+from dtrain.evaluate import score_split, write_score
 from collectives import dist as ddist
 from dtrain.config import RunConfig
 from dtrain.data import BatchStream, Pairs, TokenBatcher, cache_root, collate, multi30k_dir, multi30k_split
 from common.errors import JobFailure, UserError
+from common.rundir import StepRecord, ValRecord
 from dtrain.faults import Fault, FaultInjector
 from dtrain.log import RunWriter
 from dtrain.loss import LabelSmoothing
@@ -158,7 +161,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def train_step(self) -> dict:
+    def train_step(self) -> StepRecord:
         """One optimizer step over `accum_steps` micro-batches; returns the step record."""
         t = self.cfg.train
         times = dict(data=0.0, forward=0.0)
@@ -219,14 +222,14 @@ class Trainer:
         self.bad_steps = 0 if finite else self.bad_steps + 1
         ms = lambda s: round(s * 1000, 3)  # noqa: E731
         backward_ms = sum(ms_between(a, b) for a, b in backward_spans)
-        return {"step": self.step, "epoch": self.stream.epoch, "loss": loss_sum / max(ntokens, 1),
-                "tokens": ntokens, "lr": lr, "grad_norm": float(grad_norm), "skipped": not finite,
-                "data_ms": ms(times["data"]), "forward_ms": ms(times["forward"]), "backward_ms": round(backward_ms, 3),
-                "comm_exposed_ms": round(ms_between(w0, w1), 3), "optimizer_ms": ms(t6 - t5),
-                "step_ms": ms(t6 - t_step), "time": round(time.time(), 3)}
+        return StepRecord(self.step, self.stream.epoch, loss=loss_sum / max(ntokens, 1), tokens=ntokens, lr=lr,
+                          grad_norm=float(grad_norm), skipped=not finite, data_ms=ms(times["data"]),
+                          forward_ms=ms(times["forward"]), backward_ms=round(backward_ms, 3),
+                          comm_exposed_ms=round(ms_between(w0, w1), 3), optimizer_ms=ms(t6 - t5),
+                          step_ms=ms(t6 - t_step), time=round(time.time(), 3))
 
     @torch.no_grad()
-    def validate(self) -> dict:
+    def validate(self) -> ValRecord:
         """Label-free validation: per-token NLL and perplexity over the whole val split, summed across ranks."""
         self.model.eval()
         batcher = TokenBatcher(self.val_pairs.lengths(), self.cfg.data.max_tokens, 0, self.rank, self.world,
@@ -239,7 +242,7 @@ class Trainer:
             nll -= logp.gather(-1, b.tgt_out[..., None]).squeeze(-1)[mask].sum().item()
             ntokens += int(mask.sum())
         nll, ntokens = ddist.all_reduce_sum([nll, ntokens], self.device)
-        return {"kind": "val", "step": self.step, "val_nll": nll / ntokens, "val_ppl": math.exp(nll / ntokens)}
+        return ValRecord(self.step, nll / ntokens, math.exp(nll / ntokens))
 
     # -- the run ----------------------------------------------------------------------------------------------
 
@@ -254,10 +257,10 @@ class Trainer:
             torch_threads=torch.get_num_threads(), nccl=nccl.run_record(),
         )
 
-    def recorded_step(self) -> dict:
+    def recorded_step(self) -> StepRecord:
         """One training step, written to steps.jsonl and buckets.jsonl (with GPU telemetry where there is some)."""
         rec = self._guarded(self.train_step)
-        self.telemetry.sample_into(rec)
+        self.telemetry.sample_into(rec.telemetry)
         self.writer.step(rec)
         self.writer.buckets(self.step, self.sync.step_records())
         self.profiler.step()
@@ -268,8 +271,6 @@ class Trainer:
             return self._fit()
 
     def _fit(self) -> dict:
-        from tqdm import tqdm
-
         cfg, t = self.cfg, self.cfg.train
         self.write_header()
         start_step, t_start = self.step, time.perf_counter()
@@ -283,15 +284,15 @@ class Trainer:
         val = None
         while self.step < t.max_steps:
             rec = self.recorded_step()
-            if rec["skipped"]:
-                bar.write(f"step {self.step}: non-finite gradients (norm {rec['grad_norm']}); update skipped "
+            if rec.skipped:
+                bar.write(f"step {self.step}: non-finite gradients (norm {rec.grad_norm}); update skipped "
                           f"({self.bad_steps} in a row, limit {t.max_bad_steps})")
                 if self.bad_steps > t.max_bad_steps:
                     raise JobFailure(f"stopping at step {self.step}: {self.bad_steps} consecutive steps with "
                                      f"non-finite gradients (train.max_bad_steps = {t.max_bad_steps})")
-            window_loss += rec["loss"] * rec["tokens"]
-            window_tokens += rec["tokens"]
-            window_time += rec["step_ms"] / 1000
+            window_loss += rec.loss * rec.tokens
+            window_tokens += rec.tokens
+            window_time += rec.step_ms / 1000
             bar.update(1)
             if self.step % t.log_every == 0 or self.step == t.max_steps:
                 # One small all-reduce per log interval: the global loss and throughput, and the stop decision of
@@ -302,7 +303,7 @@ class Trainer:
                                                      [window_loss, window_tokens, float(over and self.main)],
                                                      self.device)
                 bar.set_postfix(loss=f"{loss_sum / max(toks, 1):.3f}", tok_s=f"{toks / max(window_time, 1e-9):,.0f}",
-                                step_ms=f"{rec['step_ms']:.0f}")
+                                step_ms=f"{rec.step_ms:.0f}")
                 window_loss, window_tokens, window_time = 0.0, 0, 0.0
                 if stop:
                     if self.main:
@@ -321,12 +322,12 @@ class Trainer:
         train_s = time.perf_counter() - t_start
         if self.step % t.ckpt_every != 0:  # the final state, unless the loop just saved it
             self.save()
-        if val is None or val["step"] != self.step:
+        if val is None or val.step != self.step:
             val = self.validate()
             self.writer.eval(val)
         summary = {"steps": self.step, "steps_this_run": self.step - start_step, "recomputed": self.recomputed,
                    "train_s": round(train_s, 1),
-                   "val_nll": round(val["val_nll"], 4)}
+                   "val_nll": round(val.val_nll, 4)}
         if self.main and cfg.collectives.parse_log:
             # NCCL's own TUNING lines against the bucket plan: did each class's buckets get the requested choice?
             checked = nccl.verify_run(cfg, self.run_dir)  # writes <run>/nccl_check.txt; None without NCCL logs
@@ -365,8 +366,6 @@ class Trainer:
         self.model.load_state_dict(checkpoint.load(self.run_dir / "averaged.pt")["model"])
 
     def final_eval(self) -> dict:
-        from dtrain.evaluate import score_split, write_score
-
         record = score_split(self.model, self.tokenizer, self.cfg, self.cfg.eval, self.device)
         if record is None:
             return {}

@@ -25,7 +25,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from collectives.reducer import allreduce_each
+from collectives.strategies import available, get
+from collectives import attach
 from common.errors import UserError, exit_on_user_error
+from common.schema import apply_override
+from dtrain import config
+from dtrain.model import Transformer
 
 TOLERANCE = 1e-6  # relative, for lossless strategies
 VOCAB, PAD = 96, 0
@@ -33,20 +39,16 @@ VOCAB, PAD = 96, 0
 
 def sync_config(name: str, bucket_mb: float, overrides: list[str]):
     """A validated `SyncConfig` for strategy `name` (small buckets, so that there are many) plus `--set` overrides."""
-    from dtrain import config
-
-    raw = {"strategy": name, "bucket_cap_mb": bucket_mb}
+    raw = {"strategy": name, **({"bucket_cap_mb": bucket_mb} if get(name).uses_cap else {})}
     for assignment in overrides:
         key, sep, _ = assignment.partition("=")
         if not key.startswith("sync.") or not sep:
             raise UserError(f"--set '{assignment}': only sync.* keys apply here, e.g. sync.classes.ffn.wire_dtype=bf16")
-        config.apply_override(raw, assignment[len("sync."):])
+        apply_override(raw, assignment[len("sync."):])
     return config.from_dict({"sync": raw}, "verify").sync
 
 
 def tiny_model() -> torch.nn.Module:
-    from dtrain.model import Transformer
-
     torch.manual_seed(0)  # the same initial model on every rank
     return Transformer(VOCAB, N=2, d_model=32, d_ff=64, h=4, dropout=0.0, pad_id=PAD)
 
@@ -67,9 +69,6 @@ def loss_fn(logits, tgt_out, accum: int):
 def check_strategy(name: str, accum: int, steps: int, bucket_mb: float, overrides: list[str]) -> dict:
     """On this rank: the largest absolute and relative gradient difference to the reference, over `steps` steps
     (maxima over all ranks). Relative: per tensor, the largest difference over the reference's largest magnitude."""
-    from collectives.reducer import allreduce_each
-    from collectives.sync import attach
-
     rank = dist.get_rank()
     cfg = sync_config(name, bucket_mb, overrides)
     model = tiny_model()
@@ -147,8 +146,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from collectives.strategies import available
-
     args = parse_args(argv)
     with exit_on_user_error("dtrain.verify"):
         names = available() if args.strategies == "all" else [s for s in args.strategies.split(",") if s]

@@ -23,7 +23,7 @@ PROFILES = ("base", "big", "ll", "ll128", "multi30k-cpu", "per_group", "simple",
 
 SIMULATE = "analysis.simulate"
 COSTMODEL = "collectives.costmodel"
-RECOMMEND = ("collectives.costmodel", "recommend")
+RECOMMEND = "analysis.recommend"
 NCCL = "collectives.nccl"
 REPORT = "analysis.report"
 
@@ -46,12 +46,12 @@ def cases() -> list[tuple[str, str, list[str]]]:
     out.append(("costmodel-h100x8.txt", COSTMODEL, ["--topology", "h100x8"]))
     out.append(("costmodel-fit.txt", COSTMODEL, ["fit", BENCH, "--topology", "h100x8"]))
     out.append(("costmodel-nccl-log.txt", COSTMODEL, ["--topology", "nccl-log:tests/data/nccl/h200_per_class_2.28.9.log"]))
-    out.append(("recommend-base.json", RECOMMEND[0],
-                [RECOMMEND[1], "--profile", "profiles/base.yaml", "--topology", "h100x8-ib:2", "--json"]))
-    out.append(("recommend-smoke-local.txt", RECOMMEND[0],
-                [RECOMMEND[1], "--profile", "profiles/smoke.yaml", "--topology", f"local:{BENCH}", "--run", run]))
+    out.append(("recommend-base.json", RECOMMEND,
+                ["--profile", "profiles/base.yaml", "--topology", "h100x8-ib:2", "--json"]))
+    out.append(("recommend-smoke-local.txt", RECOMMEND,
+                ["--profile", "profiles/smoke.yaml", "--topology", f"local:{BENCH}", "--run", run]))
     for p in PROFILES:
-        out.append((f"nccl-plan-{p}.txt", NCCL, ["plan", "--profile", f"profiles/{p}.yaml"]))
+        out.append((f"nccl-plan-{p}.txt", NCCL, ["groups", "--profile", f"profiles/{p}.yaml"]))
     out.append(("report", REPORT, [SMOKE, "--bench", BENCH, "--out", "<out>"]))
     return out
 

@@ -1,4 +1,5 @@
-"""collectives.bench: size parsing, bus-bandwidth factors, the correctness pass, the table, and a 2-rank sweep."""
+"""collectives.bench: the sweep's flags, bandwidths, the correctness pass, the table, and a 2-rank sweep (sizes and
+the bus-bandwidth factor: tests/test_units.py)."""
 
 import json
 import os
@@ -12,21 +13,10 @@ import torch.distributed as dist
 from collectives import bench
 from conftest import REPO
 from common.errors import UserError
+from common.units import bus_factor
 
 
 # ---- parsing -----------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("text,n", [("8", 8), ("64K", 65536), ("64k", 65536), ("256M", 256 << 20), ("1G", 1 << 30),
-                                    ("128MB", 128 << 20)])
-def test_parse_size(text, n):
-    assert bench.parse_size(text) == n
-
-
-@pytest.mark.parametrize("text", ["8X", "", "-1", "1.5M", "M"])
-def test_parse_size_rejects(text):
-    with pytest.raises(UserError, match="bad size"):
-        bench.parse_size(text)
-
 
 def test_sweep_sizes_like_nccl_tests():
     assert bench.sweep_sizes(8, 128, 2, 0) == [8, 16, 32, 64, 128]
@@ -56,7 +46,8 @@ def test_dtypes_and_ops():
                                       (["-b", "8", "-e", "1K", "-f", "nan"], "-f must be a finite number"),
                                       (["-b", "8", "-e", "1K", "-f", "inf"], "-f must be a finite number"),
                                       (["--json", "/nonexistent/dir/x.json"], "does not exist"),
-                                      (["--csv", "."], "is a directory")])
+                                      (["--csv", "."], "is a directory"),
+                                      (["--path", "nope"], "argument --path: invalid choice")])
 def test_bad_input_is_one_line_and_exit_2(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
@@ -66,11 +57,6 @@ def test_bad_input_is_one_line_and_exit_2(argv, msg, capsys):
 
 
 # ---- bandwidths --------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("n,factor", [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75), (16, 1.875)])
-def test_bus_factor_is_2_n_minus_1_over_n(n, factor):
-    assert bench.bus_factor(n) == pytest.approx(factor)
-
 
 def test_bandwidths_in_gb_per_s():
     algbw, busbw = bench.bandwidths(1_000_000_000, 1_000_000.0, 4)  # 1 GB in one second on 4 ranks
@@ -178,7 +164,7 @@ def test_reducer_path_cuts_the_size_into_capped_buckets(one_rank_group, monkeypa
     monkeypatch.undo()
     assert sizes == [2621, 2621, 2621, 2137]  # one collective per bucket, in order
     assert torch.equal(result(), t)  # the mean over one rank, gathered back from the buckets in order
-    assert bench.check(lambda x: bench._run_bound(path.bind(x, "sum")), 10000, torch.float32, "sum", 0, 1, "cpu",
+    assert bench.check(lambda x: bench.run_bound(path.bind(x, "sum")), 10000, torch.float32, "sum", 0, 1, "cpu",
                        "avg") == 0
 
 
@@ -224,7 +210,7 @@ def test_two_rank_sweep_on_loopback(tmp_path):
     for row in rows:
         assert row["wrong"] == 0 and row["type"] == "float" and row["redop"] == "sum"
         assert row["count"] * 4 == row["size"]
-        assert row["busbw"] == pytest.approx(row["algbw"] * bench.bus_factor(2))  # = algbw on 2 ranks
+        assert row["busbw"] == pytest.approx(row["algbw"] * bus_factor("allreduce", 2))  # = algbw on 2 ranks
         assert row["algbw"] == pytest.approx(row["size"] / row["time_us"] / 1e3)
         assert row["cpu_us"] > 0  # the process's CPU time per operation, gloo's threads included
         assert row["median_us"] > 0 and row["iqr_us"] >= 0  # on CPU every operation is timed on its own too

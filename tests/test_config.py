@@ -2,9 +2,13 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
-from dtrain import config
+from collectives import config as comm_config
+from collectives import strategies
+from collectives.strategies import available
 from common.errors import UserError
+from dtrain import config
 
 from conftest import REPO
 
@@ -87,3 +91,159 @@ def test_run_names_of_profiles_and_sweeps_stay_valid(tmp_path):
     # analysis.sweep names runs like this (letters, digits and _ . + - =); profiles use the same characters.
     for name in ("multi30k-cpu-bucketed-bucket_cap_mb=2", "base-per_group", "smoke-x+y-lr_factor=0.5"):
         assert _load(tmp_path, f"name: {name}\n").name == name
+
+
+# -- a knob the strategy does not read is an error ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("sync:\n  strategy: per_class\n  first_bucket_mb: 2\n",
+     r"p.yaml:3: 'sync.first_bucket_mb' is not used by strategy 'per_class' \(its keys: sync.bucket_cap_mb, "
+     r"sync.classes.<class>.\(match, "),
+    ("sync:\n  strategy: bucketed\n  classes:\n    ffn: {wire_dtype: bf16}\n",
+     r"p.yaml:4: 'sync.classes.ffn.wire_dtype' is not used by strategy 'bucketed'"),
+    ("sync:\n  strategy: per_class\n  hook: bf16_compress\n", r"p.yaml:3: 'sync.hook' is not used by strategy 'per_class'"),
+    ("sync:\n  strategy: powersgd\n  hook: allreduce\n", r"'sync.hook' is not used by strategy 'powersgd'"),
+    ("sync:\n  strategy: ddp\n  powersgd_rank: 4\n", r"p.yaml:3: 'sync.powersgd_rank' is not used by strategy 'ddp'"),
+    ("sync:\n  strategy: flat\n  bucket_cap_mb: 4\n", r"'sync.bucket_cap_mb' is not used by strategy 'flat'"),
+    ("sync:\n  strategy: noop\n  classes: {ffn: {min_numel: 10}}\n",
+     r"'sync.classes.ffn.min_numel' is not used by strategy 'noop' \(its keys: none\)"),
+])
+def test_a_knob_the_strategy_does_not_use_is_refused(tmp_path, text, expected):
+    with pytest.raises(UserError, match=expected):
+        _load(tmp_path, text)
+
+
+def test_default_values_and_overrides_of_unused_knobs_pass(tmp_path):
+    # Only a non-default value counts: a dumped config (every key) and a sweep's shared overrides still load.
+    cfg = _load(tmp_path, "sync:\n  strategy: flat\n  bucket_cap_mb: null\n  powersgd_rank: 1\n  hook: null\n"
+                          "  classes: {ffn: {wire_dtype: fp32, bucket_cap_mb: null}}\n")
+    assert cfg.sync.strategy == "flat"
+    with pytest.raises(UserError, match=r"p.yaml \(with --set\):3: 'sync.first_bucket_mb' is not used by strategy "
+                                        r"'per_class'"):
+        _load(tmp_path, "sync:\n  strategy: bucketed\n  first_bucket_mb: 1\n", ["sync.strategy=per_class"])
+    assert _load(tmp_path, "sync: {strategy: per_class}\n", ["sync.strategy=bucketed"]).sync.strategy == "bucketed"
+
+
+KNOB_VALUES = {"bucket_cap_mb": 2, "first_bucket_mb": 0.5, "hook": "allreduce", "powersgd_rank": 2,
+               "powersgd_start_iter": 3, "classes.match": "*.feed_forward.*", "classes.min_numel": 1,
+               "classes.max_numel": 10**9, "classes.wire_dtype": "bf16", "classes.bucket_cap_mb": 1,
+               "classes.protocol": "LL", "classes.algorithm": "Ring", "classes.min_ctas": 1, "classes.max_ctas": 8}
+
+
+@pytest.mark.parametrize("strategy", available())
+def test_every_strategy_takes_exactly_its_declared_keys(tmp_path, strategy):
+    declared = set(strategies.get(strategy).sync_keys)
+    assert declared <= set(KNOB_VALUES), declared - set(KNOB_VALUES)
+    for key, value in KNOB_VALUES.items():
+        sync = {"strategy": strategy}
+        if key.startswith("classes."):
+            sync["classes"] = {"ffn": {key.split(".", 1)[1]: value}}
+        else:
+            sync[key] = value
+        raw = {"sync": sync, "collectives": {"mode": "per_group"}}  # NCCL keys of a class need a per-class mode
+        if key in declared:
+            config.from_dict(raw)
+        else:
+            with pytest.raises(UserError, match=f"is not used by strategy '{strategy}'"):
+                config.from_dict(raw)
+
+
+# -- profiles as overlays -----------------------------------------------------------------------------------------
+
+
+def _files(tmp_path, **texts):
+    for name, text in texts.items():
+        path = tmp_path / name.replace("__", "/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+BASE = "name: base\nmodel: {preset: tiny}\ntrain:\n  max_steps: 10\n  log_every: 5\noptim:\n  betas: [0.8, 0.9]\n"
+
+
+def test_an_overlay_merges_mappings_and_wins(tmp_path):
+    _files(tmp_path, **{"base.yaml": BASE,
+                        "sub__over.yaml": "include: ../base.yaml\nname: over\ntrain: {max_steps: 20}\n"
+                                          "optim: {betas: [0.7, 0.95]}\n"})
+    cfg = config.load(tmp_path / "sub" / "over.yaml")
+    assert (cfg.name, cfg.model.d_model, cfg.train.max_steps, cfg.train.log_every) == ("over", 64, 20, 5)
+    assert cfg.optim.betas == (0.7, 0.95)  # a list is replaced, not merged
+    assert config.load(tmp_path / "sub" / "over.yaml", ["train.log_every=2"]).train.log_every == 2
+
+
+def test_includes_in_order_and_nested(tmp_path):
+    _files(tmp_path, **{"base.yaml": BASE, "steps.yaml": "include: base.yaml\ntrain: {max_steps: 30}\n",
+                        "seed.yaml": "seed: 7\ntrain: {max_steps: 40, log_every: 1}\n",
+                        "top.yaml": "include: [steps.yaml, seed.yaml]\ntrain: {log_every: 3}\n"})
+    cfg = config.load(tmp_path / "top.yaml")
+    assert (cfg.name, cfg.seed, cfg.train.max_steps, cfg.train.log_every) == ("base", 7, 40, 3)
+
+
+def test_errors_point_at_the_file_that_set_the_key(tmp_path):
+    _files(tmp_path, **{"base.yaml": "seed: 1\ntrain:\n  max_steps: ten\n", "a.yaml": "include: base.yaml\n"})
+    with pytest.raises(UserError, match=r"base.yaml:3: 'train.max_steps' must be int, got 'ten'"):
+        config.load(tmp_path / "a.yaml")
+    _files(tmp_path, **{"a.yaml": "include: base.yaml\n\ntrain:\n  max_steps: 5\n  log_evry: 1\n"})
+    with pytest.raises(UserError, match=r"a.yaml:5: unknown key 'train.log_evry'"):
+        config.load(tmp_path / "a.yaml")
+    # the knob from the base, refused for the strategy the overlay picks
+    _files(tmp_path, **{"base.yaml": "sync:\n  strategy: bucketed\n  first_bucket_mb: 1\n",
+                        "a.yaml": "include: base.yaml\nsync: {strategy: per_class}\n"})
+    with pytest.raises(UserError, match=r"base.yaml:3: 'sync.first_bucket_mb' is not used by strategy 'per_class'"):
+        config.load(tmp_path / "a.yaml")
+    # replaced by the overlay: its lines are the overlay's
+    _files(tmp_path, **{"a.yaml": "include: base.yaml\nsync:\n  strategy: per_class\n  first_bucket_mb: 2\n"})
+    with pytest.raises(UserError, match=r"a.yaml:4: 'sync.first_bucket_mb' is not used"):
+        config.load(tmp_path / "a.yaml")
+
+
+@pytest.mark.parametrize("files,expected", [
+    ({"a.yaml": "include: b.yaml\n", "b.yaml": "include: a.yaml\n"},
+     r"b.yaml:1: 'include' makes a cycle: .*a.yaml -> .*b.yaml -> .*a.yaml"),
+    ({"a.yaml": "include: a.yaml\n"}, r"a.yaml:1: 'include' makes a cycle"),
+    ({"a.yaml": "seed: 1\ninclude: [base.yaml, nope.yaml]\n", "base.yaml": "seed: 2\n"},
+     r"a.yaml:2: 'include' names 'nope.yaml', which is not a file"),
+    ({"a.yaml": "include: {file: b.yaml}\n"}, r"a.yaml:1: 'include' must be a file name or a list of them"),
+    ({"a.yaml": "include: []\n"}, r"a.yaml:1: 'include' must be a file name or a list of them"),
+    ({"a.yaml": "train:\n  include: b.yaml\n"}, r"a.yaml:2: unknown key 'train.include'"),
+    ({"a.yaml": "include: b.yaml\n", "b.yaml": "seed: [1\n"}, r"b.yaml:\d+: malformed YAML"),
+])
+def test_bad_includes_are_one_line_errors(tmp_path, files, expected):
+    _files(tmp_path, **files)
+    with pytest.raises(UserError, match=expected):
+        config.load(tmp_path / "a.yaml")
+
+
+def test_the_library_reads_overlays_too(tmp_path):
+    _files(tmp_path, **{"base.yaml": "sync:\n  strategy: bucketed\n  bucket_cap_mb: 4\n",
+                        "a.yaml": "include: base.yaml\nsync: {first_bucket_mb: 1}\n"})
+    comm = comm_config.load(tmp_path / "a.yaml")
+    assert (comm.sync.strategy, comm.sync.bucket_cap_mb, comm.sync.first_bucket_mb) == ("bucketed", 4, 1)
+    assert comm.sync == config.load(tmp_path / "a.yaml").sync
+
+
+def test_a_recorded_config_of_an_earlier_version_still_loads(tmp_path):
+    # Earlier versions recorded per-class NCCL choices under collectives.classes and knobs their strategy ignored.
+    old = (REPO / "tests/data/runs/smoke/smoke-ddp/config.yaml").read_text()
+    assert "  classes: {}\n  parse_log" in old  # the fixture is as an earlier version wrote it
+    raw = yaml.safe_load(old)
+    raw["sync"]["strategy"] = "per_class"
+    raw["collectives"]["mode"] = "per_group"
+    raw["collectives"]["classes"] = {"ffn": {"proto": "LL", "algo": "Ring", "min_ctas": None, "max_ctas": 4}}
+    raw["sync"]["hook"] = "bf16_compress"  # per_class never read it
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(UserError, match="unknown key 'collectives.classes'"):
+        config.load(path)  # as a profile: refused
+    del raw["collectives"]["classes"]
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(UserError, match="'sync.hook' is not used by strategy 'per_class'"):
+        config.load(path)
+    raw["collectives"]["classes"] = {"ffn": {"proto": "LL", "algo": "Ring", "min_ctas": None, "max_ctas": 4}}
+    path.write_text(yaml.safe_dump(raw))
+    cfg = config.load_recorded(path)
+    ffn = cfg.sync.classes["ffn"]
+    assert (ffn.protocol, ffn.algorithm, ffn.max_ctas) == ("LL", "Ring", 4)
+    assert cfg.sync.hook is None and cfg.collectives.mode == "per_group"

@@ -1,5 +1,6 @@
-"""collectives.costmodel: NCCL's formulas on hand-computed cases (nccl-facts.md §4), the pick changing with size,
-fits recovering known latency/bandwidth, the parsers, and the CLI's one-line errors."""
+"""collectives.costmodel: NCCL's formulas on hand-computed cases (NCCL 2.30's src/graph/tuning.cc), the pick
+changing with size, fits recovering known latency/bandwidth, the parsers, the cost of one all-reduce on every model,
+and the CLI's verbs and one-line errors."""
 
 import json
 import math
@@ -11,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from collectives import costmodel as cm
+from collectives.costmodel.measurements import bench_row
 from common.errors import UserError
+from common.units import parse_sizes
 
 DATA = Path(__file__).parent / "data"
 H100 = cm.NcclModel(cm.topology("h100x8"))  # 12 channels x 30 GB/s, NVLink, one node of 8
@@ -19,7 +22,7 @@ H100x2 = cm.NcclModel(cm.topology("h100x8-ib:2"))  # 8 channels x 45 GB/s, 2 nod
 
 
 def test_single_node_latencies_match_hand_computed_formulas():
-    # Ring: base + 2(N-1) NVLink hops; Tree: base + 2 (ppn-1) NVLink hops (facts §4).
+    # Ring: base + 2(N-1) NVLink hops; Tree: base + 2 (ppn-1) NVLink hops (tuning.cc).
     hand = {("Ring", "LL"): 6.6 + 14 * 0.6, ("Ring", "LL128"): 14.0 + 14 * 1.9, ("Ring", "Simple"): 8.4 + 14 * 3.4,
             ("Tree", "LL"): 6.8 + 2 * 7 * 0.6, ("Tree", "LL128"): 14.0 + 2 * 7 * 1.25,
             ("Tree", "Simple"): 8.4 + 2 * 7 * 4.0}
@@ -78,7 +81,7 @@ def test_time_is_latency_plus_bytes_over_bandwidth_with_tree_correction():
 def test_pick_changes_from_ll_to_simple_on_one_node():
     assert (H100.pick(8).algo, H100.pick(8).proto) == ("Ring", "LL")
     assert (H100.pick(1 << 30).algo, H100.pick(1 << 30).proto) == ("Ring", "Simple")
-    doc = cm.table(H100, cm.parse_sizes("8:1G"))
+    doc = cm.table(H100, parse_sizes("8:1G"))
     changes = cm.pick_changes(doc)
     assert [c[2] for c in changes] == ["Ring/LL128", "Ring/Simple"]
     # The pick is always the least modeled time.
@@ -102,15 +105,6 @@ def test_topology_names():
     for bad in ("h200x8", "h100x8-ib", "h100x8-ib:1", "h100x8-ib:x", "h100x8:2"):
         with pytest.raises(UserError):
             cm.topology(bad)
-
-
-def test_parse_sizes():
-    assert cm.parse_sizes("8:64") == [8, 16, 32, 64]
-    assert cm.parse_sizes("1K:1M:32") == [1024, 32768, 1 << 20]
-    assert cm.parse_sizes("1M,4MiB,1G") == [1 << 20, 4 << 20, 1 << 30]
-    for bad in ("1X", "8:4", "8:64:1", "1:2:3:4"):
-        with pytest.raises(UserError):
-            cm.parse_sizes(bad)
 
 
 def test_fit_recovers_known_regimes_from_synthetic_data():
@@ -163,7 +157,7 @@ def test_fit_weighs_each_size_by_its_measured_spread():
     assert all(abs(bimodal(s) / m - 1) < 0.03 for s, m in zip(sizes, medians) if s >= 128 * 1024)
     # A benchmark's spread reaches the fit: the JSON's iqr_us.
     rows = [{"path": "reducer", "size": s, "time_us": m, "median_us": m, "iqr_us": q} for s, m, q in TESTBED]
-    ms = cm.MeasurementSet([cm._bench_row(r, "t") for r in rows])
+    ms = cm.MeasurementSet([bench_row(r, "t") for r in rows])
     assert ms.rows[1].spread == pytest.approx(2400.6 / 341.9)
     assert cm.FittedModel.from_measurements(ms).time_us(8388608) == pytest.approx(weighted(8388608))
 
@@ -290,45 +284,6 @@ def test_cli_bad_topology_is_one_line_exit_2():
     assert e.value.code == 2
 
 
-def test_recommend_for_the_base_model_writes_a_valid_profile(tmp_path, capsys):
-    pytest.importorskip("collectives.plan")
-    out = tmp_path / "rec.yaml"
-    cm.main(["recommend", "--profile", "profiles/base.yaml", "--topology", "h100x8-ib:2", "--out", str(out),
-             "--json"])
-    rec = json.loads(capsys.readouterr().out)
-    assert rec["modeled"] is True
-    assert {r["class"] for r in rec["classes"]} == {"embedding", "projection", "ffn", "norm_bias"}
-    # The recommendation never models worse than the per_class plan it starts from.
-    assert rec["recommended"]["exposed_ms"] <= rec["per_class_profile_caps_default"]["exposed_ms"] + 1e-9
-    from dtrain import config as config_mod
-
-    cfg = config_mod.load(out)
-    assert cfg.sync.strategy == "per_class"
-    assert {c: v["bucket_cap_mb"] for c, v in cfg.sync.classes.items()} == {r["class"]: r["cap_mb"]
-                                                                             for r in rec["classes"]}
-
-
-def test_recommend_forces_a_protocol_only_where_measurements_beat_nccls_pick():
-    pytest.importorskip("collectives.plan")
-    from dtrain import config as config_mod
-
-    cfg = config_mod.load("profiles/base.yaml")
-    # Measured (synthetic): Simple beats LL and LL128 at every size, where the analytic model picks LL for the
-    # small norm/bias bucket and Simple for the 72 MiB embedding.
-    fit = cm.FittedModel({"Ring/LL": [cm.Regime(math.inf, 15.0, 60.0)],
-                          "Ring/LL128": [cm.Regime(math.inf, 40.0, 150.0)],
-                          "Ring/Simple": [cm.Regime(math.inf, 10.0, 400.0)]}, ranks=8, name="fit")
-    rec = cm.recommend(cfg, H100, fit)
-    by_class = {r["class"]: r for r in rec["classes"]}
-    assert by_class["norm_bias"]["recommended"] == {"algo": "Ring", "proto": "Simple"}
-    assert by_class["embedding"]["recommended"] is None  # NCCL already picks Simple there
-    assert rec["overlay"]["collectives"]["classes"]["norm_bias"] == {"algo": "Ring", "proto": "Simple"}
-    assert rec["recommended"]["comm_ms"] < rec["recommended_caps_default"]["comm_ms"]
-    # Under the analytic model alone NCCL's own pick is never beaten: nothing is forced.
-    plain = cm.recommend(cfg, H100)
-    assert all(r["recommended"] is None for r in plain["classes"]) and "collectives" not in plain["overlay"]
-
-
 # NCCL's own table, as rank 0 printed it on an H200 (NCCL 2.28.9; two ranks as two hosts over the socket transport)
 H200_LOG = DATA / "nccl" / "h200_per_class_2.28.9.log"
 
@@ -380,9 +335,57 @@ def test_bad_command_lines_are_one_line_errors(tmp_path, capsys):
                       (["--topology", f"local:{bench}", "--coll", "allgather"], "fitted on allreduce, not allgather"),
                       (["--topology", f"nccl-log:{log}"], "is not latency/bandwidth (a truncated log?)"),
                       (["fit", str(bench), "--out", str(tmp_path)], "is a directory"),
-                      (["recommend", "--profile", "profiles/base.yaml", "--topology", "h100x8",
-                        "--out", str(tmp_path / "nowhere" / "rec.yaml")], "does not exist")):
+                      (["fit", str(bench), "--topology", f"fit:{bench}"], "not another fit"),
+                      (["recommend", "--profile", "profiles/base.yaml", "--topology", "h100x8"],
+                       "unknown command 'recommend' (commands: table, fit")):
         with pytest.raises(SystemExit) as e:
             cm.main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1 and msg in err, (argv, err)
+
+
+def test_help_lists_the_verbs(capsys):
+    with pytest.raises(SystemExit) as e:
+        cm.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "table (the default)" in out and "fit FILE" in out and "fit:<fit.json" in out
+    assert "recommend" not in out  # one home: python -m analysis.recommend
+    cm.main(["table", "--topology", "h100x8", "--sizes", "8,1G", "--json"])  # the default verb, named
+    assert json.loads(capsys.readouterr().out)["rows"][1]["pick"] == {"algo": "Ring", "proto": "Simple"}
+
+
+def test_fit_is_the_documented_spelling_and_local_its_alias(tmp_path, capsys):
+    out = tmp_path / "fit.json"
+    cm.main(["fit", str(DATA / "bench_gloo_synthetic.csv"), "--out", str(out)])
+    capsys.readouterr()
+    printed = {}
+    for prefix in ("fit", "local"):
+        cm.main(["--topology", f"{prefix}:{out}", "--sizes", "1K:1M"])
+        printed[prefix] = capsys.readouterr().out
+    assert printed["fit"] == printed["local"]
+    bench = DATA / "bench_gloo_synthetic.csv"
+    assert cm.load_model(f"fit:{bench}").time_us(1 << 20) == cm.load_model(f"local:{bench}").time_us(1 << 20)
+    assert cm.load_model(f"fit:{bench}").name == f"fit:{bench}"
+    with pytest.raises(UserError, match="'fit:<bench.csv"):
+        cm.load_model("fit:")
+
+
+def test_one_allreduce_costs_the_same_way_on_every_model():
+    # allreduce_ms: NCCL's analytic model honours a forced choice; NCCL's printed table and a fit cost NCCL's pick /
+    # the measured path (what analysis.simulate's cost_ms has always charged). allreduce_latency_ms: a fit's latency
+    # term, 0 on NCCL's models.
+    n = 1 << 20
+    assert H100.allreduce_ms(n) == pytest.approx(H100.time_us(n) / 1000)
+    assert H100.allreduce_ms(n, "Ring", "LL") == pytest.approx(H100.time_us(n, algo="Ring", proto="LL") / 1000)
+    assert H100.allreduce_ms(1 << 30, "Ring", "LL") > H100.allreduce_ms(1 << 30)  # NCCL picks Simple there
+    assert H100.allreduce_latency_ms(n) == 0.0
+    table = cm.NcclTableModel.from_log(H200_LOG)
+    assert table.allreduce_ms(n, "Ring", "LL") == table.allreduce_ms(n) == pytest.approx(table.time_us(n) / 1000)
+    assert table.allreduce_latency_ms(n) == 0.0
+    fit = cm.FittedModel({"Ring/LL": [cm.Regime(math.inf, 15.0, 60.0)],
+                          "Ring/Simple": [cm.Regime(math.inf, 10.0, 400.0)]}, ranks=8, name="fit")
+    assert fit.allreduce_ms(n, "Ring", "LL") == fit.allreduce_ms(n) == pytest.approx((10.0 + n / 400000) / 1000)
+    assert fit.allreduce_latency_ms(n) == pytest.approx(10.0 / 1000)
+    for model in (H100, table, fit):
+        assert isinstance(model, cm.CollectiveCost)

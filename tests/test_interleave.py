@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from analysis import interleave
-from analysis import simulate as sim
+from analysis.runs import load_run
 from common.errors import UserError
 
 from conftest import REPO, records
@@ -38,7 +38,7 @@ def test_an_interleaved_job_trains_every_configuration_in_turn_on_the_same_batch
     for i in range(3):
         assert max(rows[i]["time"] for rows in steps.values()) <= min(rows[i + 1]["time"] for rows in steps.values())
     # Ordinary run directories: the simulator reads them, bucket records and all.
-    run = sim.load_run(runs["smoke-per_class"])
+    run = load_run(runs["smoke-per_class"])
     assert run.strategy == "per_class" and set(run.buckets) == {1, 2, 3, 4}
     # train.record_ranks: rank 1's records beside rank 0's, the same buckets, on its own clock.
     assert set(run.rank_buckets) == {1} and set(run.rank_buckets[1]) == {1, 2, 3, 4}

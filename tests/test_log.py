@@ -1,37 +1,78 @@
-"""dtrain.log: what a run writes, and what a resume keeps of it."""
+"""dtrain.log and common.rundir: what a run writes (typed records, JSON on disk as before), and what a resume keeps
+of it."""
 
 import json
 
+import pytest
+
+from common import rundir
+from common.errors import UserError
 from common.jsonl import read_jsonl
-from dtrain.log import RunWriter, rank_file
+from common.rundir import BucketRecord, StepRecord, ValRecord
+from dtrain.log import RunWriter
+
+from conftest import REPO
+
+SMOKE = REPO / "tests" / "data" / "runs" / "smoke"
+
+
+def step_record(step: int, step_ms: float = 10.0) -> StepRecord:
+    return StepRecord(step, 0, loss=7.0, tokens=100, lr=1e-3, grad_norm=1.0, skipped=False, data_ms=0.1,
+                      forward_ms=1.0, backward_ms=2.0, comm_exposed_ms=0.5, optimizer_ms=1.0, step_ms=step_ms,
+                      time=1.0)
+
+
+def bucket_record(ready_ms: float) -> BucketRecord:
+    return BucketRecord(0, "ffn", dtype="float32", wire_dtype="fp32", tensors=2, numel=16, nbytes=64,
+                        ready_ms=ready_ms, launch_ms=ready_ms, complete_ms=ready_ms + 1, wait_start_ms=5.0,
+                        wait_ms=0.0)
+
+
+def test_records_are_written_with_the_keys_and_order_of_the_recorded_runs():
+    """The typed records write exactly the JSON objects runs have always held (tests/data/runs: real runs)."""
+    steps = read_jsonl(SMOKE / "smoke-bucketed-bucket_cap_mb=1" / rundir.STEPS)
+    buckets = read_jsonl(SMOKE / "smoke-bucketed-bucket_cap_mb=1" / rundir.BUCKETS)
+    evals = read_jsonl(SMOKE / "smoke-bucketed-bucket_cap_mb=1" / rundir.EVALS)
+    assert list(step_record(1).to_json()) == list(steps[0])
+    assert list(bucket_record(1.0).to_json(9)) == list(buckets[0])
+    val = next(e for e in evals if e["kind"] == "val")
+    assert list(ValRecord(1, 5.0, 148.4).to_json()) == list(val)
+    rec = step_record(1)
+    rec.telemetry.update(gpu_util_pct=50.0, gpu_mem_mib=None)  # sampled GPU figures follow the phase times
+    assert list(rec.to_json())[-3:] == ["time", "gpu_util_pct", "gpu_mem_mib"]
 
 
 def test_other_ranks_write_their_bucket_records_and_truncate_their_own_on_resume(tmp_path):
     (tmp_path / "run").mkdir()  # the trainer makes it before writing
     main, other = RunWriter(tmp_path / "run", True), RunWriter(tmp_path / "run", False, rank=1, rank_records=True)
     for step in (1, 2, 3):
-        main.step({"step": step, "step_ms": 10.0})
-        main.buckets(step, [{"bucket": 0, "ready_ms": 1.0}])
-        other.buckets(step, [{"bucket": 0, "ready_ms": 2.0}])
+        main.step(step_record(step))
+        main.buckets(step, [bucket_record(1.0)])
+        other.buckets(step, [bucket_record(2.0)])
     other.buckets(4, [])  # nothing to write: no empty lines either
-    assert [r["step"] for r in read_jsonl(tmp_path / "run" / rank_file(1))] == [1, 2, 3]
-    assert read_jsonl(tmp_path / "run" / "buckets.jsonl")[0] == {"step": 1, "bucket": 0, "ready_ms": 1.0}
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / rundir.rank_buckets_file(1))] == [1, 2, 3]
+    assert read_jsonl(tmp_path / "run" / "buckets.jsonl")[0] == bucket_record(1.0).to_json(1)
     # Resuming at step 2: rank 0 keeps its records up to 2 and counts the step to recompute; rank 1 its own.
     assert main.truncate_after(2) == 1
     assert other.truncate_after(2) == 0
-    for name in ("steps.jsonl", "buckets.jsonl", rank_file(1)):
+    for name in ("steps.jsonl", "buckets.jsonl", rundir.rank_buckets_file(1)):
         assert [r["step"] for r in read_jsonl(tmp_path / "run" / name)] == [1, 2], name
     # A rank that never wrote records has nothing to truncate.
     assert RunWriter(tmp_path / "run", False, rank=2).truncate_after(1) == 0
-    assert not (tmp_path / "run" / rank_file(2)).exists()
-    assert json.loads((tmp_path / "run" / rank_file(1)).read_text().splitlines()[0])["ready_ms"] == 2.0
+    assert not (tmp_path / "run" / rundir.rank_buckets_file(2)).exists()
+    assert json.loads((tmp_path / "run" / rundir.rank_buckets_file(1)).read_text().splitlines()[0])["ready_ms"] == 2.0
+
+
+def test_eval_records_validation_and_bleu(tmp_path):
+    w = RunWriter(tmp_path, True)
+    w.eval(ValRecord(6, 5.0, 148.4))
+    w.eval({"kind": "bleu", "step": 6, "bleu": 1.5, "signature": "nrefs:1"})  # sacreBLEU's fields, as they come
+    assert [e["kind"] for e in rundir.read_evals(tmp_path)] == ["val", "bleu"]
+    RunWriter(tmp_path, False, rank=1).eval(ValRecord(7, 5.0, 148.4))  # only rank 0 writes the run's records
+    assert len(rundir.read_evals(tmp_path)) == 2
 
 
 def test_a_line_torn_by_a_crash_is_dropped_and_any_other_bad_line_is_named(tmp_path):
-    import pytest
-
-    from common.errors import UserError
-
     p = tmp_path / "steps.jsonl"
     p.write_text('{"step": 1, "step_ms": 5.0}\n{"step": 2, "step_ms": 5.0}\n{"step": 3, "st')  # crash mid-write
     assert [r["step"] for r in read_jsonl(p)] == [1, 2]
@@ -49,3 +90,14 @@ def test_a_line_torn_by_a_crash_is_dropped_and_any_other_bad_line_is_named(tmp_p
     p.write_text('{"step": 1}\n[1, 2]\n')
     with pytest.raises(UserError, match=r"steps.jsonl:2: not a JSON object"):
         read_jsonl(p)
+
+
+def test_the_fields_computed_with_must_be_numbers(tmp_path):
+    rows = [{"step": 1, "bucket": 0, "bytes": 64, "ready_ms": None}, {"step": 2, "bucket": 0, "bytes": "64"}]
+    rundir.check_numbers(rows[:1], tmp_path / "b.jsonl", rundir.BUCKET_NUMBERS, rundir.BUCKET_TIMES)
+    with pytest.raises(UserError, match=r"b.jsonl: record 2: bytes must be a number"):
+        rundir.check_numbers(rows, tmp_path / "b.jsonl", rundir.BUCKET_NUMBERS, rundir.BUCKET_TIMES)
+    (tmp_path / "run.json").write_text("[1]")
+    assert rundir.read_json(tmp_path / "run.json") == {}
+    with pytest.raises(UserError, match="run.json: not a JSON object"):
+        rundir.read_json(tmp_path / "run.json", strict=True)

@@ -8,8 +8,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from collectives import nccl
-from dtrain import config
+from collectives import config, nccl
 from common.errors import UserError
 
 WATCHED = ("NCCL_PROTO", "NCCL_ALGO", "DTRAIN_TUNER_CLASS", "DTRAIN_TUNER_RULES", "NCCL_TUNER_PLUGIN")
@@ -51,19 +50,20 @@ def clean_env():
     os.environ.update(saved)
 
 
-def cfg_of(collectives, strategy="per_class"):
-    return config.from_dict({"collectives": collectives, "sync": {"strategy": strategy}})
+def cfg_of(collectives, classes=None):
+    return config.from_dict({"collectives": collectives, "sync": {"strategy": "per_class", "classes": classes or {}}})
 
 
-PER_GROUP = {"mode": "per_group", "classes": {"projection": {"proto": "LL", "algo": "Ring"},
-                                              "embedding": {"proto": "Simple", "algo": "Ring", "max_ctas": 16}}}
+CLASSES = {"projection": {"protocol": "LL", "algorithm": "Ring"},
+           "embedding": {"protocol": "Simple", "algorithm": "Ring", "max_ctas": 16}}
+PER_GROUP = cfg_of({"mode": "per_group"}, CLASSES)
 
 
 def test_per_group_sets_each_class_variables_only_around_its_creation():
     fake = FakeGroups()
     os.environ.pop("NCCL_PROTO", None)
     os.environ["NCCL_ALGO"] = "Tree"  # the user's own: in force outside the groups, restored after each
-    record = nccl.apply_global(cfg_of(PER_GROUP), backend="nccl", version=(2, 26, 5), factory=fake)
+    record = nccl.apply_global(PER_GROUP, backend="nccl", version=(2, 26, 5), factory=fake)
     assert record["applied"] and record["job_env"] == {}
     assert any("NCCL_ALGO=Tree in the environment applies to every class" in w for w in record["warnings"])
     for name in ("projection", "embedding", "ffn"):
@@ -94,27 +94,27 @@ def test_settings_passed_by_the_strategy_are_applied():
 
 def test_variables_are_restored_when_creation_fails():
     fake = FakeGroups(fail_barrier=True)
-    nccl.apply_global(cfg_of(PER_GROUP), backend="nccl", version=(2, 26, 5), factory=fake)
+    nccl.apply_global(PER_GROUP, backend="nccl", version=(2, 26, 5), factory=fake)
     with pytest.raises(RuntimeError):
         nccl.class_group("projection")
     assert "NCCL_PROTO" not in os.environ and "NCCL_ALGO" not in os.environ
 
 
 def test_ranks_with_different_settings_are_refused():
-    nccl.apply_global(cfg_of(PER_GROUP), backend="nccl", version=(2, 26, 5), factory=FakeGroups(["a", "b"]))
+    nccl.apply_global(PER_GROUP, backend="nccl", version=(2, 26, 5), factory=FakeGroups(["a", "b"]))
     with pytest.raises(UserError, match="every rank must load the same profile"):
         nccl.class_group("projection")
 
 
 def test_nonblocking_init_set_after_apply_is_refused_at_creation():
-    nccl.apply_global(cfg_of(PER_GROUP), backend="nccl", version=(2, 26, 5), factory=FakeGroups())
+    nccl.apply_global(PER_GROUP, backend="nccl", version=(2, 26, 5), factory=FakeGroups())
     os.environ["TORCH_NCCL_USE_COMM_NONBLOCKING"] = "1"
     with pytest.raises(UserError, match="unset TORCH_NCCL_USE_COMM_NONBLOCKING"):
         nccl.class_group("projection")
 
 
 def test_unbound_device_is_recorded():
-    nccl.apply_global(cfg_of(PER_GROUP), backend="nccl", version=(2, 26, 5), factory=FakeGroups(bound=False))
+    nccl.apply_global(PER_GROUP, backend="nccl", version=(2, 26, 5), factory=FakeGroups(bound=False))
     nccl.class_group("projection")
     assert any("no device bound at init" in w for w in nccl.run_record()["warnings"])
 
@@ -130,7 +130,7 @@ def test_global_mode_sets_the_job_environment_once():
 
 def test_tuner_mode_builds_the_plugin_writes_rules_and_names_the_class():
     fake = FakeGroups()
-    cfg = cfg_of({**PER_GROUP, "mode": "tuner"})
+    cfg = cfg_of({"mode": "tuner"}, CLASSES)
     record = nccl.apply_global(cfg, backend="nccl", version=(2, 27, 3), factory=fake)
     lib, rules = os.environ["NCCL_TUNER_PLUGIN"], os.environ["DTRAIN_TUNER_RULES"]
     assert os.path.exists(lib) and open(rules).read() == nccl.tuner_rules(cfg)

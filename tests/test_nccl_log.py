@@ -1,13 +1,16 @@
 """collectives.nccl parse-log: NCCL's TUNING lines in both formats (2.21-2.23 numeric, >= 2.24 named) and its ENV
 lines, read from constructed samples in tests/data/nccl, joined to a bucket plan; buckets off their requested choice
-are listed and make the command exit 1."""
+are listed and make the command exit 1. And the init table of a log recorded on an H200."""
 
 import json
 from pathlib import Path
 
-from collectives import nccl
-from dtrain import config
-from dtrain.config import NcclSettings
+import pytest
+
+from collectives import config, nccl
+from collectives.nccl.__main__ import main
+from collectives.settings import NcclSettings
+from common.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "nccl"
@@ -80,7 +83,7 @@ def test_same_size_in_two_classes_and_unseen_buckets():
 
 def run_cli(capsys, *args):
     try:
-        code = nccl.main(["parse-log", *args])
+        code = main(["parse-log", *args])
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()
@@ -123,7 +126,7 @@ def recorded_run(tmp_path):
 def test_a_recorded_h200_run_is_on_its_requested_choices(tmp_path):
     nccl.reset()  # no applied plan in this process: the logs are found in <run>/nccl-logs
     cfg = config.load(REPO / "profiles" / "per_group.yaml",
-                      ["collectives.parse_log=true", "collectives.classes.projection.proto=Simple"])
+                      ["collectives.parse_log=true", "sync.classes.projection.protocol=Simple"])
     result = nccl.verify_run(cfg, recorded_run(tmp_path))
     assert result["mismatches"] == [] and result["decisions"] > 78
     text = (tmp_path / "nccl_check.txt").read_text()
@@ -150,10 +153,6 @@ def test_no_check_without_parse_log_or_logs(tmp_path):
 
 
 def test_damaged_bucket_records_are_named_errors(tmp_path):
-    import pytest
-
-    from common.errors import UserError
-
     p = tmp_path / "buckets.jsonl"
     p.write_text('{"bucket": 0, "class": "ffn", "bytes": 64}\n{"bucket": 1,, }\n{"bucket": 2}\n')
     with pytest.raises(UserError, match=r"buckets.jsonl:2: not a JSON record"):
@@ -164,3 +163,23 @@ def test_damaged_bucket_records_are_named_errors(tmp_path):
     p.write_text('[1, 2]')
     with pytest.raises(UserError, match="not a JSON object"):
         nccl.load_buckets(p)
+
+
+def test_the_init_table_of_the_first_communicator():
+    table = nccl.parse_init_table((DATA / "h200_per_class_2.28.9.log").read_text().splitlines(), "h200.log")
+    assert table.source == "vm:516:516" and table.ranks is None
+    # The first communicator's table, not a later one restricted by its class's NCCL_PROTO (Tree/LL 0.2 there).
+    assert table.cells["allreduce", "Tree", "LL"] == (16.8, 0.2)
+    assert table.cells["allreduce", "Ring", "Simple"] == (36.4, 1.2)
+    assert table.cells["allgather", "PAT", "Simple"] == (17.6, 1.8)  # the last block of algorithms
+    assert {k[0] for k in table.cells} == set(nccl.COLLECTIVES)
+    assert nccl.parse_init_table(["node:1:1 [0] NCCL INFO Init COMPLETE"], "x") is None
+    lines = ["node:1:1 [0] NCCL INFO comm 0xab rank 0 nRanks 16 nNodes 2 localRanks 8 localRank 0",
+             "node:1:1 [0] NCCL INFO   Algorithm   |    Tree |    Ring |",
+             "node:1:1 [0] NCCL INFO   Protocol    | LL | LL128 | Simple | LL | LL128 | Simple |",
+             "node:2:2 [0] NCCL INFO     AllReduce |  9.9/ 9.9 |  9.9/ 9.9 |  9.9/ 9.9 |",  # another process
+             "node:1:1 [0] NCCL INFO     AllReduce |  6.8/ 1.0 | 14.0/ 2.0 |  8.4/ 3.0 |  6.6/ 4.0 |"]
+    small = nccl.parse_init_table(lines, "x")
+    assert small.ranks == 16 and small.cells["allreduce", "Ring", "LL"] == (6.6, 4.0) and len(small.cells) == 4
+    with pytest.raises(UserError, match="x: NCCL tuning table cell '6.8/' in row AllReduce"):
+        nccl.parse_init_table(lines[:2] + ["node:1:1 [0] NCCL INFO     AllReduce |  6.8/ |"], "x")

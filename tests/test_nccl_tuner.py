@@ -8,8 +8,7 @@ import shutil
 
 import pytest
 
-from collectives import nccl
-from dtrain import config
+from collectives import config, nccl
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 

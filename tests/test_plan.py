@@ -9,7 +9,7 @@ import torch.distributed as dist
 from collectives import strategies
 from collectives import tensor_classes as tc
 from collectives.plan import Bucket, BucketingStrategy, pack, ready_order
-from dtrain.config import SyncConfig
+from collectives.settings import ClassSettings, SyncConfig
 from common.errors import UserError
 from dtrain.model import Transformer
 
@@ -114,6 +114,31 @@ def test_registry_errors():
     s = strategies.get("bucketed").from_args(bucket_cap_mb=4)
     assert s.config.bucket_cap_mb == 4 and s.name == "bucketed"
     assert set(strategies.available()) >= {"ddp", "per_tensor", "flat", "bucketed", "per_class", "powersgd", "noop"}
+
+
+def test_strategies_declare_the_sync_keys_they_read():
+    class_keys = {f"classes.{f.name}" for f in dataclasses.fields(ClassSettings)}
+    assert set(strategies.CLASS_RULE_KEYS) | set(strategies.CLASS_SETTING_KEYS) == class_keys
+    sync_keys = {f.name for f in dataclasses.fields(SyncConfig)} - {"strategy", "classes"}
+    for name in strategies.available():
+        cls = strategies.get(name)
+        assert set(cls.sync_keys) <= sync_keys | class_keys, name
+        assert cls.uses_cap == ("bucket_cap_mb" in cls.sync_keys), name
+        if issubclass(cls, BucketingStrategy):  # its Config is built from the fields of the same name
+            assert {f.name for f in dataclasses.fields(cls.Config)} <= set(cls.sync_keys), name
+            if cls.class_groups:  # per-class groups: every class setting travels
+                assert set(strategies.CLASS_SETTING_KEYS) <= set(cls.sync_keys), name
+    assert strategies.get("noop").sync_keys == ()
+    assert "hook" in strategies.get("ddp").sync_keys and "hook" not in strategies.get("powersgd").sync_keys
+
+
+def test_unused_keys_name_the_key_and_the_strategy_s_keys():
+    found = strategies.unused_keys(SyncConfig(strategy="bucketed", hook="allreduce",
+                                              classes={"ffn": {"wire_dtype": "bf16", "match": "*.w_1.*"}}))
+    assert [k for k, _ in found] == ["sync.hook", "sync.classes.ffn.wire_dtype"]
+    assert found[0][1] == ("is not used by strategy 'bucketed' (its keys: sync.bucket_cap_mb, sync.first_bucket_mb, "
+                           "sync.classes.<class>.(match, min_numel, max_numel))")
+    assert strategies.unused_keys(SyncConfig(strategy="nope", hook="allreduce")) == []  # the name is the error
 
 
 def test_bucket_is_a_plain_record():

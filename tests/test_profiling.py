@@ -11,7 +11,7 @@ import torch.distributed as dist
 from collectives.spans import SPAN_PREFIX, comm_span
 from dtrain.profiler import StepProfiler, parse_window
 from dtrain import verify
-from collectives.sync import attach
+from collectives import attach
 from dtrain.config import SyncConfig
 from common.errors import UserError
 

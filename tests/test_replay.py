@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from analysis import simulate as sim
+from analysis.runs import load_run
 from collectives import costmodel as cm
 from conftest import REPO
 from test_simulate import _write_run
@@ -35,18 +36,18 @@ def test_two_ranks_replay_a_recorded_step_on_its_class_groups(tmp_path):
     r = _replay(tmp_path / "run", "--repeats", 2, "--topology", topology, "--json", tmp_path / "replay.json")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     doc = json.loads((tmp_path / "replay.json").read_text())
-    recs = sim.profiled_step(sim.load_run(tmp_path / "run")).records
+    recs = sim.reference_step(load_run(tmp_path / "run")).records
     assert doc["schedule"]["class_groups"] and doc["schedule"]["repeats"] == 2 and len(doc["rows"]) == len(recs)
     assert len({rec["class"] for rec in recs}) > 1  # several groups were made and used
     for row, rec in zip(doc["rows"], recs):
         assert (row["class"], row["bytes"], row["launch_ms"]) == (rec["class"], rec["bytes"], rec["launch_ms"])
         assert row["run_complete_ms"] == rec["complete_ms"]
         assert row["network_complete_ms"] >= row["launch_ms"]  # measured: done after its own launch
-    # The model's column is the simulator's replay of the same launches, two lanes per class group, no slowdown.
+    # The model's column is the simulator's timeline of the same launches, two lanes per class group, no slowdown.
     model = cm.load_model(topology)
     sizes = [rec["bytes"] for rec in recs]
-    tl = sim.replay([rec["launch_ms"] for rec in recs], [sim.cost_ms(model, n) for n in sizes], 0.0, True, 1.0, 2,
-                    [sim.latency_ms(model, n) for n in sizes], [rec["class"] for rec in recs])
+    tl = sim.play_timeline([rec["launch_ms"] for rec in recs], [model.allreduce_ms(n) for n in sizes], 0.0, True,
+                           1.0, 2, [model.allreduce_latency_ms(n) for n in sizes], [rec["class"] for rec in recs])
     assert [row["model_complete_ms"] for row in doc["rows"]] == pytest.approx(tl.end)
     assert doc["last"]["network_ms"] == max(row["network_complete_ms"] for row in doc["rows"])
     assert "# last completion: run" in r.stdout and "the network adds" in r.stdout

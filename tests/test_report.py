@@ -12,7 +12,7 @@ from matplotlib.colors import to_rgba
 
 from analysis import plots, report
 from collectives import costmodel as cm
-from analysis.records import load_run, load_runs
+from analysis.runs import find_runs, load_run, load_runs
 
 from conftest import REPO
 
@@ -108,7 +108,7 @@ def test_breakdown_stacks_the_phases_and_marks_headroom(built):
     total = s.table[list(plots.PHASE_NAMES)].sum(axis=1)
     assert (total >= s.table["step_ms"] - 1e-6).all()  # "other" closes the gap to the mean step
     run = load_runs([RUNS])[0]
-    row, steps = report.breakdown_table([run], 3).iloc[0], run.measured(3)
+    row, steps = report.breakdown_table([run], 3).iloc[0], run.steady_frame(3)
     assert row["forward_ms"] == pytest.approx(steps["forward_ms"].mean())  # means: the stack adds up to the step
     assert row["step_ms"] == pytest.approx(steps["step_ms"].mean())
     noop = list(s.table["label"]).index("noop")
@@ -165,7 +165,7 @@ def test_pareto_front_is_marked(tmp_path):
     assert len(points) == len(t) and len({tuple(c.get_facecolor()[0]) for c in points}) == len(t)
     assert set(t["label"]) <= {txt.get_text() for txt in s.figure.legends[0].get_texts()}
     run = next(r for r in load_runs([runs]) if r.communicates and r.bleu is not None)
-    (q, _), m = report.quality_table([run], 3, None), run.measured(3)
+    (q, _), m = report.quality_table([run], 3, None), run.steady_frame(3)
     assert q["ms_per_ktok"].iloc[0] == pytest.approx((m["step_ms"] / m["tokens"] * 1000).median())
     assert q["tokens_per_step"].iloc[0] == pytest.approx(m["tokens"].mean())
 
@@ -176,7 +176,7 @@ def test_pareto_front_and_time_to_target_by_hand():
     assert list(report.pareto_front(x, y)) == [True, True, False, False]
     run = load_run(next(p for p in RUNS.iterdir() if (p / "eval.jsonl").exists()))
     first = run.val.iloc[0]
-    want = run.steps.loc[run.steps["step"] <= first["step"], "step_ms"].sum() / 1000
+    want = run.step_frame.loc[run.step_frame["step"] <= first["step"], "step_ms"].sum() / 1000
     assert report.time_to_target(run, first["val_nll"]) == pytest.approx(want)
     assert np.isnan(report.time_to_target(run, 0.0))
 
@@ -220,7 +220,6 @@ def test_runs_of_a_sweep_load_in_natural_order(tmp_path):
                  "s-flat"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "run.json").write_text("{}")
-    from analysis.records import find_runs
     assert [p.name for p in find_runs([tmp_path])] == ["s-bucketed-bucket_cap_mb=0.5", "s-bucketed-bucket_cap_mb=8",
                                                       "s-bucketed-bucket_cap_mb=32", "s-flat"]
 

@@ -1,5 +1,5 @@
-"""analysis.simulate: the single-stream replay on hand-built timelines, the ready curve, the calibration from one
-profiled step, and a prediction end to end on a small hand-written run directory."""
+"""analysis.simulate: the timeline engine on hand-built timelines, the ready curve, the calibration from one
+reference step, and a prediction end to end on a small hand-written run directory."""
 
 import json
 import math
@@ -10,55 +10,64 @@ import shutil
 import pytest
 
 from analysis import simulate as sim
+from analysis.plans import bucket_plan, ready_params
+from analysis.runs import load_run, slowest_rank_records
+from analysis.simulate.__main__ import main
 from collectives import costmodel as cm
+from collectives.costmodel import CollectiveCost
 from common.errors import UserError
+from dtrain import config as config_mod
+
+from conftest import REPO
+
+H200_LOG = REPO / "tests" / "data" / "nccl" / "h200_per_class_2.28.9.log"
 
 
-def test_replay_overlaps_buckets_with_backward_on_one_stream():
+def test_timeline_overlaps_buckets_with_backward_on_one_stream():
     # Ready at 1, 2, 3 ms; 2 ms each; backward ends at 3 ms.
-    tl = sim.replay([1.0, 2.0, 3.0], [2.0, 2.0, 2.0], backward_ms=3.0, overlap=True)
+    tl = sim.play_timeline([1.0, 2.0, 3.0], [2.0, 2.0, 2.0], backward_ms=3.0, overlap=True)
     assert tl.launch == [1.0, 2.0, 3.0]
     assert tl.start == [1.0, 3.0, 5.0]  # each waits for the stream
     assert tl.end == [3.0, 5.0, 7.0]
     assert tl.exposed_ms == pytest.approx(4.0) and tl.comm_ms == pytest.approx(6.0)
 
 
-def test_replay_without_overlap_launches_everything_after_backward():
-    tl = sim.replay([1.0, 2.0, 3.0], [2.0, 2.0, 2.0], backward_ms=3.0, overlap=False)
+def test_timeline_without_overlap_launches_everything_after_backward():
+    tl = sim.play_timeline([1.0, 2.0, 3.0], [2.0, 2.0, 2.0], backward_ms=3.0, overlap=False)
     assert tl.start == [3.0, 5.0, 7.0] and tl.exposed_ms == pytest.approx(6.0)
 
 
-def test_replay_launches_in_index_order():
+def test_timeline_launches_in_index_order():
     # Bucket 1 is ready first but every rank launches bucket 0 first.
-    tl = sim.replay([3.0, 1.0], [0.5, 0.5], backward_ms=4.0)
+    tl = sim.play_timeline([3.0, 1.0], [0.5, 0.5], backward_ms=4.0)
     assert tl.launch == [3.0, 3.0] and tl.end == [3.5, 4.0] and tl.exposed_ms == 0.0
 
 
 def test_two_lanes_overlap_latency_and_share_the_links_bandwidth():
     # Latency only (nothing on the link): two lanes run both at once.
-    tl = sim.replay([0.0, 0.0], [2.0, 2.0], 10.0, lanes=2, latency_ms=[2.0, 2.0])
+    tl = sim.play_timeline([0.0, 0.0], [2.0, 2.0], 10.0, lanes=2, latency_ms=[2.0, 2.0])
     assert tl.end == pytest.approx([2.0, 2.0]) and tl.comm_ms == pytest.approx(2.0)
     # Transfer only: they share the bandwidth, so both end when one lane alone would have ended the second.
-    tl = sim.replay([0.0, 0.0], [2.0, 2.0], 10.0, lanes=2)
+    tl = sim.play_timeline([0.0, 0.0], [2.0, 2.0], 10.0, lanes=2)
     assert tl.end == pytest.approx([4.0, 4.0])
     # A 4 ms transfer from 0; at 1 a small one: 1 ms latency (1-2), then 1 ms of transfer at half the bandwidth
     # (2-4). The large one did 2 ms alone by then and 1 more at half speed: it ends at 5, after the small one,
     # as gloo's records show small buckets completing out of index order.
-    tl = sim.replay([0.0, 1.0], [4.0, 2.0], 10.0, lanes=2, latency_ms=[0.0, 1.0])
+    tl = sim.play_timeline([0.0, 1.0], [4.0, 2.0], 10.0, lanes=2, latency_ms=[0.0, 1.0])
     assert tl.start == pytest.approx([0.0, 1.0]) and tl.end == pytest.approx([5.0, 4.0])
     # A third collective waits for a free lane (the first to end), then runs alone.
-    tl = sim.replay([0.0, 0.0, 0.0], [1.0, 3.0, 1.0], 10.0, lanes=2, latency_ms=[1.0, 3.0, 1.0])
+    tl = sim.play_timeline([0.0, 0.0, 0.0], [1.0, 3.0, 1.0], 10.0, lanes=2, latency_ms=[1.0, 3.0, 1.0])
     assert tl.start == pytest.approx([0.0, 0.0, 1.0]) and tl.end == pytest.approx([1.0, 3.0, 2.0])
     # One lane per group: two groups run at once, one group queues.
-    tl = sim.replay([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], 10.0, latency_ms=[1.0] * 3, groups=["a", "b", "a"])
+    tl = sim.play_timeline([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], 10.0, latency_ms=[1.0] * 3, groups=["a", "b", "a"])
     assert tl.end == pytest.approx([1.0, 1.0, 2.0])
     # The link is shared between groups first, then within a group: b's one transfer gets half of it, a's two a
     # quarter each; after b ends at 20, a's two share the whole link (per connection, as the testbed's network
     # replay of per_class's buckets shows: analysis.replay).
-    tl = sim.replay([0.0, 0.0, 0.0], [10.0, 10.0, 10.0], 100.0, lanes=2, groups=["a", "a", "b"])
+    tl = sim.play_timeline([0.0, 0.0, 0.0], [10.0, 10.0, 10.0], 100.0, lanes=2, groups=["a", "a", "b"])
     assert tl.end == pytest.approx([30.0, 30.0, 20.0])
     # Twice slower while backward computes (until 2): 1 ms of the 3 ms latency done by then, 2 ms after.
-    tl = sim.replay([0.0, 0.0], [3.0, 3.0], 2.0, slowdown=2.0, lanes=2, latency_ms=[3.0, 3.0])
+    tl = sim.play_timeline([0.0, 0.0], [3.0, 3.0], 2.0, slowdown=2.0, lanes=2, latency_ms=[3.0, 3.0])
     assert tl.end == pytest.approx([4.0, 4.0])
 
 
@@ -71,7 +80,7 @@ def test_ready_curve_interpolates_and_stays_monotone():
     assert u.at(500) == pytest.approx(25.0)
 
 
-class _Flat:
+class _Flat(CollectiveCost):
     """A cost model of 1 ms + 1 ms per MB."""
 
     ranks = 2
@@ -81,24 +90,24 @@ class _Flat:
         return 1000.0 + nbytes / 1000.0
 
 
-def test_calibration_from_one_profiled_step():
+def test_calibration_from_one_reference_step():
     # Backward ends at 6 ms (wait() starts). Each collective is 2 ms of work at the benchmark's speed (_Flat).
     # Bucket 0 runs 1 -> 5 inside backward: 2x slower. Bucket 1 starts at 5, does 0.5 ms of work by 6 at that
     # pace, the remaining 1.5 ms at full speed: ends at 7.5.
     recs = [{"bucket": 0, "bytes": 1_000_000, "launch_ms": 1.0, "complete_ms": 5.0, "wait_start_ms": 6.0},
             {"bucket": 1, "bytes": 1_000_000, "launch_ms": 2.0, "complete_ms": 7.5, "wait_start_ms": 6.0}]
-    prof = sim.StepProfile(1, 0.0, 1.0, 6.0, 1.0, exposed_ms=2.0, step_ms=10.0, records=recs)
-    cal = sim.calibrate(prof, _Flat())
+    ref = sim.ReferenceStep(1, 0.0, 1.0, 6.0, 1.0, exposed_ms=2.0, step_ms=10.0, records=recs)
+    cal = sim.calibrate(ref, _Flat())
     assert cal.slowdown == pytest.approx(2.0, rel=1e-4) and cal.comm_scale == 1.0
     # wait() started at 6 and the last collective ended at 7.5: the other 0.5 ms is wait()'s own work.
     assert cal.post_ms == pytest.approx(0.5)
-    tl = sim.replay([1.0, 2.0], [2.0, 2.0], 6.0, slowdown=cal.slowdown)
+    tl = sim.play_timeline([1.0, 2.0], [2.0, 2.0], 6.0, slowdown=cal.slowdown)
     assert tl.end == pytest.approx([5.0, 7.5], rel=1e-4)
     # Nothing overlapped backward (flat): the measured/modeled ratio scales the collectives instead.
     flat = [{"bucket": 0, "bytes": 1_000_000, "launch_ms": 6.0, "complete_ms": 10.0, "wait_start_ms": 6.0}]
-    cal = sim.calibrate(sim.StepProfile(1, 0.0, 1.0, 6.0, 1.0, 4.0, 12.0, records=flat), _Flat())
+    cal = sim.calibrate(sim.ReferenceStep(1, 0.0, 1.0, 6.0, 1.0, 4.0, 12.0, records=flat), _Flat())
     assert cal.comm_scale == pytest.approx(2.0) and cal.slowdown == 1.0
-    assert sim.calibrate(sim.StepProfile(1, 0, 1, 1, 1, 0, 3), _Flat()).comm_scale == 1.0
+    assert sim.calibrate(sim.ReferenceStep(1, 0, 1, 1, 1, 0, 3), _Flat()).comm_scale == 1.0
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
@@ -108,7 +117,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
                  ["--paper", "--strategies", ","], ["--paper", "--warmup", "-1"],
                  ["--run", str(tmp_path), "--median", "--step", "5"], ["--bogus"]):
         with pytest.raises(SystemExit) as e:
-            sim.main(argv)
+            main(argv)
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("analysis.simulate: error:")
@@ -119,23 +128,21 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
 
 def _write_run(path, strategy="bucketed", cap=0.25, steps=6):
     pytest.importorskip("collectives.plan")
-    from dtrain import config as config_mod
-
     cfg = config_mod.from_dict({"model": {"N": 1, "d_model": 32, "d_ff": 64, "h": 2},
                                 "data": {"vocab_size": 1000},
                                 "sync": {"strategy": strategy, "bucket_cap_mb": cap}})
     path.mkdir()
     (path / "config.yaml").write_text(config_mod.dump(cfg))
     (path / "run.json").write_text(json.dumps({"world_size": 2, "vocab": 1000}))
-    plan = cm.bucket_plan(cfg).buckets
+    plan = bucket_plan(cfg).buckets
     # A hand-built timeline: backward 12 ms on the trainer's clock, of which the last 10 ms run on the reducer's
     # (its clock starts at the first gradient hook, after the loss); buckets ready evenly over those 10 ms, each
     # collective taking exactly what the flat model says, launched when ready, on one stream; wait() adds 0.2 ms.
-    params = cm.ready_params(cfg)
+    params = ready_params(cfg)
     total = sum(p.numel() for _, p in params)
     ready = [10.0 * x / total for x in sim.through(plan, params)]
     dur = [_Flat().time_us(b.nbytes) / 1000 for b in plan]
-    tl = sim.replay(ready, dur, 10.0)
+    tl = sim.play_timeline(ready, dur, 10.0)
     exposed = tl.exposed_ms + 0.2
     with open(path / "steps.jsonl", "w") as f, open(path / "buckets.jsonl", "w") as g:
         for s in range(1, steps + 1):
@@ -149,34 +156,34 @@ def _write_run(path, strategy="bucketed", cap=0.25, steps=6):
     return cfg, exposed
 
 
-def test_prediction_reproduces_the_profiled_run_itself(tmp_path):
+def test_prediction_reproduces_the_reference_run_itself(tmp_path):
     cfg, exposed = _write_run(tmp_path / "run")
-    run = sim.load_run(tmp_path / "run")
-    prof = sim.profiled_step(run)
-    curve = sim.ready_curve(run, prof)
+    run = load_run(tmp_path / "run")
+    ref = sim.reference_step(run)
+    curve = sim.ready_curve(run, ref)
     assert curve.source.endswith("re-planned plan")
-    cal = sim.calibrate(prof, _Flat())
+    cal = sim.calibrate(ref, _Flat())
     assert cal.slowdown == pytest.approx(1.0, rel=1e-3) and cal.post_ms == pytest.approx(0.2, abs=1e-6)
-    p = sim.predict(run.cfg, prof, curve, _Flat(), cal, "bucketed", 0.25, run.vocab)
+    p = sim.predict(run.cfg, ref, curve, _Flat(), cal, "bucketed", 0.25, run.vocab)
     assert p.exposed_ms == pytest.approx(exposed, rel=1e-6)
     assert p.step_ms == pytest.approx(20.0 + exposed, rel=1e-6)
     # The medians of identical steps are that step.
-    med = sim.profiled_step(run, median=True)
-    assert med.step_ms == pytest.approx(prof.step_ms) and len(med.records) == len(prof.records)
+    med = sim.reference_step(run, median=True)
+    assert med.step_ms == pytest.approx(ref.step_ms) and len(med.records) == len(ref.records)
     assert sim.predict(run.cfg, med, sim.ready_curve(run, med), _Flat(), sim.calibrate(med, _Flat()), "bucketed",
                        0.25, run.vocab).exposed_ms == pytest.approx(exposed, rel=1e-6)
     # flat sends everything after backward: all of its communication is exposed.
-    f = sim.predict(run.cfg, prof, curve, _Flat(), cal, "flat", None, run.vocab)
+    f = sim.predict(run.cfg, ref, curve, _Flat(), cal, "flat", None, run.vocab)
     assert f.buckets == 1 and f.exposed_ms == pytest.approx(f.comm_ms + 0.2)
-    assert sim.predict(run.cfg, prof, curve, _Flat(), cal, "noop").step_ms == pytest.approx(20.0)
+    assert sim.predict(run.cfg, ref, curve, _Flat(), cal, "noop").step_ms == pytest.approx(20.0)
 
 
 def test_each_bucket_waits_for_the_slowest_rank(tmp_path):
     _write_run(tmp_path / "run", cap=0.02)
-    run = sim.load_run(tmp_path / "run")
+    run = load_run(tmp_path / "run")
     own = run.buckets[4]
     assert len(own) >= 3 and run.rank_buckets == {}
-    assert sim.slowest_rank_records(run, 4) == (own, None)  # rank 0's alone
+    assert slowest_rank_records(run, 4) == (own, None)  # rank 0's alone
     # Rank 1's clock runs 100 ms behind rank 0's (same completions at c - 100); it had bucket 1 ready 3 ms later
     # than rank 0, the others 1 ms earlier.
     theirs = []
@@ -185,28 +192,28 @@ def test_each_bucket_waits_for_the_slowest_rank(tmp_path):
         theirs.append({**r, "ready_ms": r["ready_ms"] - 100 + late, "launch_ms": r["launch_ms"] - 100 + late,
                        "complete_ms": r["complete_ms"] - 100})
     run.rank_buckets = {1: {4: theirs}}
-    recs, delay = sim.slowest_rank_records(run, 4)
+    recs, delay = slowest_rank_records(run, 4)
     assert delay == pytest.approx(3.0)
     for mine, r in zip(own, recs):
         shift = 3.0 if r["bucket"] == 1 else 0.0
         assert r["ready_ms"] == pytest.approx(mine["ready_ms"] + shift)
         assert r["launch_ms"] == pytest.approx(mine["launch_ms"] + shift)
     assert own[1]["ready_ms"] == pytest.approx(recs[1]["ready_ms"] - 3.0)  # rank 0's own records untouched
-    prof = sim.profiled_step(run, 4)
-    assert prof.records == recs and "the latest of 2 ranks" in prof.notes[0]
+    ref = sim.reference_step(run, 4)
+    assert ref.records == recs and "the latest of 2 ranks" in ref.notes[0]
 
 
-def test_every_step_repeats_the_check_with_each_steady_step_profiled(tmp_path, capsys):
+def test_every_step_repeats_the_check_with_each_steady_step_as_reference(tmp_path, capsys):
     _write_run(tmp_path / "a", "bucketed", 0.25, steps=8)
     _write_run(tmp_path / "b", "flat", None, steps=8)
-    run = sim.load_run(tmp_path / "a")
-    es = sim.every_step(run, _Flat(), [run, sim.load_run(tmp_path / "b")], False, 1, None)
-    assert es.steps == len(sim.steady_steps(run)) == 5  # 8 steps, the first 3 warm-up
+    run = load_run(tmp_path / "a")
+    es = sim.every_step(run, _Flat(), [run, load_run(tmp_path / "b")], False, 1, None)
+    assert es.steps == len(run.steady_steps()) == 5  # 8 steps, the first 3 warm-up
     # Every step of these runs is the same hand-built timeline, replayed exactly by the flat model.
     assert max(es.max_err) < 1e-6 and es.discordant == [0] * 5 and len(es.separated) == 5
     assert "within 15% for 5" in es.lines()[0]
     with pytest.raises(SystemExit) as e:
-        sim.main(["--run", str(tmp_path / "a"), "--topology", "h100x8", "--every-step"])
+        main(["--run", str(tmp_path / "a"), "--topology", "h100x8", "--every-step"])
     assert e.value.code == 2 and "--every-step repeats the check" in capsys.readouterr().err
 
 
@@ -225,7 +232,7 @@ def test_measured_runs_line_up_with_predictions(tmp_path, capsys):
             if k in st:
                 st[k] *= 1.2
     (tmp_path / "a-repeat" / "steps.jsonl").write_text("".join(json.dumps(st) + "\n" for st in steps))
-    sim.main(["--run", str(tmp_path / "a"), "--topology", f"local:{bench}", "--strategies", "flat,bucketed",
+    main(["--run", str(tmp_path / "a"), "--topology", f"local:{bench}", "--strategies", "flat,bucketed",
               "--bucket-sizes", "0.25", "--measured", str(tmp_path / "a"), str(tmp_path / "b"),
               str(tmp_path / "a-repeat"), "--json"])
     doc = json.loads(capsys.readouterr().out)
@@ -251,7 +258,7 @@ def test_measured_runs_line_up_with_predictions(tmp_path, capsys):
 
 def median_step_ms(run_dir):
     """The median steady step time of a run written by `_write_run`."""
-    return sim.statistics.median(s["step_ms"] for s in sim.steady_steps(sim.load_run(run_dir)))
+    return statistics.median(s["step_ms"] for s in load_run(run_dir).steady_steps())
 
 
 def test_median_ci_uses_order_statistics():
@@ -276,7 +283,7 @@ def test_ranking_counts_only_pairs_that_measurement_or_model_can_order():
 
 def test_paper_projection_runs_and_states_assumptions(capsys):
     pytest.importorskip("collectives.plan")
-    sim.main(["--paper", "--strategies", "flat,bucketed", "--bucket-sizes", "25"])
+    main(["--paper", "--strategies", "flat,bucketed", "--bucket-sizes", "25"])
     out = capsys.readouterr().out
     assert "MODELED projection" in out and "assumed" in out and "p100x8" in out
     with pytest.raises(UserError):
@@ -285,17 +292,16 @@ def test_paper_projection_runs_and_states_assumptions(capsys):
 
 def test_a_profiles_per_class_nccl_choice_is_honoured_by_the_preset():
     pytest.importorskip("collectives.plan")
-    from dtrain import config as config_mod
-
     base = {"model": {"preset": "base"}, "data": {"vocab_size": 37000}, "sync": {"strategy": "per_class"}}
-    forced = {**base, "collectives": {"mode": "per_group", "classes": {"ffn": {"algo": "Ring", "proto": "LL"}}}}
+    forced = {**base, "sync": {"strategy": "per_class", "classes": {"ffn": {"algorithm": "Ring", "protocol": "LL"}}},
+              "collectives": {"mode": "per_group"}}
     model = cm.NcclModel(cm.topology("h100x8"))
-    prof, curve, _ = sim.flop_step(config_mod.from_dict(dict(base)), model.topo, 3200, 3200)
-    preds = [sim.predict(config_mod.from_dict(c), prof, curve, model, sim.Calibration(), "per_class")
+    ref, curve, _ = sim.flop_step(config_mod.from_dict(dict(base)), model.topo, 3200, 3200)
+    preds = [sim.predict(config_mod.from_dict(c), ref, curve, model, sim.Calibration(), "per_class")
              for c in (base, forced)]
     # 25 MiB ffn buckets: NCCL picks LL128; forcing LL (capped at 141 GB/s bus) costs more.
     assert preds[1].comm_ms > preds[0].comm_ms
-    ffn = [b for b in cm.bucket_plan(config_mod.from_dict(dict(base))).buckets if b.tensor_class == "ffn"]
+    ffn = [b for b in bucket_plan(config_mod.from_dict(dict(base))).buckets if b.tensor_class == "ffn"]
     extra = sum(model.time_us(b.nbytes, algo="Ring", proto="LL") - model.time_us(b.nbytes) for b in ffn) / 1000
     assert preds[1].comm_ms - preds[0].comm_ms == pytest.approx(extra, rel=1e-6)
 
@@ -314,29 +320,29 @@ def test_a_collective_costs_backward_pro_rata_to_its_run_before_backward_ends():
     assert sim.host_ms(_Flat(), [1], tl) is None  # no --overlap measurement: no host cost
 
 
-def test_collectives_during_backward_lengthen_it_relative_to_the_profiled_step(tmp_path):
+def test_collectives_during_backward_lengthen_it_relative_to_the_reference_step(tmp_path):
     _write_run(tmp_path / "run", cap=0.02)  # small buckets, so that some run during backward
-    run = sim.load_run(tmp_path / "run")
-    prof = sim.profiled_step(run)
-    curve = sim.ready_curve(run, prof)
-    plain = sim.calibrate(prof, _FlatWithHost())  # a GPU run: no host cost
-    cal = sim.calibrate(prof, _FlatWithHost(), host_cost=True)
-    # The profiled step's own collectives, replayed, as the base its backward already holds.
-    base = sim.host_ms(_FlatWithHost(), [r["bytes"] for r in prof.records], cal.timeline)
+    run = load_run(tmp_path / "run")
+    ref = sim.reference_step(run)
+    curve = sim.ready_curve(run, ref)
+    plain = sim.calibrate(ref, _FlatWithHost())  # a GPU run: no host cost
+    cal = sim.calibrate(ref, _FlatWithHost(), host_cost=True)
+    # The reference step's own collectives, played again, as the base its backward already holds.
+    base = sim.host_ms(_FlatWithHost(), [r["bytes"] for r in ref.records], cal.timeline)
     assert plain.host_base_ms is None and cal.host_base_ms == pytest.approx(base) and base > 0
-    own = sim.predict(run.cfg, prof, curve, _FlatWithHost(), cal, "bucketed", 0.02, run.vocab)
-    assert own.step_ms == pytest.approx(sim.predict(run.cfg, prof, curve, _Flat(), plain, "bucketed", 0.02,
-                                                    run.vocab).step_ms)  # the profiled plan: nothing changes
+    own = sim.predict(run.cfg, ref, curve, _FlatWithHost(), cal, "bucketed", 0.02, run.vocab)
+    assert own.step_ms == pytest.approx(sim.predict(run.cfg, ref, curve, _Flat(), plain, "bucketed", 0.02,
+                                                    run.vocab).step_ms)  # the reference plan: nothing changes
     # per_tensor runs more collectives during backward: its compute grows by their pro-rata cost less the base.
-    per_tensor = sim.predict(run.cfg, prof, curve, _FlatWithHost(), cal, "per_tensor", None, run.vocab)
-    without = sim.predict(run.cfg, prof, curve, _Flat(), plain, "per_tensor", None, run.vocab)
-    plan = cm.bucket_plan(run.cfg, "per_tensor").buckets
-    tl = sim.replay([curve.at(x) for x in sim.through(plan, cm.ready_params(run.cfg))],
-                    [_Flat().time_us(b.nbytes) / 1000 for b in plan], prof.sync_backward_ms)
+    per_tensor = sim.predict(run.cfg, ref, curve, _FlatWithHost(), cal, "per_tensor", None, run.vocab)
+    without = sim.predict(run.cfg, ref, curve, _Flat(), plain, "per_tensor", None, run.vocab)
+    plan = bucket_plan(run.cfg, "per_tensor").buckets
+    tl = sim.play_timeline([curve.at(x) for x in sim.through(plan, ready_params(run.cfg))],
+                    [_Flat().time_us(b.nbytes) / 1000 for b in plan], ref.sync_backward_ms)
     extra = sim.host_ms(_FlatWithHost(), [b.nbytes for b in plan], tl) - base
     assert extra > 0 and per_tensor.step_ms == pytest.approx(without.step_ms + extra)
-    # flat sends after backward: the profiled step's cost comes off, nothing goes on.
-    assert sim.predict(run.cfg, prof, curve, _FlatWithHost(), cal, "noop").step_ms == pytest.approx(20.0 - base)
+    # flat sends after backward: the reference step's cost comes off, nothing goes on.
+    assert sim.predict(run.cfg, ref, curve, _FlatWithHost(), cal, "noop").step_ms == pytest.approx(20.0 - base)
 
 
 def test_the_benchmarks_cpu_time_and_overlap_cost_are_fitted_per_operation_and_per_byte():
@@ -389,7 +395,7 @@ def test_a_damaged_run_directory_is_a_one_line_error(tmp_path, capsys, damage, m
     _write_run(tmp_path / "run")
     damage(tmp_path / "run")
     with pytest.raises(SystemExit) as e:
-        sim.main(["--run", str(tmp_path / "run"), "--topology", "h100x8"])
+        main(["--run", str(tmp_path / "run"), "--topology", "h100x8"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and msg in err, err
 
@@ -398,11 +404,11 @@ def test_a_run_without_bucket_records_is_replayed_from_its_steps_alone(tmp_path,
     _write_run(tmp_path / "run")
     (tmp_path / "run" / "buckets.jsonl").write_text("")
     (tmp_path / "run" / "buckets.rank1.jsonl").write_text("")
-    sim.main(["--run", str(tmp_path / "run"), "--topology", "h100x8", "--strategies", "flat"])
+    main(["--run", str(tmp_path / "run"), "--topology", "h100x8", "--strategies", "flat"])
     assert "flat" in capsys.readouterr().out
 
 
-def test_the_default_profiled_step_is_the_most_typical_not_just_the_median_step_time(tmp_path):
+def test_the_default_reference_step_is_the_most_typical_not_just_the_median_step_time(tmp_path):
     _write_run(tmp_path / "run", steps=10)
     path = tmp_path / "run" / "steps.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -410,16 +416,14 @@ def test_the_default_profiled_step_is_the_most_typical_not_just_the_median_step_
         r["step_ms"] += 0.1 * r["step"]  # step 7 has the median step time of the steady steps 4-10 ...
     rows[6].update(forward_ms=1.0, backward_ms=16.0)  # ... but a forward and backward unlike any other's
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run = sim.load_run(tmp_path / "run")
-    assert statistics.median_low(s["step_ms"] for s in sim.steady_steps(run)) == rows[6]["step_ms"]
-    chosen = sim.profiled_step(run)
+    run = load_run(tmp_path / "run")
+    assert statistics.median_low(s["step_ms"] for s in run.steady_steps()) == rows[6]["step_ms"]
+    chosen = sim.reference_step(run)
     assert chosen.step in (6, 8) and chosen.forward_ms == 5.0
-    assert sim.profiled_step(run, step=7).forward_ms == 1.0  # --step still replays the step asked for
+    assert sim.reference_step(run, step=7).forward_ms == 1.0  # --step still replays the step asked for
 
 
 def test_two_lanes_only_for_a_gloo_run_costed_by_a_fit(tmp_path):
-    from test_costmodel import H200_LOG
-
     fit = tmp_path / "bench.json"
     fit.write_text(json.dumps([{"path": "reducer", "size": 8 * 4 ** k, "time_us": 100.0 + 8 * 4 ** k / 100.0}
                                for k in range(10)]))

@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtrain import verify
+from collectives import nccl
+from collectives.settings import SyncConfig
 from collectives.strategies import available
-from collectives.sync import attach
-from dtrain.config import SyncConfig
+from collectives import attach
+from dtrain import verify
 
 from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun
 
@@ -81,14 +82,14 @@ def test_records_tell_bytes_class_and_timeline(one_rank):
         step(handle, model, step_no=s)
         recs = handle.step_records()
         model.zero_grad(set_to_none=True)
-    keys = {"bucket", "class", "dtype", "wire_dtype", "tensors", "numel", "bytes", "ready_ms", "launch_ms",
+    keys = {"step", "bucket", "class", "dtype", "wire_dtype", "tensors", "numel", "bytes", "ready_ms", "launch_ms",
             "complete_ms", "wait_start_ms", "wait_ms"}
-    assert all(set(r) == keys for r in recs)
-    assert sum(r["bytes"] for r in recs) == sum(p.numel() * 4 for p in model.parameters())
+    lines = [r.to_json(2) for r in recs]  # as the trainer writes them to buckets.jsonl
+    assert all(set(r) == keys for r in lines) and json.loads(json.dumps(lines)) == lines
+    assert sum(r.nbytes for r in recs) == sum(p.numel() * 4 for p in model.parameters())
     for r in recs:
-        assert 0 <= r["ready_ms"] <= r["launch_ms"] <= r["complete_ms"] and r["wait_ms"] >= 0
-        assert r["launch_ms"] <= r["wait_start_ms"]  # overlap: launched during backward, before wait()
-    assert json.loads(json.dumps(recs)) == recs
+        assert 0 <= r.ready_ms <= r.launch_ms <= r.complete_ms and r.wait_ms >= 0
+        assert r.launch_ms <= r.wait_start_ms  # overlap: launched during backward, before wait()
     stats = handle.stats()
     assert stats["strategy"] == "bucketed" and stats["buckets"] == len(recs) and stats["lossless"]
 
@@ -112,7 +113,7 @@ def test_flat_launches_at_wait_and_replanning_follows_the_observed_order(one_ran
     flat = attach(model, SyncConfig(strategy="flat"))
     step(flat, model)
     (rec,) = flat.step_records()
-    assert rec["launch_ms"] >= rec["wait_start_ms"] >= rec["ready_ms"]
+    assert rec.launch_ms >= rec.wait_start_ms >= rec.ready_ms
     flat.reducer.remove()
 
     model = verify.tiny_model()
@@ -127,8 +128,6 @@ def test_flat_launches_at_wait_and_replanning_follows_the_observed_order(one_ran
 
 
 def test_per_class_groups_wire_dtype_and_lossiness(one_rank, monkeypatch):
-    from collectives import nccl
-
     calls = []
 
     def class_group(name, settings=None, ranks=None):
@@ -149,8 +148,8 @@ def test_per_class_groups_wire_dtype_and_lossiness(one_rank, monkeypatch):
         else:
             torch.testing.assert_close(p.grad, want[n], rtol=0, atol=0)
     recs = handle.step_records()
-    assert {r["wire_dtype"] for r in recs if r["class"] == "ffn"} == {"bf16"}
-    assert all(r["bytes"] == 2 * r["numel"] for r in recs if r["class"] == "ffn")
+    assert {r.wire_dtype for r in recs if r.tensor_class == "ffn"} == {"bf16"}
+    assert all(r.nbytes == 2 * r.numel for r in recs if r.tensor_class == "ffn")
 
 
 def test_a_replaced_gradient_is_copied_into_its_view(one_rank):
@@ -175,12 +174,12 @@ def test_ddp_records_its_buckets(one_rank, hook):
         recs = handle.step_records()
         model.zero_grad(set_to_none=True)
     total = sum(p.numel() * 4 for p in model.parameters())
-    assert len(recs) > 3 and sum(r["bytes"] for r in recs) == total  # DDP's rebuilt buckets
-    assert sum(r["tensors"] for r in recs) == len(list(model.parameters()))
+    assert len(recs) > 3 and sum(r.nbytes for r in recs) == total  # DDP's rebuilt buckets
+    assert sum(r.tensors for r in recs) == len(list(model.parameters()))
     if hook is None:  # DDP's own C++ all-reduce: sizes known, no timings
-        assert all(r["launch_ms"] is None for r in recs)
+        assert all(r.launch_ms is None for r in recs)
     else:
-        assert all(0 <= r["ready_ms"] <= r["launch_ms"] <= r["complete_ms"] for r in recs)
+        assert all(0 <= r.ready_ms <= r.launch_ms <= r.complete_ms for r in recs)
 
 
 # -- several ranks --------------------------------------------------------------------------------------------
@@ -203,16 +202,17 @@ def test_every_lossless_strategy_matches_the_reference(nproc):
 
 def test_verify_cli_json_and_lossy_per_class():
     r = subprocess.run([sys.executable, "-m", "dtrain.verify", "--nproc", "2", "--strategies",
-                        "per_class,bucketed", "--set", "sync.classes.ffn.wire_dtype=bf16", "--json"],
+                        "per_class", "--set", "sync.classes.ffn.wire_dtype=bf16", "--json"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
-    assert set(doc) == {"per_class", "bucketed"} and set(doc["bucketed"]) == {"max_abs", "max_rel", "lossless"}
+    assert set(doc) == {"per_class"} and set(doc["per_class"]) == {"max_abs", "max_rel", "lossless"}
     assert doc["per_class"]["lossless"] is False and 0 < doc["per_class"]["max_rel"] < 0.05  # bf16 rounding
-    assert doc["bucketed"]["lossless"] is True and doc["bucketed"]["max_rel"] <= verify.TOLERANCE
-    bad = subprocess.run([sys.executable, "-m", "dtrain.verify", "--strategies", "nope"], cwd=REPO,
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown strategy 'nope'" in bad.stderr
+    for argv, msg in ((["--strategies", "nope"], "unknown strategy 'nope'"),
+                      (["--strategies", "bucketed", "--set", "sync.classes.ffn.wire_dtype=bf16"],
+                       "'sync.classes.ffn.wire_dtype' is not used by strategy 'bucketed'")):
+        bad = subprocess.run([sys.executable, "-m", "dtrain.verify", *argv], cwd=REPO, capture_output=True, text=True)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and msg in bad.stderr, bad.stderr
 
 
 # -- the real trainer (torchrun) ------------------------------------------------------------------------------

@@ -3,15 +3,21 @@ decision, error lines from a failed launch, and a real sweep with one impossible
 a second sweep skips what finished."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from analysis import sweep
-from analysis.records import LAUNCH_FILE, finished
+from analysis.runs import finished
+from common import rundir
 from common.errors import UserError
+from dtrain import checkpoint
+from dtrain import config as config_mod
 
 from conftest import REPO
 
@@ -25,7 +31,9 @@ def write_matrix(tmp_path, **body) -> Path:
 
 
 @pytest.mark.parametrize("body, msg", [
-    ({"strategy": ["ddp"]}, "'strategy' is not a matrix key"),
+    ({"strategy": ["ddp"]}, "unknown key 'strategy' (known: "),
+    ({"nproc": "2"}, "'nproc' must be int, got '2'"),
+    ({"bench": ["-b", "8"]}, "'bench' must be str"),
     ({"strategies": ["ddp", "nope"]}, "unknown strategy 'nope'"),
     ({"knobs": {"sync.bucket_cap": [1]}}, "'knobs.sync.bucket_cap' 'bucket_cap' is not a key of sync"),
     ({"knobs": {"sync": [1]}}, "'knobs.sync' 'sync' is a section"),
@@ -55,12 +63,35 @@ def test_missing_profiles_and_files(tmp_path):
         sweep.load_matrix(write_matrix(tmp_path, profiles=["p.yaml"]))
 
 
-def test_free_form_sections_accept_any_key_below():
+def test_class_keys_are_checked_below_any_class_name():
     assert sweep.check_key("sync.classes.embedding.wire_dtype") is None
-    assert sweep.check_key("collectives.classes.ffn.proto") is None
+    assert sweep.check_key("sync.classes.my_class") is None  # a whole entry
+    assert sweep.check_key("sync.classes.ffn.protocol") is None
     assert sweep.check_key("collectives.default.proto") is None
     assert "is a value" in sweep.check_key("train.max_steps.x")
-    assert "'protocol' is not a key of collectives.classes.ffn" in sweep.check_key("collectives.classes.ffn.protocol")
+    assert "'proto' is not a key of sync.classes.ffn" in sweep.check_key("sync.classes.ffn.proto")
+
+
+def test_matrix_errors_name_the_line(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(f"profiles: [{REPO / 'profiles' / 'smoke.yaml'}]\nknobs:\n  sync.bucket_cap_mb: [1]\n"
+                    f"variants:\n  v:\n    train.max_stpes: 3\n")
+    with pytest.raises(UserError, match=r"m.yaml:6: 'variants.v.train.max_stpes' 'max_stpes' is not a key of train"):
+        sweep.load_matrix(path)
+    path.write_text("profiles: x.yaml\nlaunchr: testbed\n")
+    with pytest.raises(UserError, match=r"m.yaml:2: unknown key 'launchr'"):
+        sweep.load_matrix(path)
+    path.write_text("- profiles\n")
+    with pytest.raises(UserError, match=r"m.yaml: a matrix must be a mapping"):
+        sweep.load_matrix(path)
+
+
+def test_shipped_matrices_load_and_every_run_s_profile_loads(monkeypatch):
+    monkeypatch.chdir(REPO)
+    for path in sorted((REPO / "profiles" / "sweeps").glob("*.yaml")):
+        m = sweep.load_matrix(path)
+        for job in sweep.expand(m):
+            config_mod.load(job.profile, job.overrides)  # a knob its strategy ignores would be refused
 
 
 def test_runs_are_named_from_their_settings_and_only_limits_a_knob(tmp_path):
@@ -113,7 +144,7 @@ def test_finished_is_read_from_the_records(tmp_path):
     evals = (run / "eval.jsonl").read_text().splitlines()
     (run / "eval.jsonl").write_text("\n".join(e for e in evals if '"bleu"' not in e) + "\n")
     assert not finished(run)  # the BLEU record was due and is missing
-    (run / "steps.jsonl").write_text("\n".join((run / "steps.jsonl").read_text().splitlines()[:-1]) + "\n")
+    (run / rundir.STEPS).write_text("\n".join((run / rundir.STEPS).read_text().splitlines()[:-1]) + "\n")
     assert not finished(run)  # fewer steps than train.max_steps
     assert not finished(tmp_path / "nothing")
 
@@ -131,27 +162,25 @@ def test_sweep_records_a_failed_run_goes_on_and_resumes(tmp_path, capsys):
     report = capsys.readouterr().out
     good, bad = out / "smoke-bucketed-bucket_cap_mb=1", out / "smoke-bucketed-bucket_cap_mb=-1"
     assert finished(good) and not finished(bad)
-    failed = json.loads((bad / LAUNCH_FILE).read_text())
+    failed = json.loads((bad / rundir.LAUNCH).read_text())
     assert failed["exit_code"] == 1  # torchrun's code for a failed worker; the worker's message is the error
     assert failed["error"].startswith("dtrain.train: error:") and "'sync.bucket_cap_mb' must be positive" in \
         failed["error"] and "1 failed" in report
-    ok = json.loads((good / LAUNCH_FILE).read_text())
+    ok = json.loads((good / rundir.LAUNCH).read_text())
     assert ok["exit_code"] == 0 and ok["finished"] and ok["knobs"] == {"sync.bucket_cap_mb": 1}
     log = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
     assert [(r["name"], r["finished"]) for r in log] == [(good.name, True), (bad.name, False)]
 
     # Again: the finished run is skipped (not relaunched), the failed one is tried again and fails again.
-    steps_before = (good / "steps.jsonl").stat().st_mtime_ns
+    steps_before = (good / rundir.STEPS).stat().st_mtime_ns
     assert sweep.main(["--matrix", str(matrix), "--out", str(out)]) == 1
     assert "1 skipped as already finished" in capsys.readouterr().out
-    assert (good / "steps.jsonl").stat().st_mtime_ns == steps_before
+    assert (good / rundir.STEPS).stat().st_mtime_ns == steps_before
     log = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
     assert [r["name"] for r in log] == [good.name, bad.name, bad.name]
 
 
 def test_next_attempt(tmp_path):
-    from dtrain import checkpoint
-
     run = tmp_path / "run"
     shutil.copytree(next(p for p in RUNS.iterdir() if p.is_dir()), run)
     assert sweep.next_attempt(run) == "skip"
@@ -164,10 +193,6 @@ def test_next_attempt(tmp_path):
 
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     """`... --dry-run | head -1`: the reader is gone before the listing is written; no traceback, exit 1."""
-    import os
-    import subprocess
-    import sys
-
     read_end, write_end = os.pipe()
     os.close(read_end)
     proc = subprocess.run([sys.executable, "-m", "analysis.sweep", "--matrix", str(write_matrix(tmp_path)),

@@ -1,20 +1,20 @@
 """Tensor classes: the default rules on dtrain's Transformer, first match wins, size bounds, the catch-all, the
-profile's `sync.classes` (errors name the dotted key), and `python -m dtrain.describe`."""
+profile's `sync.classes` (typed `ClassSettings`: errors name the file, line and dotted key), and
+`python -m dtrain.describe`."""
 
 import subprocess
 import sys
 
 import pytest
 import torch
-
-from dtrain import describe as classes_cli
-from collectives import tensor_classes as tc
-from dtrain import config as config_mod
-from dtrain.config import SyncConfig
-from common.errors import UserError
-from dtrain.model import Transformer
-
 from conftest import REPO
+
+from collectives import tensor_classes as tc
+from collectives.settings import ClassSettings, SyncConfig
+from common.errors import UserError
+from dtrain import config as config_mod
+from dtrain import describe as classes_cli
+from dtrain.model import Transformer
 
 
 def meta_model(norm="post"):
@@ -69,8 +69,8 @@ def test_a_catch_all_is_required_last_and_only_last():
 
 def test_profile_classes_settings_and_rule_order():
     sync = SyncConfig(strategy="per_class", bucket_cap_mb=4.0, classes={
-        "ffn": {"wire_dtype": "bf16", "bucket_cap_mb": 1},  # settings only: keeps its rule and place
-        "big_ffn": {"match": ["*.w_1.weight"], "min_numel": 1000, "wire_dtype": "fp16"},  # a new rule: first
+        "ffn": ClassSettings(wire_dtype="bf16", bucket_cap_mb=1),  # settings only: keeps its rule and place
+        "big_ffn": ClassSettings(match=["*.w_1.weight"], min_numel=1000, wire_dtype="fp16"),  # a new rule: first
     })
     classes = tc.from_config(sync)
     assert [r.name for r in classes.rules] == ["big_ffn", "embedding", "norm_bias", "projection", "ffn", "other"]
@@ -81,6 +81,30 @@ def test_profile_classes_settings_and_rule_order():
     assert assigned["encoder.0.feed_forward.w_1.weight"] == "big_ffn"  # 64 x 32 = 2048 >= 1000
     assert assigned["encoder.0.feed_forward.w_2.weight"] == "ffn"
     assert tc.from_config(SyncConfig()).setting("ffn").bucket_cap_mb == tc.DEFAULT_BUCKET_CAP_MB
+
+
+def test_a_class_given_as_a_mapping_in_code_is_typed_like_the_profiles():
+    sync = SyncConfig(strategy="per_class", classes={"ffn": {"wire_dtype": "bf16", "protocol": "LL"}})
+    assert sync.classes["ffn"] == ClassSettings(wire_dtype="bf16", protocol="LL")
+    with pytest.raises(UserError, match="unknown key 'sync.classes.ffn.wire'"):
+        SyncConfig(classes={"ffn": {"wire": "bf16"}})
+    with pytest.raises(UserError, match="'sync.classes.ffn.bucket_cap_mb' must be float"):
+        SyncConfig(classes={"ffn": {"bucket_cap_mb": "1"}})
+
+
+def test_profile_classes_are_checked_by_the_loader_with_file_and_line(tmp_path):
+    profile = tmp_path / "p.yaml"
+    profile.write_text("sync:\n  strategy: per_class\n  classes:\n    big_ffn:\n"
+                       "      match: ['*.w_1.weight', '*.w_2.*']\n      wire_dtype: bf16\n")
+    cfg = config_mod.load(profile)
+    assert cfg.sync.classes["big_ffn"].match == ["*.w_1.weight", "*.w_2.*"]
+    assert tc.from_config(cfg.sync).rules[0] == tc.ClassRule("big_ffn", ("*.w_1.weight", "*.w_2.*"))
+    profile.write_text("sync:\n  strategy: per_class\n  classes:\n    ffn:\n      wire: bf16\n")
+    with pytest.raises(UserError, match=r"p.yaml:5: unknown key 'sync.classes.ffn.wire'"):
+        config_mod.load(profile)
+    profile.write_text("sync:\n  strategy: per_class\n  classes:\n    ffn:\n      min_numel: many\n")
+    with pytest.raises(UserError, match=r"p.yaml:5: 'sync.classes.ffn.min_numel' must be int"):
+        config_mod.load(profile)
 
 
 @pytest.mark.parametrize("override, key", [
@@ -113,10 +137,12 @@ def test_classes_summary_counts_bytes_and_ranges():
 
 def test_classes_cli_prints_the_table_and_fails_in_one_line():
     r = subprocess.run([sys.executable, "-m", "dtrain.describe", "--profile", "profiles/smoke.yaml",
-                        "--set", "sync.classes.ffn.wire_dtype=bf16"], cwd=REPO, capture_output=True, text=True)
+                        "--set", "sync.strategy=per_class", "--set", "sync.classes.ffn.wire_dtype=bf16"], cwd=REPO,
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     lines = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:]}
     assert lines["embedding"][1] == "1" and lines["ffn"][1] == "8" and "bf16" in lines["ffn"]
     r = subprocess.run([sys.executable, "-m", "dtrain.describe", "--profile", "profiles/smoke.yaml",
-                        "--set", "sync.classes.ffn.wire_dtype=int8"], cwd=REPO, capture_output=True, text=True)
+                        "--set", "sync.strategy=per_class", "--set", "sync.classes.ffn.wire_dtype=int8"], cwd=REPO,
+                       capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "sync.classes.ffn.wire_dtype" in r.stderr

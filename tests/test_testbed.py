@@ -1,7 +1,7 @@
-"""analysis.testbed: link and profile parsing everywhere; up/status/down, shaping and 2-node torchrun jobs where
-network namespaces can be made (root and iproute2, as in CI). Every testbed made here is removed by the fixture."""
+"""analysis.testbed: agent commands and command-line errors everywhere; up/status/down, shaping and 2-node torchrun
+jobs where network namespaces can be made (root and iproute2, as in CI). Every testbed made here is removed by the
+fixture. The links and the testbed profile: tests/test_testbed_links.py."""
 
-import argparse
 import json
 import os
 import signal
@@ -28,55 +28,6 @@ needs_netns = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or ""
 
 
 # ---- everywhere --------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("text,bits", [("1gbit", 10**9), ("100mbit", 10**8), ("2.5gbit", 25 * 10**8),
-                                       ("500kbit", 5 * 10**5), ("none", None)])
-def test_parse_rate(text, bits):
-    assert testbed.parse_rate(text) == bits
-
-
-@pytest.mark.parametrize("text", ["1gbps", "fast", "0gbit", "1 gigabit", ""])
-def test_parse_rate_rejects(text):
-    with pytest.raises(UserError, match="bad link rate"):
-        testbed.parse_rate(text)
-
-
-def test_bytes_and_burst():
-    assert testbed.parse_bytes("256kb") == 262144 and testbed.parse_bytes("1m") == 1 << 20
-    assert testbed.parse_bytes("1500") == 1500
-    with pytest.raises(UserError):
-        testbed.parse_bytes("12 parsecs")
-    assert testbed.default_burst(10**9) == 250_000  # 2 ms at 1 Gbit/s
-    assert testbed.default_burst(10**7) == 64 * 1024  # never below one 64 KiB GSO packet
-    assert testbed.Link(10**9).tbf_args() == ["tbf", "rate", "1000000000bit", "burst", "250000", "latency", "50ms"]
-    assert testbed.format_rate(10**9) == "1gbit" and testbed.format_rate(None) == "unshaped"
-
-
-def _up_args(**kw):
-    base = dict(nodes=None, link=None, link_per_node=None, burst=None, latency_ms=None)
-    return argparse.Namespace(**{**base, **kw})
-
-
-def test_links_from_command_line_over_profile_over_defaults():
-    assert testbed.links_from(_up_args(), {}) == [testbed.Link(10**9)] * 2
-    profile = testbed.load_profile(REPO / "profiles" / "testbed" / "1gbit.yaml")
-    links = testbed.links_from(_up_args(nodes=3, link="100mbit"), profile)
-    assert [(lk.rate, lk.burst) for lk in links] == [(10**8, 256000)] * 3
-    per_node = testbed.links_from(_up_args(link_per_node="1gbit,100mbit,none"), {})
-    assert [lk.rate for lk in per_node] == [10**9, 10**8, None]
-    with pytest.raises(UserError, match="2 rate"):
-        testbed.links_from(_up_args(nodes=3, link_per_node="1gbit,1gbit"), {})
-
-
-def test_profile_section_is_strict(tmp_path):
-    p = tmp_path / "tb.yaml"
-    p.write_text("testbed:\n  nodes: 2\n  lnk: 1gbit\n")
-    with pytest.raises(UserError, match="unknown key 'testbed.lnk'"):
-        testbed.load_profile(p)
-    p.write_text("model: {preset: tiny}\n")
-    with pytest.raises(UserError, match="no 'testbed:' section"):
-        testbed.load_profile(p)
-
 
 def test_agent_commands_put_rank_0_on_node_0():
     names = testbed.Names("dtb")

@@ -3,17 +3,29 @@
 
 A registered class is either a `GradSync` subclass (ddp, powersgd, noop: they synchronize by themselves) or a
 `BucketingStrategy` (per_tensor, flat, bucketed, per_class: a pure plan that `PlannedSync` executes with the reducer).
+Each declares the `sync` keys it reads (`sync_keys`); `unused_keys(sync)` names those a profile sets in vain, which
+`collectives.config.validate` refuses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 from collectives import tensor_classes
 from collectives.plan import Bucket, BucketingStrategy
+from collectives.settings import ClassSettings, SyncConfig
 from common.errors import UserError
 
 _REGISTRY: dict[str, type] = {}
+
+# What strategies declare in `sync_keys` for the keys under each `sync.classes.<class>`. The rule keys say which
+# parameters form a class: every strategy that records its buckets labels them with their class. The setting keys
+# say how a class's buckets travel (wire dtype, bucket cap, the NCCL choices of its own communicator): only a
+# strategy that buckets and sends each class on its own reads them.
+CLASS_RULE_KEYS = ("classes.match", "classes.min_numel", "classes.max_numel")
+CLASS_SETTING_KEYS = tuple(f"classes.{f.name}" for f in dataclasses.fields(ClassSettings)
+                           if f"classes.{f.name}" not in CLASS_RULE_KEYS)
 
 
 def register(name: str):
@@ -42,6 +54,37 @@ def build(name: str, model, cfg, process_group=None):
     if issubclass(cls, BucketingStrategy):
         return PlannedSync(model, cfg, process_group, cls.from_sync(cfg))
     return cls(model, cfg, process_group)
+
+
+def attach(model, cfg, process_group=None):
+    """The seam: a `GradSync` handle that synchronizes `model`'s gradients as `cfg` (a `SyncConfig`) says, over
+    `process_group` (None: the world). Exported as `collectives.attach`."""
+    return build(cfg.strategy, model, cfg, process_group)
+
+
+def _is_default(f: dataclasses.Field, value) -> bool:
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return value == default
+
+
+def unused_keys(sync: SyncConfig) -> list[tuple[str, str]]:
+    """(dotted key, message) for every key of `sync` set to a non-default value that its strategy does not read
+    (its `sync_keys`). A key at its default counts as not set: a resolved config (config.yaml) names every key."""
+    if sync.strategy not in _REGISTRY:
+        return []  # the unknown name is the error to report
+    used = _REGISTRY[sync.strategy].sync_keys
+    found = [f"sync.{f.name}" for f in dataclasses.fields(SyncConfig)
+             if f.name not in ("strategy", "classes") and f.name not in used
+             and not _is_default(f, getattr(sync, f.name))]
+    for name, spec in sync.classes.items():
+        found += [f"sync.classes.{name}.{f.name}" for f in dataclasses.fields(ClassSettings)
+                  if f"classes.{f.name}" not in used and not _is_default(f, getattr(spec, f.name))]
+    own = [f"sync.{k}" for k in used if not k.startswith("classes.")]
+    class_keys = [k.split(".", 1)[1] for k in used if k.startswith("classes.")]
+    if class_keys:
+        own.append(f"sync.classes.<class>.({', '.join(class_keys)})")
+    return [(key, f"is not used by strategy '{sync.strategy}' (its keys: {', '.join(own) or 'none'})")
+            for key in found]
 
 
 class Plan(NamedTuple):

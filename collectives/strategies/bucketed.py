@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from collectives.plan import BucketingStrategy, pack
-from collectives.strategies import register
+from collectives.strategies import CLASS_RULE_KEYS, register
 from collectives.tensor_classes import DEFAULT_BUCKET_CAP_MB, CollectiveSettings
 
 DDP_FIRST_BUCKET_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
@@ -16,6 +16,7 @@ DDP_FIRST_BUCKET_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 @register("bucketed")
 class Bucketed(BucketingStrategy):
     uses_cap = True
+    sync_keys = ("bucket_cap_mb", "first_bucket_mb") + CLASS_RULE_KEYS
 
     @dataclass(frozen=True)
     class Config:

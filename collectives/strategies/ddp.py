@@ -15,9 +15,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from collectives import tensor_classes as tc
-from collectives.strategies import register
+from collectives.strategies import CLASS_RULE_KEYS, register
 from collectives.sync import GradSync
 from collectives.timing import Stamp, ms_between, stamp
+from common.rundir import BucketRecord
 
 _HOOKS = {
     "allreduce": default_hooks.allreduce_hook,
@@ -37,6 +38,7 @@ class DDPSync(GradSync):
     # Such hooks run one bucket at a time: a bucket's hook first waits for the previous bucket's future.
     serialize_buckets = False
     uses_cap = True
+    sync_keys = ("bucket_cap_mb", "first_bucket_mb", "hook") + CLASS_RULE_KEYS
     plans_like = "bucketed"  # `bucketed` lays buckets out as DDP's rebuilt reducer does, from the same two knobs
 
     def __init__(self, model, cfg, process_group=None):
@@ -59,7 +61,8 @@ class DDPSync(GradSync):
         )
         self.names = {p: n for n, p in model.named_parameters()}
         self.class_of = tc.from_config(cfg).assign(model.named_parameters())
-        self._records: list[dict] = []
+        self._records: list[BucketRecord] = []  # the last synchronized step's, drained by `step_records`
+        self._timing: list[tuple[BucketRecord, list]] = []  # with a hook: (record, [ready, launch, complete] stamps)
         self._backward_t: Stamp | None = None
         self.device = next(model.parameters()).device
         self._layout: list[dict] | None = None  # built-in all-reduce: DDP's buckets, from its logging data
@@ -98,14 +101,14 @@ class DDPSync(GradSync):
             names = [self.names[p] for p in bucket.parameters()]
             classes = {self.class_of[n] for n in names}
             buffer = bucket.buffer()  # (numel,) the flat bucket DDP copied the gradients into
-            rec = {"bucket": bucket.index(), "class": classes.pop() if len(classes) == 1 else "mixed",
-                   "dtype": str(buffer.dtype)[6:], "wire_dtype": self.wire_dtype(), "tensors": len(names),
-                   "numel": buffer.numel(), "bytes": buffer.numel() * buffer.element_size(), "_ready": t,
-                   "_launch": t_launch, "_complete": None}
-            self._records.append(rec)
+            rec = BucketRecord(bucket.index(), classes.pop() if len(classes) == 1 else "mixed",
+                               dtype=str(buffer.dtype)[6:], wire_dtype=self.wire_dtype(), tensors=len(names),
+                               numel=buffer.numel(), nbytes=buffer.numel() * buffer.element_size())
+            stamps = [t, t_launch, None]
+            self._timing.append((rec, stamps))
 
             def done(fut):
-                rec["_complete"] = stamp(self.device)  # on CUDA: on the stream synchronized with the collective
+                stamps[2] = stamp(self.device)  # on CUDA: on the stream synchronized with the collective
                 return fut.value()
 
             fut = hook(state, bucket)
@@ -129,13 +132,12 @@ class DDPSync(GradSync):
             v = ms_between(t0, t)
             return None if v is None else round(v, 3)
 
-        for rec in self._records:
-            ready, launch, complete = rec.pop("_ready"), rec.pop("_launch"), rec.pop("_complete")
-            rec.update(ready_ms=ms(ready), launch_ms=ms(launch), complete_ms=ms(complete), wait_start_ms=None,
-                       wait_ms=None)
-        self._records.sort(key=lambda r: r["bucket"])
+        for rec, (ready, launch, complete) in self._timing:
+            rec.ready_ms, rec.launch_ms, rec.complete_ms = ms(ready), ms(launch), ms(complete)
+        self._records = sorted((rec for rec, _ in self._timing), key=lambda r: r.bucket)
+        self._timing = []
 
-    def _size_records(self) -> list[dict]:
+    def _size_records(self) -> list[BucketRecord]:
         """Built-in all-reduce: the bucket layout from DDP's logging data, once DDP has rebuilt its buckets in the
         order of the first backward (logged from step 3 on; before that: its initial layout, sizes only)."""
         if self._layout is None or not self._layout_final:
@@ -152,11 +154,10 @@ class DDPSync(GradSync):
                     classes = {self.class_of[names[j]] for j in idx}
                     entry.update(tensors=len(idx), **{"class": classes.pop() if len(classes) == 1 else "mixed"})
                 self._layout.append(entry)
-        return [{"bucket": i, "class": e["class"], "dtype": "float32", "wire_dtype": "fp32", "tensors": e["tensors"],
-                 "numel": e["bytes"] // 4, "bytes": e["bytes"], "ready_ms": None, "launch_ms": None,
-                 "complete_ms": None, "wait_start_ms": None, "wait_ms": None} for i, e in enumerate(self._layout)]
+        return [BucketRecord(i, e["class"], dtype="float32", wire_dtype="fp32", tensors=e["tensors"],
+                             numel=e["bytes"] // 4, nbytes=e["bytes"]) for i, e in enumerate(self._layout)]
 
-    def step_records(self) -> list[dict]:
+    def step_records(self) -> list[BucketRecord]:
         records, self._records = self._records, []
         return records
 

@@ -5,13 +5,14 @@ wire dtype (fp32; bf16 or fp16: cast, all-reduce, cast back) and process group, 
 from __future__ import annotations
 
 from collectives.plan import BucketingStrategy, pack
-from collectives.strategies import register
+from collectives.strategies import CLASS_RULE_KEYS, CLASS_SETTING_KEYS, register
 
 
 @register("per_class")
 class PerClass(BucketingStrategy):
     class_groups = True
     uses_cap = True
+    sync_keys = ("bucket_cap_mb",) + CLASS_RULE_KEYS + CLASS_SETTING_KEYS  # the cap: each class's default
 
     def lossless(self, settings):
         return all(s.wire_dtype == "fp32" for s in settings.values())

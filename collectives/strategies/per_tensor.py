@@ -4,12 +4,14 @@ latency-bound extreme, whose cost shows what bucketing buys."""
 from __future__ import annotations
 
 from collectives.plan import Bucket, BucketingStrategy
-from collectives.strategies import register
+from collectives.strategies import CLASS_RULE_KEYS, register
 from collectives.tensor_classes import CollectiveSettings
 
 
 @register("per_tensor")
 class PerTensor(BucketingStrategy):
+    sync_keys = CLASS_RULE_KEYS  # no cap: a bucket per tensor
+
     def plan(self, named_params, classes, settings):
         fp32 = CollectiveSettings()  # no cap: every tensor is a bucket of its own
         return [Bucket(i, (n,), p.numel(), p.numel() * fp32.torch_wire_dtype.itemsize, classes[n], fp32, p.dtype)

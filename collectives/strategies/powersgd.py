@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from collectives.strategies import register
+from collectives.strategies import CLASS_RULE_KEYS, register
 from collectives.strategies.ddp import DDPSync
 
 
@@ -17,6 +17,9 @@ from collectives.strategies.ddp import DDPSync
 class PowerSGDSync(DDPSync):
     serialize_buckets = True  # each bucket's P and Q all-reduces are chained from callbacks (see DDPSync)
     plans_like = None  # compressed: no bucket plan of the lossless strategies models it
+    # DDP's bucket knobs, not its `sync.hook`: PowerSGD is the hook
+    sync_keys = ("bucket_cap_mb", "first_bucket_mb", "powersgd_rank", "powersgd_start_iter") + CLASS_RULE_KEYS
+
     def __init__(self, model, cfg, process_group=None):
         super().__init__(model, cfg, process_group)
         self.lossless = False

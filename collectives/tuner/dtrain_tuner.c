@@ -1,7 +1,8 @@
 /* dtrain's NCCL tuner plugin: forces each tensor class's (algorithm, protocol) on that class's communicators.
  *
  * Built by `python -m collectives.nccl build-tuner` (plain C, no CUDA or NCCL headers needed) and loaded by NCCL
- * through NCCL_TUNER_PLUGIN=<path of the .so>. Written from nccl-facts.md section 3; the struct layouts are NCCL's
+ * through NCCL_TUNER_PLUGIN=<path of the .so>. Written from NCCL's src/include/nccl_tuner.h and its example plugin
+ * (plugins/tuner/example/); the struct layouts are NCCL's
  * tuner interface versions 3 to 6, declared here by hand so the plugin builds anywhere.
  *
  * Per communicator, at init:
@@ -35,7 +36,7 @@ typedef void (*ncclDebugLogger_t)(int level, unsigned long flags, const char* fi
 #define NCCL_LOG_INFO 3
 #define NCCL_TUNING 0x40
 
-#define N_ALGOS 7  /* Tree Ring CollNetDirect CollNetChain NVLS NVLSTree PAT (facts section 1) */
+#define N_ALGOS 7  /* Tree Ring CollNetDirect CollNetChain NVLS NVLSTree PAT (src/include/nccl_tuner.h) */
 #define N_PROTOS 3 /* LL LL128 Simple */
 #define IGNORE_COST (-1.0f)
 
@@ -197,7 +198,7 @@ static ncclResult_t dtrain_get_coll_info(void* context, ncclFunc_t coll, size_t 
                                          int numAlgo, int numProto, int* nChannels) {
   context_t* ctx = (context_t*)context;
   if (!ctx) return ncclInternalError;
-  /* NCCL passes its float[numAlgo][numProto] array cast to float** (facts section 3): index it flat. */
+  /* NCCL passes its float[numAlgo][numProto] array cast to float** (see the example plugin): index it flat. */
   float* table = (float*)collCostTable;
   for (int i = 0; i < ctx->nRules; i++) {
     rule_t* r = &ctx->rules[i];

@@ -1,0 +1,45 @@
+"""The bucket plan of a profile's model, built on meta tensors: what the simulator replays and `analysis.recommend`
+searches over.
+
+The parameters come in the expected gradient-ready order (`collectives.plan.ready_order`, the reverse of
+registration) and the plan is the one training would build (`collectives.strategies.plan_for`), so no memory is
+spent even for the `big` model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from collectives import strategies
+from collectives.plan import ready_order
+from collectives.settings import ClassSettings
+from dtrain.model import Transformer
+
+
+@functools.lru_cache(maxsize=8)
+def _ready_params(model_cfg, vocab: int) -> tuple:
+    """The model's parameters as meta tensors, in the expected gradient-ready order (collectives.plan)."""
+    with torch.device("meta"):
+        model = Transformer.from_config(model_cfg, vocab)
+    return tuple(ready_order(model))
+
+
+def ready_params(cfg, vocab: int | None = None) -> tuple:
+    """(name, meta parameter) pairs of `cfg`'s model in expected ready order; `vocab` defaults to the profile's."""
+    return _ready_params(cfg.model, vocab or cfg.data.vocab_size)
+
+
+def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = None,
+                classes: dict[str, dict] | None = None, vocab: int | None = None) -> strategies.Plan:
+    """The plan of `cfg`'s model under `strategy` (default: the profile's), built on meta tensors in the expected
+    ready order; `classes` overrides `sync.classes.<class>` settings ({class: {"bucket_cap_mb": 4}} ...)."""
+    name = strategy or cfg.sync.strategy
+    merged = dict(cfg.sync.classes or {})
+    for c, over in (classes or {}).items():
+        merged[c] = dataclasses.replace(merged.get(c, ClassSettings()), **over)
+    sync = dataclasses.replace(cfg.sync, strategy=name, classes=merged,
+                               bucket_cap_mb=bucket_cap_mb if bucket_cap_mb is not None else cfg.sync.bucket_cap_mb)
+    return strategies.plan_for(sync, list(ready_params(cfg, vocab)))

@@ -1,0 +1,218 @@
+"""Command line of the step-time simulator: predictions per strategy and bucket size for one recorded run, its check
+against measured runs, or the paper's base configuration projected on a preset. Everything it prints is modeled.
+
+    python -m analysis.simulate --run runs/m30k --topology local:bench.json --strategies flat,bucketed,per_class
+    python -m analysis.simulate --run runs/m30k --topology local:bench.json --measured runs/flat runs/b5 runs/b25
+    python -m analysis.simulate --run runs/m30k --topology local:bench.json --median   # medians of steady steps
+    python -m analysis.simulate --paper                  # the paper's base configuration projected on 8 P100
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+
+from analysis.plans import bucket_plan
+from analysis.runs import load_run
+from analysis.simulate.calibration import Calibration, calibrate
+from analysis.simulate.check import (PREDICTED_TIE, EveryStep, error_pct, every_step, measured_runs, paired, ranking,
+                                     speed_probe)
+from analysis.simulate.costs import default_lanes
+from analysis.simulate.paper import PAPER_STEP_S, paper_profile
+from analysis.simulate.predict import Prediction, sweep
+from analysis.simulate.reference import ready_curve, reference_step
+from analysis.simulate.timeline import GLOO_LANES
+from collectives import costmodel as cm
+from common.errors import ArgumentParser, UserError, exit_on_user_error
+
+PROG = "analysis.simulate"
+DEFAULT_STRATEGIES = ("per_tensor", "flat", "bucketed", "per_class", "ddp", "noop")
+DEFAULT_CAPS_MB = (1.0, 5.0, 25.0, 100.0)
+EXAMPLES = "\n".join(line for line in (__doc__ or "").splitlines() if line.startswith("    python -m"))
+
+
+def _summary(m: list[Prediction], adjusted: bool) -> list[str]:
+    values = [r.adjusted_step_ms if adjusted else r.measured_step_ms for r in m]
+    errs = [abs(error_pct(r.step_ms, v)) for r, v in zip(m, values)]
+    rk = ranking(m, adjusted)
+    what = ("speed-adjusted (each run scaled to the profiled run's machine speed by its forward time)" if adjusted
+            else "against measurement")
+    out = [f"# {what}: max |err| {max(errs):.1f}% (mean {statistics.mean(errs):.1f}%), same ranking: "
+           f"{'yes' if rk.agrees else 'no'} ({rk.pairs} pairs, {rk.ties} ties: measurement does not separate them "
+           f"or predictions within {PREDICTED_TIE:.1%})"]
+    out += [f"#   ordered differently: {a} vs {b}" for a, b in rk.discordant]
+    return out
+
+
+def _row(r: Prediction) -> str:
+    ln = f"{r.label:>16} {r.buckets:>7} {r.comm_ms:9.2f} {r.exposed_ms:10.2f} {r.step_ms:9.2f}"
+    if r.measured_step_ms is not None:
+        lo, hi = r.measured_ci or (r.measured_step_ms,) * 2
+        alo, ahi = r.adjusted_ci or (r.adjusted_step_ms,) * 2
+        ln += (f" {r.measured_step_ms:10.2f} {f'{lo:.0f}-{hi:.0f}':>9} "
+               f"{error_pct(r.step_ms, r.measured_step_ms):6.1f} {r.measured_exposed_ms:10.2f} {r.speed:5.2f} "
+               f"{r.adjusted_step_ms:9.2f} {f'{alo:.0f}-{ahi:.0f}':>9} "
+               f"{error_pct(r.step_ms, r.adjusted_step_ms):6.1f}  {r.run}")
+    if not r.lossless:
+        ln += "  (lossy)" if r.communicates else "  (no communication: headroom only)"
+    return ln
+
+
+def format_rows(rows: list[Prediction], header: list[str]) -> str:
+    lines = [f"# {h}" for h in header]
+    has_meas = any(r.measured_step_ms is not None for r in rows)
+    head = (f"{'strategy':>16} {'buckets':>7} {'comm ms':>9} {'exposed ms':>10} {'step ms':>9}")
+    if has_meas:
+        head += (f" {'meas. step':>10} {'interval':>9} {'err %':>6} {'meas. exp.':>10} {'speed':>5} "
+                 f"{'adj. step':>9} {'adj. int.':>9} {'err %':>6}  runs")
+    lines.append(head + "   (modeled)")
+    lines += [_row(r) for r in rows]
+    best = min((r for r in rows if r.lossless and r.communicates and r.run is None),
+               key=lambda r: (round(r.step_ms, 2), r.comm_ms), default=None)  # ties: less traffic
+    if best:
+        lines.append(f"# best lossless choice (modeled): {best.label}, {best.step_ms:.2f} ms per step")
+    if has_meas:
+        m = [r for r in rows if r.measured_step_ms is not None]
+        lines.append("# interval: the range of run medians with repeated runs, else the ~95% order-statistics "
+                     "interval of one run's median; speed: the run's forward time over the profiled run's")
+        interleaved = all(paired(a, b) is not None for i, a in enumerate(m) for b in m[i + 1:])
+        if interleaved:
+            lines.append("# every pair ran interleaved (analysis.interleave): pairs are separated by their step-by-"
+                         "step differences, and no speed adjustment is needed (the drift hits all alike)")
+        lines += _summary(m, adjusted=False) + ([] if interleaved else _summary(m, adjusted=True))
+    return "\n".join(lines)
+
+
+def _parse_list(text: str, kind=str) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise UserError(f"bad list '{text}': {e}") from e
+
+
+def parser() -> ArgumentParser:
+    ap = ArgumentParser(prog=f"python -m {PROG}", formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Predict step time and exposed communication per strategy and bucket size from "
+                                    "one profiled step and a cost model (modeled, not measured).",
+                        epilog=f"examples:\n{EXAMPLES}")
+    ap.add_argument("--run", help="a run directory (config.yaml, run.json, steps.jsonl, buckets.jsonl)")
+    ap.add_argument("--topology", help="cost model: a preset (h100x8 ...) or local:<bench.csv|json|fit.json>")
+    ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES))
+    ap.add_argument("--bucket-sizes", default=",".join(f"{c:g}" for c in DEFAULT_CAPS_MB), help="MiB, comma list")
+    ap.add_argument("--step", type=int, help="the step to replay (default: the most typical steady step)")
+    ap.add_argument("--median", action="store_true", help="replay the medians of the steady steps instead of one")
+    ap.add_argument("--warmup", type=int, help="steps dropped as warm-up (default max(3, 10%%))")
+    ap.add_argument("--no-calibrate", action="store_true", help="do not scale the model by the profiled step")
+    ap.add_argument("--no-host-cost", action="store_true",
+                    help="CPU runs: do not charge what collectives take from the backward they overlap (applied by "
+                         "default when the benchmark measured it: collectives.bench --overlap)")
+    ap.add_argument("--lanes", type=int, help="collectives in flight at once per process group (default: "
+                    f"{GLOO_LANES} for a gloo run with a fitted model, as ProcessGroupGloo's threads; 1 otherwise)")
+    ap.add_argument("--measured", nargs="*", default=[], help="runs to compare against (their own configs)")
+    ap.add_argument("--every-step", action="store_true",
+                    help="with --measured: repeat the check with each steady step as the profiled step and summarize")
+    ap.add_argument("--paper", action="store_true", help="project the paper's base configuration (8 P100)")
+    ap.add_argument("--mfu", type=float, default=0.3, help="--paper: assumed fraction of the GPU's fp32 peak")
+    ap.add_argument("--json", action="store_true")
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = parser()
+    with exit_on_user_error(PROG):
+        _main(ap.parse_args(argv))
+
+
+def _check(args) -> tuple[list[str], list[float]]:
+    """The arguments' one-line errors before any work; the strategies and the caps (MiB)."""
+    if args.lanes is not None and args.lanes < 1:
+        raise UserError("--lanes must be at least 1")
+    if args.every_step and (args.paper or not args.measured):
+        raise UserError("--every-step repeats the check against --measured runs: give --run and --measured")
+    if args.warmup is not None and args.warmup < 0:
+        raise UserError("--warmup must be at least 0")
+    if args.median and args.step is not None:
+        raise UserError("--median replays the medians of the steady steps, --step one step: give one of them")
+    strategies = _parse_list(args.strategies)
+    if not strategies:
+        raise UserError("--strategies: give at least one strategy")
+    caps = _parse_list(args.bucket_sizes, float)
+    if not caps or any(not math.isfinite(c) or c <= 0 for c in caps):
+        raise UserError("--bucket-sizes must be positive, finite numbers (MiB)")
+    return strategies, caps
+
+
+def _paper(args, strategies: list[str], caps: list[float]) -> tuple[list[Prediction], list[str]]:
+    """The paper's base configuration on a preset: rows and header."""
+    topo = cm.topology(args.topology or "p100x8")
+    model = cm.NcclModel(topo)
+    cfg, ref, curve, notes, implied = paper_profile(topo, mfu=args.mfu)
+    rows = sweep(cfg, ref, curve, model, Calibration(), strategies, caps)
+    header = ["MODELED projection of the paper's base configuration (no measurement)", *notes, *model.header(),
+              f"paper: {PAPER_STEP_S} s per step; at that step time the compute alone implies {implied:.0%} of "
+              f"fp32 peak"]
+    return rows, header
+
+
+def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Prediction], list[str], EveryStep | None]:
+    """A recorded run's reference step played with every strategy and cap, and the measured runs beside: rows,
+    header, and with --every-step the check repeated over its steady steps."""
+    if not args.run or not args.topology:
+        raise UserError("give --run and --topology (or --paper)")
+    run = load_run(args.run)
+    model = cm.load_model(args.topology)
+    if model.ranks and run.world > 1 and model.ranks != run.world:
+        print(f"# note: the cost model has {model.ranks} ranks, the run {run.world}", file=sys.stderr)
+    ref = reference_step(run, args.step, args.warmup, args.median)
+    curve = ready_curve(run, ref)
+    on_cpu = str(run.header.get("device", "cpu")).startswith("cpu")
+    lanes = args.lanes or default_lanes(str(run.header.get("backend", "gloo")), model)
+    class_groups = bucket_plan(run.cfg).class_groups
+    host_cost = on_cpu and not args.no_host_cost
+    calib = (Calibration(note="off", lanes=lanes) if args.no_calibrate
+             else calibrate(ref, model, host_cost, lanes, class_groups))
+    rows = sweep(run.cfg, ref, curve, model, calib, strategies, caps, run.vocab)
+    measured_dirs = [load_run(p) for p in args.measured]
+    measured = measured_runs(measured_dirs, run, ref, curve, model, calib, args.warmup)
+    rows += measured
+    which = "medians of its steady steps" if args.median else f"step {ref.step}"
+    header = [f"MODELED from run {run.path} (strategy {run.strategy}, world {run.world}), {which}: "
+              f"data {ref.data_ms:.1f} + forward {ref.forward_ms:.1f} + backward {ref.backward_ms:.1f} + "
+              f"optimizer {ref.optimizer_ms:.1f} ms (measured {ref.step_ms:.1f} ms, exposed "
+              f"{ref.exposed_ms:.1f})", f"ready times: {curve.source}", f"calibration: {calib.note}",
+              *model.header(), *ref.notes]
+    if measured:
+        header.append(speed_probe(ref, measured))
+    robust = every_step(run, model, measured_dirs, host_cost, lanes, args.warmup) if args.every_step else None
+    return rows, header, robust
+
+
+def _main(args) -> None:
+    strategies, caps = _check(args)
+    robust = None
+    if args.paper:
+        rows, header = _paper(args, strategies, caps)
+    else:
+        rows, header, robust = _recorded(args, strategies, caps)
+    if args.json:
+        doc = {"modeled": True, "notes": header,
+               "rows": [{k: v for k, v in vars(r).items() if k != "samples"} | {"label": r.label} for r in rows]}
+        if any(r.measured_step_ms is not None for r in rows):
+            for key, adjusted in (("ranking", False), ("ranking_adjusted", True)):
+                rk = ranking(rows, adjusted)
+                doc[key] = dataclasses.asdict(rk) | {"agrees": rk.agrees}
+        if robust is not None:
+            doc["every_step"] = dataclasses.asdict(robust)
+        print(json.dumps(doc, indent=1))
+    else:
+        print(format_rows(rows, header))
+        if robust is not None:
+            print("\n".join("# " + ln for ln in robust.lines()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Predictions: a configuration's step played on the reference step (its buckets ready where the reference step's
+ready curve says, its collectives costed by the model and calibrated), and the sweep over strategies and caps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from analysis.plans import bucket_plan, ready_params
+from analysis.simulate.calibration import Calibration
+from analysis.simulate.costs import host_ms
+from analysis.simulate.reference import ReferenceStep
+from analysis.simulate.timeline import ReadyCurve, play_timeline, through
+from collectives import nccl, strategies
+from common.errors import UserError
+
+
+@dataclass
+class Prediction:
+    strategy: str
+    cap_mb: float | None
+    buckets: int
+    comm_ms: float
+    exposed_ms: float
+    step_ms: float
+    lossless: bool = True
+    communicates: bool = True
+    measured_step_ms: float | None = None
+    measured_exposed_ms: float | None = None
+    measured_ci: tuple[float, float] | None = None  # interval of the measured median (see `measured_runs`)
+    measured_optimizer_ms: float | None = None  # the optimizer step: compute only, a probe of the machine's speed
+    measured_runs: int = 0
+    # steady step times keyed by (the run's parent folder, step): configurations of one interleaved job
+    # (`analysis.interleave`) share keys, and a pair of them is compared step by step, paired
+    samples: dict = field(default_factory=dict, repr=False)
+    speed: float | None = None  # median over its runs of (run's forward / profiled run's forward): machine speed
+    adjusted_step_ms: float | None = None  # measured, each run scaled to the profiled run's machine speed
+    adjusted_ci: tuple[float, float] | None = None
+    run: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.strategy + (f"@{self.cap_mb:g}M" if self.cap_mb is not None else "")
+
+
+def requested_nccl(cfg, class_groups: bool):
+    """bucket -> (algo, proto) as the run would request them (None: NCCL decides): a class's own settings where
+    each class has its communicator (`collectives.nccl.resolve`), else `collectives.default` for every bucket."""
+    cache: dict = {}
+
+    def of(bucket):
+        name = bucket.tensor_class if class_groups else None
+        if name not in cache:
+            s = nccl.resolve(cfg, name) if name else cfg.collectives.default
+            cache[name] = (s.algo, s.proto)
+        return cache[name]
+
+    return of
+
+
+def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration, strategy: str,
+            cap_mb: float | None = None, vocab: int | None = None, classes: dict | None = None,
+            cost=None, nccl_of=None) -> Prediction:
+    """Predicted step of `cfg`'s model under `strategy` (bucket cap, per-class overrides), played on the reference
+    step. `cost(nbytes, algo, proto) -> ms` replaces the model's cost of one all-reduce; `nccl_of(bucket)` gives
+    the (algo, proto) a bucket is forced to (default: what the profile requests)."""
+    if strategy == "powersgd":
+        raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
+    compute = ref.compute_ms
+    if strategy == "noop":
+        return Prediction("noop", None, 0, 0.0, 0.0, compute - (calib.host_base_ms or 0.0), lossless=False,
+                          communicates=False)
+    plan, overlap, class_groups = bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
+    params = ready_params(cfg, vocab)
+    ready = [curve.at(x) for x in through(plan, params)]
+    one = cost or (lambda n, a, p: model.allreduce_ms(n, a, p))
+    nccl_of = nccl_of or requested_nccl(cfg, class_groups)
+    dur = [calib.comm_scale * one(b.nbytes, *nccl_of(b)) for b in plan]
+    lat = [calib.comm_scale * model.allreduce_latency_ms(b.nbytes) for b in plan] if cost is None else None
+    groups = [b.tensor_class for b in plan] if class_groups and calib.lanes > 1 else None
+    tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups)
+    exposed = tl.exposed_ms + calib.post_ms
+    if calib.host_base_ms is not None:  # more collectives during backward than the reference step: slower compute
+        compute += host_ms(model, [b.nbytes for b in plan], tl) - calib.host_base_ms
+    lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
+    return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, len(plan), tl.comm_ms,
+                      exposed, compute + exposed, lossless)
+
+
+def sweep(cfg, ref, curve, model, calib, names, caps, vocab=None) -> list[Prediction]:
+    """A prediction per strategy of `names`, and per cap of `caps` for those whose buckets follow the cap."""
+    out = []
+    for s in names:
+        for cap in (caps if strategies.get(s).uses_cap else (None,)):
+            out.append(predict(cfg, ref, curve, model, calib, s, cap, vocab))
+    return out

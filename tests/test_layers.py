@@ -1,0 +1,36 @@
+"""The layering contract in pyproject.toml (analysis > dtrain > collectives > common) holds, and breaks when a lower
+layer imports a higher one."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("common", "collectives", "dtrain", "analysis")
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    # import-linter reads the contract from the pyproject.toml in its working directory and imports the packages
+    # from there, so a copy of the tree is checked as it stands, not the installed one.
+    return subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; "
+                           "lint_imports_command()", "--no-cache"],
+                          cwd=root, capture_output=True, text=True, env={"PYTHONPATH": str(root), "PATH": "/usr/bin"})
+
+
+def test_the_layers_hold():
+    r = lint_imports(REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 kept, 0 broken" in r.stdout
+
+
+def test_an_import_up_the_layers_breaks_the_contract(tmp_path):
+    for name in PACKAGES:
+        shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    leaf = tmp_path / "collectives" / "sync.py"
+    leaf.write_text(leaf.read_text() + "\nfrom dtrain import model  # noqa: E402,F401\n")
+    r = lint_imports(tmp_path)
+    assert r.returncode != 0
+    assert "collectives is not allowed to import dtrain" in r.stdout
+    assert "collectives.sync -> dtrain.model" in r.stdout
