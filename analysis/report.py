@@ -21,8 +21,8 @@ import pandas as pd
 
 from analysis import plots
 from analysis.runs import PHASES, Run, find_runs, load_run, steady_text, typical_step
-from collectives import strategies
 from collectives import costmodel as cm
+from collectives import strategies
 from common.errors import UserError, exit_on_user_error
 from common.files import output_dir
 

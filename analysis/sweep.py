@@ -49,9 +49,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from analysis.runs import finished
-from common import rundir
 from analysis.testbed import Names, status
 from collectives.strategies import available
+from common import rundir
 from common.errors import UserError, exit_on_user_error
 from common.files import output_dir
 from common.schema import Source, build, read_yaml

@@ -204,7 +204,8 @@ def status(names: Names) -> list[dict]:
     for i in nodes:
         ns = names.node(i)
         addrs = _json("ip", "-n", ns, "-j", "addr", "show", "dev", IFACE)
-        inet = [f"{a['local']}/{a['prefixlen']}" for x in addrs for a in x.get("addr_info", []) if a["family"] == "inet"]
+        inet = [f"{a['local']}/{a['prefixlen']}" for x in addrs for a in x.get("addr_info", [])
+                if a["family"] == "inet"]
         state = addrs[0].get("operstate", "?") if addrs else "missing"
         rows.append({"node": i, "netns": ns, "iface": IFACE, "address": ",".join(inet) or "-", "state": state,
                      "egress": _qdisc(ns, IFACE),
@@ -420,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="create the nodes, bridge and shaped links")
     p_up.add_argument("--nodes", type=int, help="number of nodes (default 2, or the profile's)")
-    p_up.add_argument("--link", help="every node's link rate in tc units, e.g. 1gbit, 100mbit, or 'none' (default 1gbit)")
+    p_up.add_argument("--link", help="every node's link rate in tc units, e.g. 1gbit, 100mbit, or 'none' "
+                                     "(default 1gbit)")
     p_up.add_argument("--link-per-node", help="comma-separated rates, one per node (overrides --link)")
     p_up.add_argument("--burst", help="tbf bucket size, e.g. 256kb (default: 2 ms of the rate, at least 64kb)")
     p_up.add_argument("--latency-ms", type=float, help="tbf queue: longest wait before a packet drops (default 50)")

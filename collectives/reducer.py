@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from collectives.spans import comm_span
 from collectives.plan import Bucket
+from collectives.spans import comm_span
 from collectives.timing import Stamp, ms_between, stamp
 from common.rundir import BucketRecord
 

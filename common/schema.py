@@ -23,7 +23,6 @@ import yaml
 
 from common.errors import UserError
 
-
 INCLUDE = "include"  # the top-level key of an overlay
 
 

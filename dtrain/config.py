@@ -16,11 +16,16 @@ from pathlib import Path
 import yaml
 
 from collectives.config import validate as validate_comm
-from collectives.strategies import unused_keys
 from collectives.settings import CollectivesConfig, DistConfig, NcclSettings, SyncConfig  # noqa: F401 (re-exported)
+from collectives.strategies import unused_keys
 from common.errors import UserError
-from common.schema import apply_override  # noqa: F401 (re-exported)
-from common.schema import Source, apply_overrides, build, read_overlay
+from common.schema import (
+    Source,
+    apply_override,  # noqa: F401 (re-exported)
+    apply_overrides,
+    build,
+    read_overlay,
+)
 
 # The paper's Table 3 models, plus small presets that train on two CPU cores.
 MODEL_PRESETS = {

@@ -19,8 +19,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-from dtrain.checkpoint import sha256_file
 from common.errors import UserError
+from dtrain.checkpoint import sha256_file
 from dtrain.tokenizer import BOS, EOS, PAD
 
 # ---------------------------------------------------------------------------------------------------------------

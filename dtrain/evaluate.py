@@ -15,12 +15,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from collectives import dist as ddist
-from dtrain import checkpoint, config as config_mod
+from common.errors import UserError, exit_on_user_error
+from dtrain import checkpoint
+from dtrain import config as config_mod
 from dtrain.bleu import corpus_bleu
 from dtrain.config import EvalConfig, RunConfig
 from dtrain.data import multi30k_dir, multi30k_split
 from dtrain.decode import translate
-from common.errors import UserError, exit_on_user_error
 from dtrain.log import RunWriter
 from dtrain.model import Transformer, sdpa_backend
 from dtrain.tokenizer import Tokenizer

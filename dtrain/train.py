@@ -16,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from collectives import nccl
-from dtrain import config as config_mod
 from collectives import dist as ddist
+from collectives import nccl
 from common.errors import UserError, exit_on_user_error
+from dtrain import config as config_mod
 from dtrain.faults import parse as parse_fault
 from dtrain.log import prepare_run_dir
 from dtrain.trainer import Trainer

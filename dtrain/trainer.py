@@ -16,23 +16,22 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from dtrain.profiler import StepProfiler
-from dtrain.telemetry import Telemetry
-from collectives import nccl
-from collectives import attach
-from collectives.timing import ms_between, stamp
-from dtrain import checkpoint
-from dtrain.evaluate import score_split, write_score
+from collectives import attach, nccl
 from collectives import dist as ddist
-from dtrain.config import RunConfig
-from dtrain.data import BatchStream, Pairs, TokenBatcher, cache_root, collate, multi30k_dir, multi30k_split
+from collectives.timing import ms_between, stamp
 from common.errors import JobFailure, UserError
 from common.rundir import StepRecord, ValRecord
+from dtrain import checkpoint
+from dtrain.config import RunConfig
+from dtrain.data import BatchStream, Pairs, TokenBatcher, cache_root, collate, multi30k_dir, multi30k_split
+from dtrain.evaluate import score_split, write_score
 from dtrain.faults import Fault, FaultInjector
 from dtrain.log import RunWriter
 from dtrain.loss import LabelSmoothing
 from dtrain.model import Transformer, count_parameters, sdpa_backend
+from dtrain.profiler import StepProfiler
 from dtrain.schedule import make_scheduler
+from dtrain.telemetry import Telemetry
 from dtrain.tokenizer import PAD, Tokenizer, train_or_load
 
 
@@ -163,15 +162,41 @@ class Trainer:
 
     def train_step(self) -> StepRecord:
         """One optimizer step over `accum_steps` micro-batches; returns the step record."""
-        t = self.cfg.train
-        times = dict(data=0.0, forward=0.0)
-        backward_spans = []  # (start, end) stamps per micro-batch, read after the step (on CUDA, from events)
-        loss_sum, ntokens = 0.0, 0
-        amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if t.amp == "bf16" else nullcontext()
         self.model.train()
         self.faults.step_start(self.step + 1)
         poison = self.faults.poison(self.step + 1, self.model)
         t_step = time.perf_counter()
+        times, backward_spans, loss_sum, ntokens = self._forward_backward()
+        if poison is not None:
+            poison.remove()
+        self.phase = "gradient synchronization (wait)"
+        w0 = stamp(self.device)
+        self.sync.wait()
+        w1 = stamp(self.device)  # on CUDA: the current stream has waited for every bucket by here
+        self._sync_device()
+        t5 = time.perf_counter()
+        self.phase = "optimizer step"
+        lr = self.scheduler.get_last_lr()[0]
+        grad_norm, finite = self._optimizer_step()
+        t6 = time.perf_counter()
+        self.step += 1
+        self.bad_steps = 0 if finite else self.bad_steps + 1
+        ms = lambda s: round(s * 1000, 3)  # noqa: E731
+        backward_ms = sum(ms_between(a, b) for a, b in backward_spans)
+        return StepRecord(self.step, self.stream.epoch, loss=loss_sum / max(ntokens, 1), tokens=ntokens, lr=lr,
+                          grad_norm=grad_norm, skipped=not finite, data_ms=ms(times["data"]),
+                          forward_ms=ms(times["forward"]), backward_ms=round(backward_ms, 3),
+                          comm_exposed_ms=round(ms_between(w0, w1), 3), optimizer_ms=ms(t6 - t5),
+                          step_ms=ms(t6 - t_step), time=round(time.time(), 3))
+
+    def _forward_backward(self) -> tuple[dict, list, float, int]:
+        """The step's micro-batches: (data and forward seconds, (start, end) backward stamps per micro-batch, summed
+        loss, target tokens). All but the last accumulate locally; the last one's backward communicates."""
+        t = self.cfg.train
+        times = dict(data=0.0, forward=0.0)
+        backward_spans = []  # read after the step (on CUDA, from events)
+        loss_sum, ntokens = 0.0, 0
+        amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if t.amp == "bf16" else nullcontext()
         for micro in range(t.accum_steps):
             t0 = time.perf_counter()
             batch = self.stream.next().to(self.device)
@@ -196,16 +221,10 @@ class Trainer:
             backward_spans.append((b0, b1))
             loss_sum += loss.item()
             ntokens += batch.ntokens
-        if poison is not None:
-            poison.remove()
-        self.phase = "gradient synchronization (wait)"
-        w0 = stamp(self.device)
-        self.sync.wait()
-        w1 = stamp(self.device)  # on CUDA: the current stream has waited for every bucket by here
-        self._sync_device()
-        t5 = time.perf_counter()
-        self.phase = "optimizer step"
-        lr = self.scheduler.get_last_lr()[0]
+        return times, backward_spans, loss_sum, ntokens
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Clip by the global norm and step, unless a gradient is not finite: (the norm, whether it stepped)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads)  # of the synchronized gradients: equal on every rank
         # A non-finite gradient reached every rank through the all-reduce, so all ranks skip this step alike.
@@ -217,16 +236,7 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._sync_device()
-        t6 = time.perf_counter()
-        self.step += 1
-        self.bad_steps = 0 if finite else self.bad_steps + 1
-        ms = lambda s: round(s * 1000, 3)  # noqa: E731
-        backward_ms = sum(ms_between(a, b) for a, b in backward_spans)
-        return StepRecord(self.step, self.stream.epoch, loss=loss_sum / max(ntokens, 1), tokens=ntokens, lr=lr,
-                          grad_norm=float(grad_norm), skipped=not finite, data_ms=ms(times["data"]),
-                          forward_ms=ms(times["forward"]), backward_ms=round(backward_ms, 3),
-                          comm_exposed_ms=round(ms_between(w0, w1), 3), optimizer_ms=ms(t6 - t5),
-                          step_ms=ms(t6 - t_step), time=round(time.time(), 3))
+        return float(grad_norm), finite
 
     @torch.no_grad()
     def validate(self) -> ValRecord:
@@ -280,7 +290,7 @@ class Trainer:
         desc = cfg.name if t.max_minutes is None else f"{cfg.name} (budget {t.max_minutes:g} min)"
         bar = tqdm(total=None if t.max_minutes else t.max_steps, initial=self.step, disable=not self.main, desc=desc,
                    unit="step", dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 60.0)
-        window_loss, window_tokens, window_time = 0.0, 0, 0.0
+        window = [0.0, 0, 0.0]  # since the last log line: loss x tokens, tokens, seconds
         val = None
         while self.step < t.max_steps:
             rec = self.recorded_step()
@@ -290,24 +300,12 @@ class Trainer:
                 if self.bad_steps > t.max_bad_steps:
                     raise JobFailure(f"stopping at step {self.step}: {self.bad_steps} consecutive steps with "
                                      f"non-finite gradients (train.max_bad_steps = {t.max_bad_steps})")
-            window_loss += rec.loss * rec.tokens
-            window_tokens += rec.tokens
-            window_time += rec.step_ms / 1000
+            window = [window[0] + rec.loss * rec.tokens, window[1] + rec.tokens, window[2] + rec.step_ms / 1000]
             bar.update(1)
             if self.step % t.log_every == 0 or self.step == t.max_steps:
-                # One small all-reduce per log interval: the global loss and throughput, and the stop decision of
-                # the wall-clock budget, taken on rank 0 and shared so every rank stops at the same step.
-                over = t.max_minutes is not None and (time.perf_counter() - t_start) / 60 >= t.max_minutes
-                self.phase = "log all-reduce"
-                loss_sum, toks, stop = self._guarded(ddist.all_reduce_sum,
-                                                     [window_loss, window_tokens, float(over and self.main)],
-                                                     self.device)
-                bar.set_postfix(loss=f"{loss_sum / max(toks, 1):.3f}", tok_s=f"{toks / max(window_time, 1e-9):,.0f}",
-                                step_ms=f"{rec.step_ms:.0f}")
-                window_loss, window_tokens, window_time = 0.0, 0, 0.0
+                stop = self._log_window(bar, window, rec, t_start)
+                window = [0.0, 0, 0.0]
                 if stop:
-                    if self.main:
-                        bar.write(f"wall-clock budget of {t.max_minutes} min reached at step {self.step}")
                     break
             if t.val_every and self.step % t.val_every == 0:
                 self.phase = "validation"
@@ -319,7 +317,25 @@ class Trainer:
         bar.close()
         self.profiler.stop()
         self.telemetry.stop()
-        train_s = time.perf_counter() - t_start
+        return self._wrap_up(start_step, time.perf_counter() - t_start, val)
+
+    def _log_window(self, bar, window: list, rec: StepRecord, t_start: float) -> bool:
+        """One small all-reduce per log interval: the global loss and throughput, and the stop decision of the
+        wall-clock budget, taken on rank 0 and shared so that every rank stops at the same step. True: stop."""
+        t = self.cfg.train
+        over = t.max_minutes is not None and (time.perf_counter() - t_start) / 60 >= t.max_minutes
+        self.phase = "log all-reduce"
+        loss_sum, toks, stop = self._guarded(ddist.all_reduce_sum, [window[0], window[1], float(over and self.main)],
+                                             self.device)
+        bar.set_postfix(loss=f"{loss_sum / max(toks, 1):.3f}", tok_s=f"{toks / max(window[2], 1e-9):,.0f}",
+                        step_ms=f"{rec.step_ms:.0f}")
+        if stop and self.main:
+            bar.write(f"wall-clock budget of {t.max_minutes} min reached at step {self.step}")
+        return bool(stop)
+
+    def _wrap_up(self, start_step: int, train_s: float, val: ValRecord | None) -> dict:
+        """After the last step: the final checkpoint and validation, the NCCL check, averaging, the final BLEU."""
+        cfg, t = self.cfg, self.cfg.train
         if self.step % t.ckpt_every != 0:  # the final state, unless the loop just saved it
             self.save()
         if val is None or val.step != self.step:

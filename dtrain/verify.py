@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from collectives import attach
 from collectives.reducer import allreduce_each
 from collectives.strategies import available, get
-from collectives import attach
 from common.errors import UserError, exit_on_user_error
 from common.schema import apply_override
 from dtrain import config

@@ -20,8 +20,17 @@ Everything it prints is modeled.
 
 from analysis.runs import load_run
 from analysis.simulate.calibration import Calibration, calibrate
-from analysis.simulate.check import (EveryStep, Ranking, every_step, measured_runs, median_ci, paired, ranking,
-                                     run_level, speed_probe)
+from analysis.simulate.check import (
+                                     EveryStep,
+                                     Ranking,
+                                     every_step,
+                                     measured_runs,
+                                     median_ci,
+                                     paired,
+                                     ranking,
+                                     run_level,
+                                     speed_probe,
+)
 from analysis.simulate.costs import default_lanes, host_ms
 from analysis.simulate.paper import flop_step, flop_timeline, paper_profile
 from analysis.simulate.predict import Prediction, predict, requested_nccl, sweep

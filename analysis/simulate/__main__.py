@@ -19,8 +19,16 @@ import sys
 from analysis.plans import bucket_plan
 from analysis.runs import load_run
 from analysis.simulate.calibration import Calibration, calibrate
-from analysis.simulate.check import (PREDICTED_TIE, EveryStep, error_pct, every_step, measured_runs, paired, ranking,
-                                     speed_probe)
+from analysis.simulate.check import (
+    PREDICTED_TIE,
+    EveryStep,
+    error_pct,
+    every_step,
+    measured_runs,
+    paired,
+    ranking,
+    speed_probe,
+)
 from analysis.simulate.costs import default_lanes
 from analysis.simulate.paper import PAPER_STEP_S, paper_profile
 from analysis.simulate.predict import Prediction, sweep

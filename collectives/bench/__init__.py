@@ -20,8 +20,7 @@ from collectives.bench.correctness import PERIOD, check, count_wrong, expected_p
 from collectives.bench.measure import Row, bandwidths, measure
 from collectives.bench.output import FIELDS, footer, header, line, ratio_lines, to_csv, to_json, write_out
 from collectives.bench.overlap import measure_overlap, overlap_cost
-from collectives.bench.paths import (ALIASES, DTYPES, OPS, BenchPath, bench_paths, raw_path, reducer_path,
-                                     run_bound)
+from collectives.bench.paths import ALIASES, DTYPES, OPS, BenchPath, bench_paths, raw_path, reducer_path, run_bound
 
 __all__ = ["PROG", "class_group_for", "main", "parse_args", "parse_dtypes", "parse_ops", "sweep_sizes", "PERIOD",
            "check", "count_wrong", "expected_period", "fill", "pattern", "Row", "bandwidths", "measure", "FIELDS",

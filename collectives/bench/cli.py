@@ -134,7 +134,8 @@ def _preamble(args, paths, nranks: int, backend: str, what: str, device, setting
     hosts = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, (dist.get_rank(), os.getpid(), socket.gethostname(), str(device)))
     step = f"{parse_size(args.stepbytes)}(bytes)" if parse_size(args.stepbytes) > 0 else f"{args.stepfactor:g}(factor)"
-    emit(f"# {PROG}: nRanks {nranks} backend {backend} minBytes {parse_size(args.minbytes)} maxBytes {parse_size(args.maxbytes)} step: {step} "
+    emit(f"# {PROG}: nRanks {nranks} backend {backend} minBytes {parse_size(args.minbytes)} "
+         f"maxBytes {parse_size(args.maxbytes)} step: {step} "
          f"warmup iters: {args.warmup} iters: {args.iters} validation: {args.check} group: {what}")
     emit("#\n# Using devices")
     for r, pid, host, dev in hosts:

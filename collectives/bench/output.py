@@ -13,6 +13,7 @@ from collectives.bench.measure import Row
 from collectives.bench.paths import BenchPath
 from common.files import write_atomic
 
+
 def fmt_time(us: float) -> str:
     return f"{us:7.0f}" if us >= 10000 else f"{us:7.1f}" if us >= 100 else f"{us:7.2f}"
 

@@ -16,6 +16,7 @@ otherwise.
 """
 
 from collectives.costmodel.base import ALGOS, COLLECTIVES, PROTOS, Choice, CollectiveCost
+from collectives.costmodel.cli import main
 from collectives.costmodel.fit import FittedModel, Regime, fit_per_op, fit_regimes
 from collectives.costmodel.loading import load_model
 from collectives.costmodel.measurements import Measurement, MeasurementSet, read_measurements
@@ -23,7 +24,6 @@ from collectives.costmodel.nccl_model import NcclModel
 from collectives.costmodel.presets import Topology, preset_names, topology
 from collectives.costmodel.table_model import NcclTableModel
 from collectives.costmodel.tables import fit_report, format_fit, format_table, pick_changes, table
-from collectives.costmodel.cli import main
 
 __all__ = ["ALGOS", "COLLECTIVES", "PROTOS", "Choice", "CollectiveCost", "FittedModel", "Regime", "fit_per_op",
            "fit_regimes", "load_model", "Measurement", "MeasurementSet", "read_measurements", "NcclModel",

@@ -65,7 +65,8 @@ def _cmd_table(argv) -> None:
 def _cmd_fit(argv) -> None:
     ap = ArgumentParser(prog="python -m collectives.costmodel fit",
                         description="Fit latency/bandwidth per size regime (and per algo/proto when the log tells) "
-                                    "to an nccl-tests log or the project's benchmark CSV/JSON, with the error per size.")
+                                    "to an nccl-tests log or the project's benchmark CSV/JSON, with the error per "
+                                    "size.")
     ap.add_argument("file")
     ap.add_argument("--topology", help="also show a model's time and error per size: a preset, or nccl-log:<file> "
                                        "(NCCL's own table)")

@@ -43,7 +43,8 @@ def pick_changes(doc: dict) -> list[tuple[int, str, str]]:
 def format_table(doc: dict) -> str:
     labels = [_label(c) for c in doc["rows"][0]["choices"]]
     lines = [f"# {n}" for n in doc["notes"]]
-    lines.append(f"# {doc['coll']}, {doc['ranks'] or '?'} ranks; each cell: time(us) busbw(GB/s); pick = least modeled time")
+    lines.append(f"# {doc['coll']}, {doc['ranks'] or '?'} ranks; each cell: time(us) busbw(GB/s); "
+                 "pick = least modeled time")
     lines.append(f"{'size(B)':>12} {'':>5} " + " ".join(f"{lab:>16}" for lab in labels) + f"  {'pick':<12}")
     for r in doc["rows"]:
         cells = [f"{c['time_us']:9.1f} {c['busbw']:6.1f}" for c in r["choices"]]

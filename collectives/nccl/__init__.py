@@ -19,7 +19,15 @@ strategies create through `class_group`. Modules, by concept:
 from collectives.nccl.check import check_decisions, load_buckets, render_check, verify_run
 from collectives.nccl.classes import class_names, requested, resolve
 from collectives.nccl.groups import (
-    GroupSettings, NcclSetup, apply_global, build_groups, class_group, groups_text, render_groups, reset, run_record,
+    GroupSettings,
+    NcclSetup,
+    apply_global,
+    build_groups,
+    class_group,
+    groups_text,
+    render_groups,
+    reset,
+    run_record,
 )
 from collectives.nccl.log import Decision, EnvSetting, InitTable, parse_init_table, parse_log
 from collectives.nccl.settings import COLLECTIVES, MODES, validate_config

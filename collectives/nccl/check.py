@@ -11,8 +11,8 @@ from collectives.nccl.groups import run_record
 from collectives.nccl.log import Decision, EnvSetting, read_logs
 from collectives.nccl.settings import describe
 from collectives.settings import NcclSettings
-from common.errors import UserError
 from common import rundir
+from common.errors import UserError
 from common.jsonl import read_jsonl
 
 

@@ -115,5 +115,5 @@ def plan_for(sync, named_params) -> Plan:
 
 
 # Importing the modules registers their strategies; PlannedSync runs the plans.
-from collectives.strategies.planned import PlannedSync  # noqa: E402
 from collectives.strategies import bucketed, ddp, flat, noop, per_class, per_tensor, powersgd  # noqa: E402,F401
+from collectives.strategies.planned import PlannedSync  # noqa: E402
