@@ -11,8 +11,9 @@
 #    settings (per_group) and the log check against the bucket plan (nccl_check.txt), then bucketed; GPU telemetry
 #    in the step records, bucket timelines from CUDA events.
 # 4. CUDA training steps on one rank, checkpoint averaging, beam search and sacreBLEU on test 2016.
-# 5. `collectives.bench` over the two ranks with NCCL's pick (NCCL_DEBUG=INFO), two-rank ddp training, then the
-#    bench with NCCL_PROTO forced to LL, LL128, Simple (socket transport: the network path's bandwidth, not NVLink's).
+# 5. `collectives.bench` over the two ranks with NCCL's pick (NCCL_DEBUG=INFO), two-rank ddp training and the same
+#    with the tied embedding's gradient split (parameters compared with ddp's), then the bench with NCCL_PROTO
+#    forced to LL, LL128, Simple (socket transport: the network path's bandwidth, not NVLink's).
 # Each part has its own time limit and the script goes on after a failed part; the exit status counts the failures.
 set -uf  # -f: the part patterns below are not file globs
 OUT_DIR=${1:-runs/gpu-check}
@@ -78,6 +79,13 @@ NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV,TUNING NCCL_DEBUG_FILE="$OUT_DIR/benc
     part bench-nccl-pick 75 two_ranks 29611 $BENCH --path all --json "$OUT_DIR/bench.json" --csv "$OUT_DIR/bench.csv"
 part train-2rank-ddp 100 two_ranks 29613 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
     --run-dir "$OUT_DIR/train-2rank-ddp"
+# The tied embedding's split gradient on NCCL (its V-byte mask all-reduce in uint8 MAX, then the touched rows), the
+# same steps as ddp's run above: the largest parameter difference between the two final checkpoints.
+part train-2rank-tied-split 100 two_ranks 29616 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+    --set sync.strategy=bucketed --set sync.classes.embedding.tied_split=true \
+    --run-dir "$OUT_DIR/train-2rank-tied-split"
+part tied-split-vs-ddp 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-ddp" \
+    "$OUT_DIR/train-2rank-tied-split"
 port=29620
 for proto in LL LL128 Simple; do
     port=$((port + 1))

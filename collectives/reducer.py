@@ -82,6 +82,10 @@ class Reducer:
         self.armed = False
         self._layout(buckets)
 
+    def bucket_of(self, name: str) -> int:
+        """The index of the bucket that holds parameter `name`'s gradient."""
+        return self.buckets[self._where[name]].bucket.index
+
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()

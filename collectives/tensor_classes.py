@@ -53,6 +53,7 @@ class CollectiveSettings:
     algorithm: str | None = None
     min_ctas: int | None = None
     max_ctas: int | None = None
+    tied_split: bool = False  # the class's one parameter, a tied embedding, synchronized in two parts
 
     @property
     def torch_wire_dtype(self) -> torch.dtype:

@@ -86,12 +86,14 @@ class BucketRecord:
     complete_ms: float | None = None
     wait_start_ms: float | None = None  # `wait()` called (the same for every bucket of the step)
     wait_ms: float | None = None  # blocked on this bucket in `wait()`
+    part: str | None = None  # a split tied embedding (`collectives.tied_split`): "projection" or "lookup"
 
     def to_json(self, step: int) -> dict:
-        return {"step": step, "bucket": self.bucket, "class": self.tensor_class, "dtype": self.dtype,
-                "wire_dtype": self.wire_dtype, "tensors": self.tensors, "numel": self.numel, "bytes": self.nbytes,
-                "ready_ms": self.ready_ms, "launch_ms": self.launch_ms, "complete_ms": self.complete_ms,
-                "wait_start_ms": self.wait_start_ms, "wait_ms": self.wait_ms}
+        out = {"step": step, "bucket": self.bucket, "class": self.tensor_class, "dtype": self.dtype,
+               "wire_dtype": self.wire_dtype, "tensors": self.tensors, "numel": self.numel, "bytes": self.nbytes,
+               "ready_ms": self.ready_ms, "launch_ms": self.launch_ms, "complete_ms": self.complete_ms,
+               "wait_start_ms": self.wait_start_ms, "wait_ms": self.wait_ms}
+        return out if self.part is None else out | {"part": self.part}
 
 
 @dataclass

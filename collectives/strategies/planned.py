@@ -3,6 +3,7 @@
 `build` wraps a registered `BucketingStrategy` in a `PlannedSync`: it classifies the parameters, asks the strategy for
 a plan, creates the per-class process groups the strategy wants (through `collectives.nccl.class_group`) and hands
 the plan to a `Reducer`. After the first synchronized step it re-plans once in the gradient order actually observed.
+A class with `tied_split` (a tied embedding) has its lookups' rows reduced apart (`collectives.tied_split`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from collectives import tensor_classes as tc
 from collectives.plan import BucketingStrategy, ready_order
 from collectives.reducer import Reducer
 from collectives.sync import GradSync
+from collectives.tied_split import TiedEmbeddingSplit
+from common.errors import UserError
+from common.rundir import BucketRecord
 
 
 class _Synced(nn.Module):
@@ -32,6 +36,9 @@ class _Synced(nn.Module):
     def forward(self, *args, **kwargs):
         reducer = self._handle.reducer
         reducer.prepare(sync=self._handle._sync_enabled)
+        if reducer.armed:
+            for split in self._handle.splits:
+                split.prepare()
         out = self.model(*args, **kwargs)
         first = _first_tensor(out)
         if reducer.armed and first is not None and first.requires_grad:
@@ -70,10 +77,11 @@ class PlannedSync(GradSync):
             groups = {c: nccl.class_group(c, self.settings[c], ranks) for c in used}
         self.reducer = Reducer(dict(model.named_parameters()), buckets, self.world, strategy.overlap, groups,
                                process_group)
+        self.splits = self._tied_splits(model, process_group)
         self.module = _Synced(model, self)
         self._sync_enabled = True
         self._replanned = False
-        self._records: list[dict] = []
+        self._records: list[BucketRecord] = []
 
     @contextmanager
     def no_sync(self):
@@ -84,9 +92,26 @@ class PlannedSync(GradSync):
         finally:
             self._sync_enabled = True
 
+    def _tied_splits(self, model: nn.Module, process_group) -> list[TiedEmbeddingSplit]:
+        """One split per class with `tied_split`, which must hold exactly one parameter (created in rule order on
+        every rank: each makes a process group)."""
+        splits = []
+        for c, s in self.settings.items():
+            if not s.tied_split:
+                continue
+            names = [n for n, k in self.class_of.items() if k == c]
+            if len(names) != 1:
+                raise UserError(f"'sync.classes.{c}.tied_split': class '{c}' holds {len(names)} parameters; the "
+                                "split applies to a class of one tied embedding weight")
+            splits.append(TiedEmbeddingSplit(model, names[0], process_group, self.world,
+                                             lambda: self.reducer.armed))
+        return splits
+
     def wait(self) -> None:
         self.reducer.finish()
-        self._records = self.reducer.records()
+        for split in self.splits:
+            split.finish()
+        self._records = self._with_split_records(self.reducer.records())
         if not self._replanned:
             self._replanned = True
             self._replan()
@@ -109,7 +134,20 @@ class PlannedSync(GradSync):
             return
         self.reducer.rebuild(self.strategy.plan([(n, params[n]) for n in order], self.class_of, self.settings))
 
-    def step_records(self) -> list[dict]:
+    def _with_split_records(self, records: list[BucketRecord]) -> list[BucketRecord]:
+        """The buckets' records, the bucket of each split parameter marked as its projection part, then each split's
+        lookup part."""
+        for split in self.splits:
+            where = self.reducer.bucket_of(split.name)
+            for r in records:
+                if r.bucket == where:
+                    r.part = "projection"
+        wait_start = records[0].wait_start_ms if records else None
+        lookups = [s.record(len(records) + i, self.reducer.backward_t, wait_start, self.class_of[s.name])
+                   for i, s in enumerate(self.splits)]
+        return records + [r for r in lookups if r is not None]
+
+    def step_records(self) -> list[BucketRecord]:
         records, self._records = self._records, []
         return records
 

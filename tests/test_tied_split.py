@@ -1,0 +1,53 @@
+"""The tied embedding's split gradient: the projection part goes out with the first bucket, the lookup rows after
+the last lookup, and the sum is the exact mean (one rank here; 2 and 3 ranks through dtrain.verify)."""
+
+import pytest
+import torch
+
+from collectives import attach
+from collectives.settings import ClassSettings, SyncConfig
+from common.errors import UserError
+from dtrain import verify
+
+from test_strategies import one_rank, plain_grads, step  # noqa: F401 (fixture)
+
+SPLIT = {"embedding": ClassSettings(tied_split=True)}
+
+
+@pytest.mark.parametrize("name", ["bucketed", "per_class"])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_split_gradient_equals_the_whole(one_rank, name, accum):  # noqa: F811
+    model = verify.tiny_model()
+    handle = attach(model, SyncConfig(strategy=name, bucket_cap_mb=0.01, classes=SPLIT))
+    optimizer = torch.optim.Adam(model.parameters())
+    for s in range(3):
+        step(handle, model, step_no=s, accum=accum)
+        want = plain_grads(s, accum)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[n], rtol=1e-6, atol=1e-7)
+        records = handle.step_records()
+        (lookup,) = [r for r in records if r.part == "lookup"]
+        (projection,) = [r for r in records if r.part == "projection"]
+        # the lookup rows: the tokens of this step's batches, fewer than the vocabulary
+        assert 0 < lookup.numel < model.embed.weight.numel()
+        if s > 0:  # re-planned in the observed order: the projection part is ready before every other bucket
+            assert projection.ready_ms <= min(r.ready_ms for r in records if r.part is None)
+            assert lookup.ready_ms >= max(r.ready_ms for r in records if r.part is None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.load_state_dict(verify.tiny_model().state_dict())  # keep the weights of `plain_grads`
+
+
+def test_lookups_outside_a_synchronized_step_are_untouched(one_rank):  # noqa: F811
+    model = verify.tiny_model()
+    handle = attach(model, SyncConfig(strategy="bucketed", bucket_cap_mb=0.01, classes=SPLIT))
+    src, tgt_in, _ = verify.batch(0, 0, 0)
+    with torch.no_grad():
+        assert torch.equal(handle.module(src, tgt_in), model(src, tgt_in))
+
+
+def test_split_needs_an_embedding(one_rank):  # noqa: F811
+    model = verify.tiny_model()
+    classes = {"ffn": ClassSettings(tied_split=True)}
+    with pytest.raises(UserError, match="tied_split"):
+        attach(model, SyncConfig(strategy="per_class", classes=classes))
