@@ -8,7 +8,9 @@ for the encoder's lookup, the very last thing backward computes. Split:
 - projection part: while a synchronized backward runs, the lookups do not accumulate into `.grad`, so the parameter's
   gradient is complete as soon as the projection's is, and its bucket goes out at the start of backward;
 - lookup part: each lookup's backward keeps (its unique token ids, their summed gradient rows); after the last one
-  the ranks all-reduce a V-length mask of the rows that any rank touched (V bytes), then those rows, (|union|, d).
+  the ranks all-reduce the rows that any rank touched, (|union|, d). Which rows those are is known at forward time:
+  each lookup's forward all-reduces a V-length mask of its tokens (V bytes, asynchronously), so the union is ready
+  when backward needs it and nothing blocks backward.
 
 `finish` adds the mean of the rows into the mean of the projection part: the exact mean of the whole gradient, up to
 float rounding. Micro-batches under `no_sync()` accumulate as usual (their lookups write `.grad` themselves). The two
@@ -74,6 +76,7 @@ class TiedEmbeddingSplit:
     def prepare(self) -> None:
         """At each forward: forget the last step's rows."""
         self.pending = 0  # lookups of this forward whose backward has not run yet
+        self.masks: list[tuple[torch.Tensor, object]] = []  # (mask (V,) uint8, its all-reduce) per lookup
         self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids (k,), rows (k, d)) per lookup
         self.union: torch.Tensor | None = None
         self.rows: torch.Tensor | None = None
@@ -91,7 +94,14 @@ class TiedEmbeddingSplit:
         if not (self.armed() and torch.is_grad_enabled()):
             return None  # no_sync(), evaluation: the lookup stays as it is
         self.pending += 1
-        return _Lookup.apply(inputs[0], module.weight.detach(), self.anchor, self, module.padding_idx)
+        tokens = inputs[0]
+        mask = torch.zeros(self.vocab, dtype=torch.uint8, device=tokens.device)
+        mask[tokens.reshape(-1)] = 1
+        if module.padding_idx is not None:
+            mask[module.padding_idx] = 0  # F.embedding gives the padding row no gradient
+        # In forward order, the same on every rank; maxed over the ranks: the rows any rank looked up.
+        self.masks.append((mask, dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group, async_op=True)))
+        return _Lookup.apply(tokens, module.weight.detach(), self.anchor, self, module.padding_idx)
 
     def lookup_backward(self, tokens: torch.Tensor, grad_out: torch.Tensor, padding_idx: int | None) -> None:
         """One lookup's gradient as (unique ids, summed rows); after the last lookup of the step, the exchange."""
@@ -111,11 +121,12 @@ class TiedEmbeddingSplit:
         self.ready_t = stamp(self.param.device)
         ids = torch.cat([i for i, _ in self.parts])
         rows = torch.cat([r for _, r in self.parts])
-        # Which rows any rank touched: a V-byte mask, maxed over the ranks (blocking: the union sizes the next one).
-        mask = torch.zeros(self.vocab, dtype=torch.uint8, device=ids.device)
-        mask[ids] = 1
-        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group)
-        self.union = mask.nonzero().squeeze(1)  # (u,) sorted row ids
+        for _, work in self.masks:
+            work.wait()  # sent during forward: long done
+        mask = self.masks[0][0]
+        for m, _ in self.masks[1:]:
+            mask = torch.maximum(mask, m)
+        self.union = mask.nonzero().squeeze(1)  # (u,) sorted row ids: every rank's tokens
         self.rows = torch.zeros(len(self.union), self.dim, dtype=rows.dtype, device=rows.device)
         self.rows.index_add_(0, torch.searchsorted(self.union, ids), rows)
         self.launch_t = stamp(self.param.device)
@@ -147,5 +158,6 @@ class TiedEmbeddingSplit:
 
         numel = self.rows.numel()
         return BucketRecord(index, tensor_class, str(self.rows.dtype)[6:], "fp32", 1, numel,
-                            numel * self.rows.element_size() + self.vocab, ms(self.ready_t), ms(self.launch_t),
+                            numel * self.rows.element_size() + self.vocab * len(self.masks), ms(self.ready_t),
+                            ms(self.launch_t),
                             ms(self.complete_t), wait_start_ms, round(self.wait_s * 1000, 3), part="lookup")
