@@ -6,7 +6,7 @@ gradient synchronization and process groups), all built with the same seed, so t
 same order; every step runs each configuration once, in an order shuffled per step (the same on every rank: the
 collectives must be issued in the same order), so a drift in the machine's speed hits all of them alike. Each
 configuration leaves an ordinary run directory (config.yaml, run.json, steps.jsonl, buckets.jsonl) for
-`analysis.simulate --measured`, `analysis.compare` and `analysis.report`.
+`analysis.simulate --measured` and `analysis.report`.
 
 What it does not measure: a configuration alone on the machine. Replicas share the caches, and each step of one
 comes after steps of the others; the comparison between configurations is what it is for.

@@ -10,7 +10,7 @@ with no model computing beside them, and puts three completion times side by sid
 this replay's (measured, network only), and the cost model's timeline of the same launches (modeled, without the
 slowdown the simulator calibrates for computation).
 
-    torchrun --nproc-per-node 2 -m analysis.replay runs/m30k --topology local:bench.json
+    torchrun --nproc-per-node 2 -m analysis.replay runs/m30k --topology fit:bench.json
     python -m analysis.testbed run --nodes 2 --nproc-per-node 1 -- -m analysis.replay runs/m30k --repeats 9
 
 Run it with the run's world size. Rank 0 reads the run and sends the schedule to the others.
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--step", type=int, help="the step to replay (default: the most typical steady step)")
     ap.add_argument("--median", action="store_true", help="replay the medians of the steady steps instead of one")
     ap.add_argument("--repeats", type=int, default=9, help="replays of the step (default 9)")
-    ap.add_argument("--topology", help="also replay the launches on a cost model (local:<bench.json> or a preset)")
+    ap.add_argument("--topology", help="also replay the launches on a cost model (fit:<bench.json> or a preset)")
     ap.add_argument("--json", help="write the result as JSON to this file ('-': stdout)")
     with exit_on_user_error(PROG):
         args = ap.parse_args(argv)

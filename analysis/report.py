@@ -136,6 +136,9 @@ def timeline_table(run: Run, warmup: int | None, step: int | None = None
     if step is None:
         timed = {s for s, recs in run.buckets.items() if any(r.get("launch_ms") is not None for r in recs)}
         pool = [s for s in run.steady(warmup) if s["step"] in timed] or [s for s in run.steps if s["step"] in timed]
+        if not pool:
+            raise UserError(f"{run.path}: no step has bucket launch and completion times to draw (noop, or DDP "
+                            "without a comm hook, records none)")
         step = int(typical_step(run, pool)["step"])
     b = run.bucket_frame[run.bucket_frame["step"] == step].sort_values("bucket")
     cols = ["bucket", "class", "bytes", "ready_ms", "launch_ms", "complete_ms", "wait_start_ms", "wait_ms"]
@@ -418,7 +421,7 @@ def parse_args(argv=None):
     ap.add_argument("--bench", action="append", default=[], metavar="FILE",
                     help="collectives.bench --json/--csv output (or an nccl-tests log) for the bandwidth figure")
     ap.add_argument("--topology", default="h100x8",
-                    help="cost-model topology for the modeled curves (h100x8, a100x8-ib:2, local:fit.json ...; "
+                    help="cost-model topology for the modeled curves (h100x8, a100x8-ib:2, fit:fit.json ...; "
                          "'none' to leave them out; default h100x8)")
     ap.add_argument("--warmup", type=int, help="first steps of each run left out of timings (default: max(3, "
                                                 "10%%) of its steps, the warm-up rule of analysis.runs)")

@@ -247,10 +247,10 @@ def finished(path: str | Path) -> bool:
     """
     p = Path(path)
     steps, evals, cfg = read_jsonl(p / rundir.STEPS), rundir.read_evals(p), rundir.read_config(p)
-    if not steps or not cfg:
-        return False
+    if not steps or not isinstance(cfg, dict) or not isinstance(steps[-1].get("step"), int):
+        return False  # a damaged run directory is not finished: the sweep runs it again
     last = steps[-1]["step"]
-    train = cfg.get("train", {})
+    train = cfg.get("train") if isinstance(cfg.get("train"), dict) else {}
     if train.get("max_minutes") is None and last < train.get("max_steps", 0):
         return False
     if not any(e.get("kind") == "val" and e.get("step") == last for e in evals):

@@ -13,8 +13,7 @@ is recorded (exit code, last error line) in its `launch.json` and in `sweep.json
 A matrix (YAML; only `profiles` is required):
 
     name: lossless-buckets          # default: the file's stem; the output folder is runs/sweep-<name>
-    launcher: torchrun              # or testbed (analysis.testbed must be up: `python -m analysis.testbed up`)
-    nodes: 2                        # testbed: nodes to use
+    launcher: torchrun              # or testbed (`python -m analysis.testbed up` first; then `nodes: N`)
     nproc: 2                        # ranks per node
     profiles: [profiles/multi30k-cpu.yaml]
     strategies: [ddp, bucketed]     # default: each profile's own
@@ -24,7 +23,7 @@ A matrix (YAML; only `profiles` is required):
                                     # (a knob its strategy does not read is refused when the run loads)
       sync.bucket_cap_mb: [ddp, bucketed, per_class]
     variants:                       # named override sets, crossed with the rest (a variant may set sync.strategy)
-      bf16-all: {sync.strategy: per_class, sync.classes.embedding.wire_dtype: bf16}
+      accum2: {train.accum_steps: 2}
     set: {train.max_minutes: 10}    # overrides for every run
     bench: "-b 8 -e 64M -f 4"       # also run collectives.bench once under the same launcher → <out>/bench.json
 """

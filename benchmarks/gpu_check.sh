@@ -4,7 +4,8 @@
 #   DTRAIN_DATA_DIR=/path/to/data bash benchmarks/gpu_check.sh runs/gpu-check
 #
 # 1. facts: the GPU, torch, NCCL.
-# 2. `collectives.nccl gpu-check`: two NCCL ranks on the one GPU, each its own NCCL host (NCCL_HOSTID, NCCL's environment-variable docs), per-class
+# 2. `collectives.nccl gpu-check`: two NCCL ranks on the one GPU, each its own NCCL host (NCCL_HOSTID: NCCL's
+#    environment-variable docs), per-class
 #    protocol/algorithm forced per communicator (per_group) and by dtrain's tuner plugin; NCCL's own TUNING log lines
 #    parsed and checked against the requested choice.
 # 3. Two-rank NCCL training of the base Transformer on the one GPU (bf16 autocast): per_class with per-class NCCL
@@ -42,7 +43,9 @@ part() {  # part NAME LIMIT_S CMD...: run one part, its output into NAME.log and
     echo "=== $name: exit $rc after $((SECONDS - t0)) s"
     [ "$rc" -eq 0 ] || failures=$((failures + 1))
 }
-two_ranks() {  # two_ranks PORT ARGS...: `torchrun -m ARGS` as two one-rank "nodes" on the one GPU (NCCL_HOSTID: NCCL's environment-variable docs)
+# two_ranks PORT ARGS...: `torchrun -m ARGS` as two one-rank "nodes" on the one GPU, each its own NCCL host
+# (NCCL_HOSTID: NCCL's environment-variable docs)
+two_ranks() {
     local port=$1; shift
     local pids=() rc=0
     for node in 0 1; do
@@ -64,8 +67,8 @@ part nccl-gpu-check 90 python3 -m collectives.nccl gpu-check --out "$OUT_DIR/ncc
 
 TRAIN="--set data.vocab_size=8000 --set train.amp=bf16 --set train.log_every=20 $EXTRA"
 NOEVAL="--set train.max_steps=$STEPS2 --set train.ckpt_every=100000 --set eval.at_end=false"
-# profiles/per_group.yaml is for NVLink; over the socket transport its LL on 1 MiB projection buckets costs ~2.5 s
-# a step (LL moves ~0.03 GB/s there: see bench-LL), so the projections go on Simple here and the rest stays.
+# profiles/per_group.yaml is for NVLink; over the socket transport LL is slow (docs/results.md, one H200; see
+# bench-LL), so the projections go on Simple here and the rest stays.
 part train-2rank-per_class 100 two_ranks 29614 -m dtrain.train --profile profiles/per_group.yaml $TRAIN \
     --set collectives.parse_log=true --set sync.classes.projection.protocol=Simple $NOEVAL \
     --run-dir "$OUT_DIR/train-2rank-per_class"

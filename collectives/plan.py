@@ -14,7 +14,7 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
-from collectives.tensor_classes import CollectiveSettings
+from collectives.tensor_classes import CollectiveSettings, TensorClasses
 from common.errors import UserError
 
 
@@ -35,6 +35,17 @@ def ready_order(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The expected order in which gradients become ready: the reverse of registration order (DDP's guess too;
     the reducer replaces it by the order observed in the first backward)."""
     return [(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
+
+
+def plan_params(strategy: "BucketingStrategy", classes: TensorClasses, named_params
+                ) -> tuple[list[Bucket], dict[str, str], dict[str, CollectiveSettings]]:
+    """The one way a strategy plans: (buckets, each parameter's class, the settings of the classes in use) for
+    `named_params` in expected ready order. Training (`PlannedSync`) and the profile's modeled plan
+    (`collectives.strategies.plan_for`) both go through here."""
+    class_of = classes.assign(named_params)
+    used = [r.name for r in classes.rules if r.name in set(class_of.values())]  # rule order
+    settings = {c: classes.setting(c) for c in used}
+    return strategy.plan(named_params, class_of, settings), class_of, settings
 
 
 def pack(named_params: Sequence[tuple[str, torch.Tensor]], classes: dict[str, str], key, settings_of,

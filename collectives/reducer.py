@@ -1,4 +1,4 @@
-"""The reducer: executes a bucketing plan. The only module of dtrain that issues gradient collectives.
+"""The reducer: executes a bucketing plan, issuing the planned strategies' gradient all-reduces.
 
 Each bucket owns one flat buffer and the parameters' `.grad` are views into it, so backward accumulates straight into
 the buffer and no copy is made. Post-accumulate-grad hooks count a bucket's gradients down; a complete bucket is
@@ -206,10 +206,14 @@ class Reducer:
             st.wait_s = time.perf_counter() - t0
         self.armed = False
 
+    def step_start(self) -> Stamp | None:
+        """Time zero of the step's records: the start of backward, else the first bucket ready, else wait()."""
+        starts = [st.ready_t for st in self.buckets if st.ready_t is not None]
+        return self.backward_t or (min(starts, key=lambda s: s.host) if starts else self.wait_t)
+
     def records(self) -> list[BucketRecord]:
         """One record per bucket for the step just finished; times in ms from the start of the backward."""
-        starts = [st.ready_t for st in self.buckets if st.ready_t is not None]
-        t0 = self.backward_t or (min(starts, key=lambda s: s.host) if starts else self.wait_t)
+        t0 = self.step_start()
 
         def ms(t):
             v = ms_between(t0, t)

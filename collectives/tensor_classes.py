@@ -17,7 +17,6 @@ from collectives.settings import ClassSettings
 from common.errors import UserError
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# NCCL choices are recorded per class and handed to `collectives.nccl.class_group`; on gloo nothing applies them.
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default bucket size, for the planned strategies too
 
 
@@ -113,7 +112,8 @@ class TensorClasses:
 
 def from_config(sync_cfg) -> TensorClasses:
     """The classes of a `SyncConfig`: each `sync.classes.<name>` (a `ClassSettings`) gives a rule (match, min_numel,
-    max_numel) and settings (wire_dtype, bucket_cap_mb, protocol, algorithm, min_ctas, max_ctas).
+    max_numel) and settings (wire_dtype, bucket_cap_mb, protocol, algorithm, min_ctas, max_ctas, tied_split). NCCL's
+    choices are handed to `collectives.nccl.class_group` with each class's group; on gloo nothing applies them.
 
     A class given with `match` is a rule of the profile: those come first, in the order written, followed by the
     default rules not redefined, so the catch-all `other` stays last. A default class given without `match` keeps its

@@ -10,7 +10,7 @@ for the encoder's lookup, the very last thing backward computes. Split:
 - lookup part: each lookup's backward keeps (its unique token ids, their summed gradient rows); after the last one
   the ranks all-reduce the rows that any rank touched, (|union|, d). Which rows those are is known at forward time:
   each lookup's forward all-reduces a V-length mask of its tokens (V bytes, asynchronously), so the union is ready
-  when backward needs it and nothing blocks backward.
+  when backward needs it and backward never waits for another rank.
 
 `finish` adds the mean of the rows into the mean of the projection part: the exact mean of the whole gradient, up to
 float rounding. Micro-batches under `no_sync()` accumulate as usual (their lookups write `.grad` themselves). The two
@@ -55,8 +55,8 @@ class TiedEmbeddingSplit:
     """Splits the gradient of parameter `name` (the weight of one or more `nn.Embedding` modules, also used
     elsewhere) into its projection part, reduced by the caller's bucket, and its lookup rows, reduced here."""
 
-    def __init__(self, model: nn.Module, name: str, group: dist.ProcessGroup | None, world: int, armed):
-        self.name, self.world, self.armed = name, world, armed  # armed(): this forward's backward synchronizes
+    def __init__(self, model: nn.Module, name: str, group: dist.ProcessGroup | None, world: int, is_armed):
+        self.name, self.world, self.is_armed = name, world, is_armed  # is_armed(): this backward synchronizes
         self.param = dict(model.named_parameters())[name]
         lookups = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is self.param]
         if not lookups:
@@ -91,7 +91,7 @@ class TiedEmbeddingSplit:
             h.remove()
 
     def _lookup_forward(self, module: nn.Embedding, inputs, output):
-        if not (self.armed() and torch.is_grad_enabled()):
+        if not (self.is_armed() and torch.is_grad_enabled()):
             return None  # no_sync(), evaluation: the lookup stays as it is
         self.pending += 1
         tokens = inputs[0]
@@ -138,26 +138,36 @@ class TiedEmbeddingSplit:
         return fut.value()
 
     def finish(self) -> None:
-        """Wait for the rows and add their mean into `.grad`, which holds the mean of the projection part."""
+        """Wait for the rows and add their mean into `.grad`, which holds the mean of the projection part. Once per
+        synchronized step: a step whose forwards all ran under no_sync() has no rows here (its lookups wrote
+        `.grad` themselves)."""
         if self.work is None:
-            return  # nothing was looked up under a synchronized forward
+            return
         t0 = time.perf_counter()
         self.work.wait()
         self.wait_s = time.perf_counter() - t0
-        self.param.grad.index_add_(0, self.union, self.rows.div_(self.world))
+        self.work = None  # applied: a second finish() without a synchronized forward adds nothing
+        self.param.grad.index_add_(0, self.union, self.rows / self.world)
 
     def record(self, index: int, t0: Stamp | None, wait_start_ms: float | None, tensor_class: str
                ) -> BucketRecord | None:
-        """The lookup part's record (index after the buckets'); times in ms from `t0`, the start of backward."""
-        if self.work is None:
+        """The lookup part's record (index after the buckets'); times in ms from `t0`, the step's time zero. Its
+        bytes are the rows' all-reduce (the masks' V bytes per lookup went during forward)."""
+        if self.rows is None:
             return None
 
         def ms(t):
             v = ms_between(t0, t)
             return None if v is None else round(v, 3)
 
-        numel = self.rows.numel()
-        return BucketRecord(index, tensor_class, str(self.rows.dtype)[6:], "fp32", 1, numel,
-                            numel * self.rows.element_size() + self.vocab * len(self.masks), ms(self.ready_t),
-                            ms(self.launch_t),
-                            ms(self.complete_t), wait_start_ms, round(self.wait_s * 1000, 3), part="lookup")
+        numel, dtype = self.rows.numel(), str(self.rows.dtype)[6:]
+        wire = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+        complete = ms(self.complete_t)
+        if self.complete_t is not None and self.complete_t.event is not None:  # CUDA: finish() blocks no host
+            wait_ms = None
+            if complete is not None and wait_start_ms is not None:
+                wait_ms = round(max(0.0, complete - wait_start_ms), 3)
+        else:
+            wait_ms = round(self.wait_s * 1000, 3)
+        return BucketRecord(index, tensor_class, dtype, wire, 1, numel, numel * self.rows.element_size(),
+                            ms(self.ready_t), ms(self.launch_t), complete, wait_start_ms, wait_ms, part="lookup")

@@ -151,7 +151,7 @@ def read_json(path: Path, strict: bool = False) -> dict:
 
 
 def read_config(run_dir: Path) -> dict:
-    """config.yaml as written ({} if missing or unreadable); `dtrain.config.load` is the checked reading."""
+    """config.yaml as written ({} if missing or unreadable); `dtrain.config.load_recorded` is the checked reading."""
     try:
         return yaml.safe_load((Path(run_dir) / CONFIG).read_text()) or {}
     except (OSError, yaml.YAMLError):

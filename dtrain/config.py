@@ -16,16 +16,10 @@ from pathlib import Path
 import yaml
 
 from collectives.config import validate as validate_comm
-from collectives.settings import CollectivesConfig, DistConfig, NcclSettings, SyncConfig  # noqa: F401 (re-exported)
+from collectives.settings import CollectivesConfig, DistConfig, SyncConfig
 from collectives.strategies import unused_keys
 from common.errors import UserError
-from common.schema import (
-    Source,
-    apply_override,  # noqa: F401 (re-exported)
-    apply_overrides,
-    build,
-    read_overlay,
-)
+from common.schema import Source, apply_overrides, build, read_overlay
 
 # The paper's Table 3 models, plus small presets that train on two CPU cores.
 MODEL_PRESETS = {
@@ -223,6 +217,11 @@ def upgrade_recorded(raw: dict, src: Source) -> dict:
             for old, new in _RECORDED_NCCL_KEYS.items():
                 if isinstance(spec, dict) and spec.get(old) is not None:
                     classes.setdefault(name, {})[new] = spec[old]
+    return drop_unused_knobs(raw, src)
+
+
+def drop_unused_knobs(raw: dict, src: Source) -> dict:
+    """`raw` without the `sync` keys that its strategy does not read (`collectives.strategies.unused_keys`)."""
     if isinstance(raw.get("sync"), dict):
         sync = build(SyncConfig, raw["sync"], "sync", src)
         for key, _ in unused_keys(sync):

@@ -12,7 +12,7 @@ from collectives.spans import SPAN_PREFIX, comm_span
 from dtrain.profiler import StepProfiler, parse_window
 from dtrain import verify
 from collectives import attach
-from dtrain.config import SyncConfig
+from collectives.settings import SyncConfig
 from common.errors import UserError
 
 

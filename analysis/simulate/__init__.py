@@ -18,27 +18,16 @@ Everything it prints is modeled.
     __main__      the command line (`python -m analysis.simulate --help`)
 """
 
-from analysis.runs import load_run
 from analysis.simulate.calibration import Calibration, calibrate
-from analysis.simulate.check import (
-                                     EveryStep,
-                                     Ranking,
-                                     every_step,
-                                     measured_runs,
-                                     median_ci,
-                                     paired,
-                                     ranking,
-                                     run_level,
-                                     speed_probe,
-)
+from analysis.simulate.check import (EveryStep, Ranking, every_step, measured_runs, median_ci, paired, ranking,
+                                     run_level, speed_probe)
 from analysis.simulate.costs import default_lanes, host_ms
 from analysis.simulate.paper import flop_step, flop_timeline, paper_profile
 from analysis.simulate.predict import Prediction, predict, requested_nccl, sweep
 from analysis.simulate.reference import ReferenceStep, ready_curve, reference_step
-from analysis.simulate.timeline import GLOO_LANES, ReadyCurve, Timeline, launch_times, play_timeline, through
+from analysis.simulate.timeline import GLOO_LANES, ReadyCurve, Timeline, play_timeline, through
 
 __all__ = ["GLOO_LANES", "Calibration", "EveryStep", "Prediction", "Ranking", "ReadyCurve", "ReferenceStep",
            "Timeline", "calibrate", "default_lanes", "every_step", "flop_step", "flop_timeline", "host_ms",
-           "launch_times", "load_run", "measured_runs", "median_ci", "paired", "paper_profile", "play_timeline",
-           "predict", "ranking", "ready_curve", "reference_step", "requested_nccl", "run_level", "speed_probe",
-           "sweep", "through"]
+           "measured_runs", "median_ci", "paired", "paper_profile", "play_timeline", "predict", "ranking",
+           "ready_curve", "reference_step", "requested_nccl", "run_level", "speed_probe", "sweep", "through"]

@@ -1,9 +1,9 @@
 """Command line of the step-time simulator: predictions per strategy and bucket size for one recorded run, its check
 against measured runs, or the paper's base configuration projected on a preset. Everything it prints is modeled.
 
-    python -m analysis.simulate --run runs/m30k --topology local:bench.json --strategies flat,bucketed,per_class
-    python -m analysis.simulate --run runs/m30k --topology local:bench.json --measured runs/flat runs/b5 runs/b25
-    python -m analysis.simulate --run runs/m30k --topology local:bench.json --median   # medians of steady steps
+    python -m analysis.simulate --run runs/m30k --topology fit:bench.json --strategies flat,bucketed,per_class
+    python -m analysis.simulate --run runs/m30k --topology fit:bench.json --measured runs/flat runs/b5 runs/b25
+    python -m analysis.simulate --run runs/m30k --topology fit:bench.json --median   # medians of steady steps
     python -m analysis.simulate --paper                  # the paper's base configuration projected on 8 P100
 """
 
@@ -108,7 +108,8 @@ def parser() -> ArgumentParser:
                                     "one profiled step and a cost model (modeled, not measured).",
                         epilog=f"examples:\n{EXAMPLES}")
     ap.add_argument("--run", help="a run directory (config.yaml, run.json, steps.jsonl, buckets.jsonl)")
-    ap.add_argument("--topology", help="cost model: a preset (h100x8 ...) or local:<bench.csv|json|fit.json>")
+    ap.add_argument("--topology", help="cost model: a preset (h100x8 ...), fit:<bench.csv|json|fit.json> or "
+                                       "nccl-log:<NCCL_DEBUG log>")
     ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES))
     ap.add_argument("--bucket-sizes", default=",".join(f"{c:g}" for c in DEFAULT_CAPS_MB), help="MiB, comma list")
     ap.add_argument("--step", type=int, help="the step to replay (default: the most typical steady step)")

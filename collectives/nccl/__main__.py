@@ -16,14 +16,14 @@ from collectives.nccl.log import read_logs
 from collectives.nccl.tuner import build_tuner, example_tuner_csv
 from collectives.nccl.tuner_check import render_tuner_table, tuner_table
 from collectives.nccl.versions import parse_version
-from common.errors import UserError, exit_on_user_error
+from common.errors import ArgumentParser, UserError, exit_on_user_error
 from common.schema import apply_overrides, read_overlay
 
 PROG = "collectives.nccl"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=PROG, description="Per-class NCCL settings: what each process group gets, the "
+    ap = ArgumentParser(prog=PROG, description="Per-class NCCL settings: what each process group gets, the "
                                                         "tuner plugin, NCCL's logs.")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="VERB")
     p = sub.add_parser("groups", help="print which variables, options and files each process group gets")
@@ -90,8 +90,8 @@ def tuner_config_cmd(args) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
     with exit_on_user_error(PROG):
+        args = parse_args(argv)
         if args.cmd == "build-tuner":
             print(build_tuner(force=True))
         elif args.cmd == "gpu-check":
@@ -104,6 +104,8 @@ def main(argv=None) -> int:
         elif args.cmd == "tuner-config":
             tuner_config_cmd(args)
         elif args.cmd == "tuner-check":
+            if args.nproc < 1 or args.nnodes < 1:
+                raise UserError("--nproc and --nnodes must be positive")
             rows = tuner_table(load(args.profile, args.overrides), nranks=args.nproc * args.nnodes,
                                nnodes=args.nnodes)
             print(render_tuner_table(rows), end="")

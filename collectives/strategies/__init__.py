@@ -13,7 +13,7 @@ import dataclasses
 from typing import NamedTuple
 
 from collectives import tensor_classes
-from collectives.plan import Bucket, BucketingStrategy
+from collectives.plan import Bucket, BucketingStrategy, plan_params
 from collectives.settings import ClassSettings, SyncConfig
 from common.errors import UserError
 
@@ -107,11 +107,9 @@ def planner(name: str) -> type[BucketingStrategy]:
 def plan_for(sync, named_params) -> Plan:
     """The buckets of `sync` (a `SyncConfig`) over `named_params`, (name, tensor) pairs in expected ready order (meta
     tensors do: only numel and dtype are read)."""
-    classes = tensor_classes.from_config(sync)
-    class_of = classes.assign(named_params)
-    settings = {r.name: classes.setting(r.name) for r in classes.rules}
     strategy = planner(sync.strategy).from_sync(sync)
-    return Plan(strategy.plan(named_params, class_of, settings), strategy.overlap, strategy.class_groups)
+    buckets, _, _ = plan_params(strategy, tensor_classes.from_config(sync), named_params)
+    return Plan(buckets, strategy.overlap, strategy.class_groups)
 
 
 # Importing the modules registers their strategies; PlannedSync runs the plans.

@@ -16,7 +16,7 @@ DDP_FIRST_BUCKET_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 @register("bucketed")
 class Bucketed(BucketingStrategy):
     uses_cap = True
-    sync_keys = ("bucket_cap_mb", "first_bucket_mb", "classes.tied_split") + CLASS_RULE_KEYS
+    sync_keys = ("bucket_cap_mb", "first_bucket_mb") + CLASS_RULE_KEYS + ("classes.tied_split",)
 
     @dataclass(frozen=True)
     class Config:

@@ -11,7 +11,7 @@ from collectives.tensor_classes import CollectiveSettings
 @register("flat")
 class Flat(BucketingStrategy):
     overlap = False  # launched in wait(), after the whole backward
-    sync_keys = ("classes.tied_split",) + CLASS_RULE_KEYS  # no cap: one bucket per dtype
+    sync_keys = CLASS_RULE_KEYS + ("classes.tied_split",)  # no cap: one bucket per dtype
 
     def plan(self, named_params, classes, settings):
         by_dtype: dict = {}  # one flat buffer holds one dtype (all fp32 for dtrain's model)

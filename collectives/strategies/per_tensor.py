@@ -10,7 +10,7 @@ from collectives.tensor_classes import CollectiveSettings
 
 @register("per_tensor")
 class PerTensor(BucketingStrategy):
-    sync_keys = ("classes.tied_split",) + CLASS_RULE_KEYS  # no cap: a bucket per tensor
+    sync_keys = CLASS_RULE_KEYS + ("classes.tied_split",)  # no cap: a bucket per tensor
 
     def plan(self, named_params, classes, settings):
         fp32 = CollectiveSettings()  # no cap: every tensor is a bucket of its own

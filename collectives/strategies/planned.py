@@ -17,7 +17,7 @@ from torch import nn
 
 from collectives import nccl
 from collectives import tensor_classes as tc
-from collectives.plan import BucketingStrategy, ready_order
+from collectives.plan import BucketingStrategy, plan_params, ready_order
 from collectives.reducer import Reducer
 from collectives.sync import GradSync
 from collectives.tied_split import TiedEmbeddingSplit
@@ -64,12 +64,9 @@ class PlannedSync(GradSync):
         self.name = strategy.name
         self.world = dist.get_world_size(process_group)
         self.classes = tc.from_config(cfg)
-        named = ready_order(model)
-        self.class_of = self.classes.assign(named)
-        used = [r.name for r in self.classes.rules if r.name in set(self.class_of.values())]  # rule order
-        self.settings = {c: self.classes.setting(c) for c in used}
+        buckets, self.class_of, self.settings = plan_params(strategy, self.classes, ready_order(model))
+        used = list(self.settings)  # the classes of this model's parameters, in rule order
         self.lossless = strategy.lossless(self.settings)
-        buckets = strategy.plan(named, self.class_of, self.settings)
         groups = {}
         if strategy.class_groups:
             # One group per class, created in rule order on every rank (a collective call).
@@ -140,10 +137,10 @@ class PlannedSync(GradSync):
         for split in self.splits:
             where = self.reducer.bucket_of(split.name)
             for r in records:
-                if r.bucket == where:
+                if r.bucket == where and r.tensors == 1:  # a bucket shared with other tensors is not the part
                     r.part = "projection"
         wait_start = records[0].wait_start_ms if records else None
-        lookups = [s.record(len(records) + i, self.reducer.backward_t, wait_start, self.class_of[s.name])
+        lookups = [s.record(len(records) + i, self.reducer.step_start(), wait_start, self.class_of[s.name])
                    for i, s in enumerate(self.splits)]
         return records + [r for r in lookups if r is not None]
 
