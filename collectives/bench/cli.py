@@ -16,6 +16,8 @@ from collectives.bench.measure import Row, measure
 from collectives.bench.output import footer, header, line, to_csv, to_json, write_out
 from collectives.bench.overlap import measure_overlap
 from collectives.bench.paths import ALIASES, DTYPES, NCCL_ONLY_OPS, OPS, bench_paths
+from collectives import nccl
+from collectives.config import CommConfig
 from collectives.config import load as load_comm_config
 from collectives.nccl import class_group
 from collectives.settings import DistConfig
@@ -90,11 +92,11 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def class_group_for(name: str, profile: str | None):
+def class_group_for(name: str, comm: CommConfig | None):
     """The tensor class's group, created through the one place that creates them, with the class's settings (from
-    the profile's `sync.classes`, read by `collectives.config.load`, else the defaults)."""
-    if profile:
-        classes = tensor_classes.from_config(load_comm_config(profile).sync)
+    the profile's `sync.classes`, else the defaults)."""
+    if comm is not None:
+        classes = tensor_classes.from_config(comm.sync)
     else:
         classes = tensor_classes.TensorClasses()
     known = [r.name for r in classes.rules]
@@ -121,9 +123,14 @@ def main(argv=None) -> int:
             args.overlap = parse_size(args.overlap)
             if args.path == "raw":
                 raise UserError("--overlap measures the reducer path: drop --path raw")
-        device, backend = ddist.init(DistConfig())
+        comm = load_comm_config(args.profile) if args.profile else None
+        if comm is not None:
+            # Before the default group exists: sets the profile's job-wide NCCL variables and arms class_group, so
+            # that the class's group gets its own protocol/algorithm (the #wrong check then validates them).
+            nccl.apply_global(comm)
+        device, backend = ddist.init(comm.dist if comm is not None else DistConfig())
         try:
-            return _bench(args, sizes, dtypes, device, backend)
+            return _bench(args, sizes, dtypes, device, backend, comm)
         finally:
             ddist.cleanup()
 
@@ -150,12 +157,12 @@ def _preamble(args, paths, nranks: int, backend: str, what: str, device, setting
         emit(h)
 
 
-def _bench(args, sizes: list[int], dtypes: list[str], device, backend: str) -> int:
+def _bench(args, sizes: list[int], dtypes: list[str], device, backend: str, comm: CommConfig | None) -> int:
     """The sweep on every rank; rank 0 prints and writes."""
     ops = parse_ops(args.op, backend)
     group, settings, what = None, None, "world"  # settings None: the reducer's defaults
     if args.tensor_class:
-        group, settings = class_group_for(args.tensor_class, args.profile)
+        group, settings = class_group_for(args.tensor_class, comm)
         what = f"class {args.tensor_class} (" + ", ".join(f"{k} {v}" for k, v in asdict(settings).items()) + ")"
     rank, nranks = dist.get_rank(group), dist.get_world_size(group)
     main_rank = dist.get_rank() == 0
