@@ -18,7 +18,7 @@ from torch import nn
 
 from collectives.plan import Bucket
 from collectives.spans import comm_span
-from collectives.timing import Stamp, ms_between, stamp
+from collectives.timing import Stamp, record_ms, stamp
 from common.rundir import BucketRecord
 
 
@@ -216,8 +216,7 @@ class Reducer:
         t0 = self.step_start()
 
         def ms(t):
-            v = ms_between(t0, t)
-            return None if v is None else round(v, 3)
+            return record_ms(t0, t)
 
         wait_start = ms(self.wait_t)
         on_gpu = self.wait_t is not None and self.wait_t.event is not None

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from collectives.timing import Stamp, ms_between, stamp
+from collectives.timing import Stamp, record_ms, stamp
 from common.errors import UserError
 from common.rundir import BucketRecord
 
@@ -157,8 +157,7 @@ class TiedEmbeddingSplit:
             return None
 
         def ms(t):
-            v = ms_between(t0, t)
-            return None if v is None else round(v, 3)
+            return record_ms(t0, t)
 
         numel, dtype = self.rows.numel(), str(self.rows.dtype)[6:]
         wire = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)

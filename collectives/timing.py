@@ -41,3 +41,9 @@ def ms_between(a: Stamp | None, b: Stamp | None) -> float | None:
         b.event.synchronize()
         return a.event.elapsed_time(b.event)
     return (b.host - a.host) * 1000.0
+
+
+def record_ms(t0: Stamp | None, t: Stamp | None) -> float | None:
+    """`ms_between(t0, t)` as a bucket record keeps it: rounded to the microsecond, None when not measured."""
+    v = ms_between(t0, t)
+    return None if v is None else round(v, 3)

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from collectives import tensor_classes as tc
 from collectives.strategies import CLASS_RULE_KEYS, register
 from collectives.sync import GradSync
-from collectives.timing import Stamp, ms_between, stamp
+from collectives.timing import Stamp, record_ms, stamp
 from common.rundir import BucketRecord
 
 _HOOKS = {
@@ -129,8 +129,7 @@ class DDPSync(GradSync):
         t0 = self._backward_t
 
         def ms(t):
-            v = ms_between(t0, t)
-            return None if v is None else round(v, 3)
+            return record_ms(t0, t)
 
         for rec, (ready, launch, complete) in self._timing:
             rec.ready_ms, rec.launch_ms, rec.complete_ms = ms(ready), ms(launch), ms(complete)
