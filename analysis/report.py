@@ -244,8 +244,8 @@ def section_step_vs_bucket(runs: list[Run], summary: pd.DataFrame, warmup: int |
     t = step_vs_bucket_table(summary)
     if t.empty:
         return _missing(key, title, "no run has step records")
-    uncapped = ", ".join(n for n in strategies.available()  # the planned ones all communicate
-                         if not strategies.get(n).uses_cap and getattr(strategies.get(n), "communicates", True))
+    uncapped = ", ".join(n for n in strategies.available()
+                         if not strategies.get(n).uses_cap and strategies.get(n).communicates)
     caption = (f"x: bucket size cap (MiB, sync.bucket_cap_mb, log scale); y: step time (ms), median with a whisker "
                f"to the p95, over each run's steady steps ({steady_text(warmup)}). One line per strategy; "
                f"strategies without a cap ({uncapped}) are dashed horizontal lines, and the no-communication baseline "

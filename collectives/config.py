@@ -14,12 +14,12 @@ from typing import Callable
 from collectives.nccl.settings import validate_config
 from collectives.settings import CollectivesConfig, DistConfig, SyncConfig
 from collectives.strategies import available, unused_keys
+from collectives.strategies.ddp import STOCK_HOOKS
 from collectives.tensor_classes import config_problems
 from common.errors import UserError
 from common.schema import Source, apply_overrides, build, read_overlay
 
 SECTIONS = ("dist", "sync", "collectives")
-STOCK_HOOKS = (None, "allreduce", "fp16_compress", "bf16_compress")
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,9 @@ def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check:
     s = sync
     check(s.bucket_cap_mb is None or s.bucket_cap_mb > 0, "sync.bucket_cap_mb",
           f"must be positive or null, got {s.bucket_cap_mb}")
-    check(s.hook in STOCK_HOOKS, "sync.hook",
-          f"must be null, allreduce, fp16_compress or bf16_compress, got '{s.hook}'")
+    hooks = list(STOCK_HOOKS)
+    check(s.hook is None or s.hook in STOCK_HOOKS, "sync.hook",
+          f"must be null, {', '.join(hooks[:-1])} or {hooks[-1]}, got '{s.hook}'")
     check(s.first_bucket_mb is None or s.first_bucket_mb > 0, "sync.first_bucket_mb",
           f"must be positive or null, got {s.first_bucket_mb}")
     check(s.powersgd_rank > 0, "sync.powersgd_rank", f"must be positive, got {s.powersgd_rank}")

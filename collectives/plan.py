@@ -14,6 +14,7 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
+from collectives.sync import StrategyFacts
 from collectives.tensor_classes import CollectiveSettings, TensorClasses
 from common.errors import UserError
 
@@ -86,21 +87,15 @@ def pack(named_params: Sequence[tuple[str, torch.Tensor]], classes: dict[str, st
     return buckets
 
 
-class BucketingStrategy:
-    """A named way of grouping gradients into buckets, with its own small `Config` of knobs.
+class BucketingStrategy(StrategyFacts):
+    """A named way of grouping gradients into buckets, with its own small `Config` of knobs (its fields are among
+    its `sync_keys`).
 
     `overlap`: buckets are launched from the gradient hooks as soon as they are complete (in index order); otherwise
     all of them at `wait()`. `lossless(settings)`: the averaged gradients equal the exact mean up to float rounding.
     """
 
-    name: ClassVar[str] = "base"
     overlap: ClassVar[bool] = True
-    class_groups: ClassVar[bool] = False  # each tensor class gets its own process group
-    uses_cap: ClassVar[bool] = False  # its buckets follow `sync.bucket_cap_mb`
-    # The keys of `sync` it reads besides `strategy` ("classes.<key>": that key of every `sync.classes.<class>`); a
-    # profile that sets another one is refused (`collectives.config.validate`). Its `Config` fields are among them.
-    sync_keys: ClassVar[tuple[str, ...]] = ()
-    plans_like: ClassVar[str | None] = None  # a planned strategy whose buckets model this one's (None: its own)
 
     @dataclass(frozen=True)
     class Config:

@@ -9,6 +9,7 @@ wraps all but the last micro-batch of an accumulation in `handle.no_sync()`, and
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import ClassVar
 
 import torch.distributed as dist
 from torch import nn
@@ -17,16 +18,24 @@ from collectives.settings import SyncConfig
 from common.rundir import BucketRecord
 
 
-class GradSync:
+class StrategyFacts:
+    """What every registered strategy says of itself, for the profile's checks, the cost model and the simulator;
+    both kinds of strategy (`GradSync` and `collectives.plan.BucketingStrategy`) carry them."""
+
+    name: ClassVar[str] = "base"
+    communicates: ClassVar[bool] = True  # False only for the no-communication headroom baseline
+    class_groups: ClassVar[bool] = False  # each tensor class gets its own process group
+    uses_cap: ClassVar[bool] = False  # its buckets follow `sync.bucket_cap_mb`
+    # The keys of `sync` it reads besides `strategy` ("classes.<key>": that key of every `sync.classes.<class>`); a
+    # profile that sets another one is refused (`collectives.config.validate`).
+    sync_keys: ClassVar[tuple[str, ...]] = ()
+    plans_like: ClassVar[str | None] = None  # a planned strategy whose buckets model this one's (None: its own)
+
+
+class GradSync(StrategyFacts):
     """Base handle. Subclasses synchronize gradients so that after `wait()` each holds the mean over ranks."""
 
-    name = "base"
     lossless = True  # False for strategies whose averaged gradients differ from the exact mean
-    communicates = True  # False only for the no-communication headroom baseline
-    class_groups = False  # each tensor class gets its own process group
-    uses_cap = False  # its buckets follow `sync.bucket_cap_mb`
-    plans_like: str | None = None  # a planned strategy whose bucket layout models this one's (cost model, simulator)
-    sync_keys: tuple[str, ...] = ()  # the `sync` keys it reads; a profile setting another one is refused
 
     def __init__(self, model: nn.Module, cfg: SyncConfig, process_group: dist.ProcessGroup | None = None):
         self.model, self.cfg, self.process_group = model, cfg, process_group

@@ -26,14 +26,25 @@ def check_writable(path: str | Path, option: str) -> Path:
     return p
 
 
-def write_atomic(path: str | Path, text: str, option: str) -> None:
-    p = check_writable(path, option)
-    tmp = p.with_name(f".{p.name}.tmp")
+def replace_atomically(path: str | Path, text: str) -> None:
+    """`path` holds `text`, or what it held before: a temporary file beside it (named per process, so that ranks
+    writing the same file do not share one) renamed over it. An OSError leaves no temporary file behind."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(text)
         os.replace(tmp, p)
-    except OSError as e:
+    except OSError:
         tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: str | Path, text: str, option: str) -> None:
+    """The output file of `option`, written whole or not at all; a one-line error naming it when it cannot be."""
+    p = check_writable(path, option)
+    try:
+        replace_atomically(p, text)
+    except OSError as e:
         raise UserError(f"{option} {p}: cannot write it ({e.strerror})") from None
 
 

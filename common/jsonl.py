@@ -6,6 +6,23 @@ import json
 from pathlib import Path
 
 from common.errors import UserError
+from common.files import replace_atomically
+
+
+def _lines(records: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def append_jsonl(path: Path, records: list[dict]) -> None:
+    """One open and one write per call, however many records (a step can carry a hundred bucket records)."""
+    if records:
+        with open(path, "a") as f:
+            f.write(_lines(records))
+
+
+def rewrite_jsonl(path: Path, records: list[dict]) -> None:
+    """Replace a JSONL file's records at once (`common.files.replace_atomically`)."""
+    replace_atomically(path, _lines(records))
 
 
 def read_jsonl(path: Path) -> list[dict]:

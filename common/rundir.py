@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,26 +169,3 @@ def read_buckets(run_dir: Path, rank: int = 0) -> list[dict]:
 
 def read_evals(run_dir: Path) -> list[dict]:
     return read_jsonl(Path(run_dir) / EVALS)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Writing
-
-
-def _lines(records: list[dict]) -> str:
-    return "".join(json.dumps(r) + "\n" for r in records)
-
-
-def append_records(path: Path, records: list[dict]) -> None:
-    """One open and one write per call, however many records (a step can carry a hundred bucket records)."""
-    if records:
-        with open(path, "a") as f:
-            f.write(_lines(records))
-
-
-def rewrite_records(path: Path, records: list[dict]) -> None:
-    """Replace a JSONL file's records at once (a temporary file renamed over it)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(_lines(records))
-    os.replace(tmp, path)

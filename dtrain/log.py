@@ -15,7 +15,7 @@ import torch
 
 from common import rundir
 from common.errors import UserError
-from common.jsonl import read_jsonl
+from common.jsonl import append_jsonl, read_jsonl, rewrite_jsonl
 from common.rundir import BucketRecord, StepRecord, ValRecord
 from dtrain import config as config_mod
 
@@ -77,23 +77,23 @@ class RunWriter:
             kept = [r for r in records if isinstance(r.get("step"), int) and r["step"] <= step]
             if name == rundir.STEPS:
                 recomputed = len(records) - len(kept)
-            rundir.rewrite_records(path, kept)
+            rewrite_jsonl(path, kept)
         return recomputed
 
     def step(self, record: StepRecord) -> None:
         if self.enabled:
-            rundir.append_records(self.run_dir / rundir.STEPS, [record.to_json()])
+            append_jsonl(self.run_dir / rundir.STEPS, [record.to_json()])
 
     def buckets(self, step: int, records: list[BucketRecord]) -> None:
         """Rank 0: buckets.jsonl; a rank > 0 with `rank_records`: its own file."""
         rows = [r.to_json(step) for r in records]
         if self.enabled:
-            rundir.append_records(self.run_dir / rundir.BUCKETS, rows)
+            append_jsonl(self.run_dir / rundir.BUCKETS, rows)
         elif self.rank_records:
-            rundir.append_records(self.run_dir / rundir.rank_buckets_file(self.rank), rows)
+            append_jsonl(self.run_dir / rundir.rank_buckets_file(self.rank), rows)
 
     def eval(self, record: ValRecord | dict) -> None:
         """A validation record, or a BLEU score (a dict: its fields are sacreBLEU's, see `dtrain.evaluate`)."""
         if self.enabled:
-            rundir.append_records(self.run_dir / rundir.EVALS,
+            append_jsonl(self.run_dir / rundir.EVALS,
                                   [record.to_json() if isinstance(record, ValRecord) else record])

@@ -11,12 +11,11 @@ from dataclasses import asdict
 import torch.distributed as dist
 
 from collectives import dist as ddist
-from collectives import tensor_classes
+from collectives import nccl, tensor_classes
 from collectives.bench.measure import Row, measure
 from collectives.bench.output import footer, header, line, to_csv, to_json, write_out
 from collectives.bench.overlap import measure_overlap
 from collectives.bench.paths import ALIASES, DTYPES, NCCL_ONLY_OPS, OPS, bench_paths
-from collectives import nccl
 from collectives.config import CommConfig
 from collectives.config import load as load_comm_config
 from collectives.nccl import class_group

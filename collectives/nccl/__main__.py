@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from collectives.config import load
-from collectives.nccl.check import check_decisions, load_buckets, render_check, requested_by_class
-from collectives.nccl.classes import class_names
+from collectives.nccl.check import check_decisions, load_buckets, render_check
+from collectives.nccl.classes import class_names, resolved
 from collectives.nccl.gpu_check import gpu_check
 from collectives.nccl.groups import groups_text
 from collectives.nccl.log import read_logs
@@ -67,7 +67,7 @@ def profile_name(path: str, overrides: list[str]) -> str:
 
 def parse_log_cmd(args) -> int:
     decisions, envs = read_logs(args.logs)
-    want = requested_by_class(load(args.profile)) if args.profile else {}
+    want = resolved(load(args.profile)) if args.profile else {}
     buckets = load_buckets(args.buckets) if args.buckets else []
     table, mismatches = check_decisions(decisions, buckets, want)
     print(render_check(table, mismatches, envs), end="")

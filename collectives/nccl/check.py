@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from collectives.nccl.classes import class_names, resolve
+from collectives.nccl.classes import resolved
 from collectives.nccl.groups import run_record
 from collectives.nccl.log import Decision, EnvSetting, read_logs
 from collectives.nccl.settings import describe
@@ -97,10 +97,6 @@ def render_check(table, mismatches, envs: list[EnvSetting] | None = None) -> str
     return "\n".join(out) + "\n"
 
 
-def requested_by_class(cfg) -> dict[str, NcclSettings]:
-    return {n: resolve(cfg, n) for n in class_names(cfg)}
-
-
 def verify_run(cfg, run_dir: str | Path, log_dir: str | Path | None = None) -> dict | None:
     """After a run with `collectives.parse_log`: parse its NCCL logs, join them to `buckets.jsonl`, write
     `nccl_check.txt` into the run directory. Returns {decisions, mismatches}; None when there is nothing to read."""
@@ -112,6 +108,6 @@ def verify_run(cfg, run_dir: str | Path, log_dir: str | Path | None = None) -> d
     if not cfg.collectives.parse_log or not logs or not (run_dir / rundir.BUCKETS).exists():
         return None
     decisions, envs = read_logs(logs)
-    table, mismatches = check_decisions(decisions, load_buckets(run_dir / rundir.BUCKETS), requested_by_class(cfg))
+    table, mismatches = check_decisions(decisions, load_buckets(run_dir / rundir.BUCKETS), resolved(cfg))
     (run_dir / "nccl_check.txt").write_text(render_check(table, mismatches, envs))
     return {"decisions": len(decisions), "mismatches": mismatches}

@@ -33,6 +33,11 @@ def resolve(cfg, name: str, passed=None) -> NcclSettings:
     return merge(own, c.default)
 
 
+def resolved(cfg) -> dict[str, NcclSettings]:
+    """Every class's NCCL choices as the profile requests them (`resolve` of each of `class_names`)."""
+    return {n: resolve(cfg, n) for n in class_names(cfg)}
+
+
 def requested(cfg) -> dict[str, dict]:
     """{class: {proto, algo, min_ctas, max_ctas}} as requested: for the run header and the cost model."""
-    return {n: dataclasses.asdict(resolve(cfg, n)) for n in class_names(cfg)}
+    return {n: dataclasses.asdict(s) for n, s in resolved(cfg).items()}

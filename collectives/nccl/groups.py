@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from collectives.dist import choose_backend
-from collectives.nccl.classes import class_names, requested, resolve
+from collectives.nccl.classes import requested, resolve, resolved
 from collectives.nccl.guards import NONBLOCKING_VAR, creates_class_groups, guards, nonblocking_init
 from collectives.nccl.settings import describe
 from collectives.nccl.tuner import CLASS_VAR, RULES_VAR, build_tuner, rules_path, tuner_lib_path, tuner_rules
 from collectives.nccl.versions import nccl_version, per_collective_syntax, version_str
 from collectives.settings import NcclSettings
 from common.errors import UserError
+from common.files import replace_atomically
 
 _PATH_VARS = ("NCCL_TUNER_PLUGIN", RULES_VAR, "NCCL_DEBUG_FILE")
 
@@ -95,7 +96,7 @@ def class_group_settings(mode: str, name: str, s: NcclSettings, version, rules_f
 def build_groups(cfg, version=None, log_dir: str | Path | None = None, tuner_lib: Path | None = None) -> NcclSetup:
     """Everything `apply_global` and `class_group` will do for this profile, as data."""
     c = cfg.collectives
-    settings = {n: resolve(cfg, n) for n in class_names(cfg)}
+    settings = resolved(cfg)
     warnings = guards(cfg, version, settings)
     if not creates_class_groups(cfg.sync.strategy):  # only the default group will exist
         settings = {}
@@ -168,18 +169,18 @@ def scoped_env(env: dict[str, str | None]):
     """Set (None: unset) variables for the block, then put back exactly what was there, also on error."""
     saved = {k: os.environ.get(k) for k in env}
     try:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_env(env)
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_env(saved)
+
+
+def _set_env(env: dict[str, str | None]) -> None:
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 class TorchGroups:
@@ -237,11 +238,8 @@ def _set_job_env(setup: NcclSetup) -> list[str]:
     reach every class."""
     warnings = []
     for path, text in setup.files.items():
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, p)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        replace_atomically(path, text)
     if "NCCL_DEBUG_FILE" in setup.process_env:
         Path(setup.process_env["NCCL_DEBUG_FILE"]).parent.mkdir(parents=True, exist_ok=True)
     for k, v in setup.process_env.items():

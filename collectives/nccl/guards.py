@@ -17,7 +17,7 @@ NEEDS_HARDWARE = {"CollNetDirect": "a CollNet (SHARP) network plugin", "CollNetC
 
 def creates_class_groups(strategy: str) -> bool:
     """Whether the strategy sends each class through its own group (`class_groups` of collectives.strategies)."""
-    return bool(getattr(strategies.get(strategy), "class_groups", False))
+    return strategies.get(strategy).class_groups
 
 
 def nonblocking_init() -> bool:

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from collectives.nccl.classes import class_names, resolve
+from collectives.nccl.classes import resolve, resolved
 from collectives.nccl.settings import COLLECTIVES, PLUGIN_ALGOS, PLUGIN_PROTOS, describe
 from collectives.settings import NCCL_ALGORITHMS, NCCL_PROTOCOLS, NcclSettings
 from common.errors import UserError
@@ -41,7 +41,7 @@ def tuner_rules(cfg) -> str:
     that asks for something, plus `*` (the default) for classes the file does not name."""
     lines = ["# dtrain NCCL tuner rules (collectives/tuner/dtrain_tuner.c), written by collectives.nccl",
              "# class,collective,min_bytes,max_bytes,algorithm,protocol,channels  (-1: NCCL decides / no bound)"]
-    for name, s in [(n, resolve(cfg, n)) for n in class_names(cfg)] + [("*", cfg.collectives.default)]:
+    for name, s in list(resolved(cfg).items()) + [("*", cfg.collectives.default)]:
         if s.proto or s.algo or s.max_ctas:
             algo = PLUGIN_ALGOS[NCCL_ALGORITHMS.index(s.algo)] if s.algo else "-1"
             proto = PLUGIN_PROTOS[NCCL_PROTOCOLS.index(s.proto)] if s.proto else "-1"

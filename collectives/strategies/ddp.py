@@ -20,7 +20,7 @@ from collectives.sync import GradSync
 from collectives.timing import Stamp, record_ms, stamp
 from common.rundir import BucketRecord
 
-_HOOKS = {
+STOCK_HOOKS = {  # sync.hook -> torch's default DDP comm hook
     "allreduce": default_hooks.allreduce_hook,
     "fp16_compress": default_hooks.fp16_compress_hook,
     "bf16_compress": default_hooks.bf16_compress_hook,
@@ -81,7 +81,7 @@ class DDPSync(GradSync):
         if self.cfg.hook is None:
             return None
         state = self.process_group if self.process_group is not None else dist.group.WORLD
-        return state, _HOOKS[self.cfg.hook]
+        return state, STOCK_HOOKS[self.cfg.hook]
 
     def wire_dtype(self) -> str:
         return _WIRE[self.cfg.hook]
