@@ -23,7 +23,7 @@ from common.errors import JobFailure, UserError
 from common.rundir import StepRecord, ValRecord
 from dtrain import checkpoint
 from dtrain.config import RunConfig
-from dtrain.data import BatchStream, Pairs, TokenBatcher, cache_root, collate, multi30k_dir, multi30k_split
+from dtrain.data import BatchStream, TokenBatcher, collate
 from dtrain.evaluate import score_split, write_score
 from dtrain.faults import Fault, FaultInjector
 from dtrain.log import RunWriter
@@ -31,22 +31,9 @@ from dtrain.loss import LabelSmoothing
 from dtrain.model import Transformer, count_parameters, sdpa_backend
 from dtrain.profiler import StepProfiler
 from dtrain.schedule import make_scheduler
+from dtrain.startup import load_corpus
 from dtrain.telemetry import Telemetry
-from dtrain.tokenizer import PAD, Tokenizer, train_or_load
-
-
-def locate_corpus(cfg: RunConfig) -> Path:
-    """Rank 0 finds (or downloads) the corpus; the others take its word, so only one rank ever downloads."""
-    d = cfg.data
-    found = str(multi30k_dir(d.dir, d.cache_dir, d.src, d.tgt)) if ddist.is_main() else None
-    return Path(ddist.broadcast_object(found))
-
-
-def shared_tokenizer(cfg: RunConfig, src: list[str], tgt: list[str]) -> Tokenizer:
-    """Rank 0 trains (or loads the cached) BPE model; the others load the file it names."""
-    path = str(train_or_load(src, tgt, cfg.data.vocab_size, cache_root(cfg.data.cache_dir) / "bpe").model_file
-               ) if ddist.is_main() else None
-    return Tokenizer(ddist.broadcast_object(path))
+from dtrain.tokenizer import PAD
 
 
 def rng_state() -> dict:
@@ -76,13 +63,9 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
 
         d = cfg.data
-        self.data_dir = locate_corpus(cfg)
-        train_src, train_tgt = multi30k_split(self.data_dir, "train", d.src, d.tgt)
-        self.tokenizer = shared_tokenizer(cfg, train_src, train_tgt)  # on the whole split, before train_limit
-        if d.train_limit:
-            train_src, train_tgt = train_src[: d.train_limit], train_tgt[: d.train_limit]
-        self.train_pairs = Pairs.encode(self.tokenizer, train_src, train_tgt, d.max_len)
-        self.val_pairs = Pairs.encode(self.tokenizer, *multi30k_split(self.data_dir, "val", d.src, d.tgt))
+        corpus = load_corpus(cfg)
+        self.data_dir, self.tokenizer = corpus.data_dir, corpus.tokenizer
+        self.train_pairs, self.val_pairs = corpus.train, corpus.val
         self.stream = BatchStream(self.train_pairs, TokenBatcher(self.train_pairs.lengths(), d.max_tokens, cfg.seed,
                                                                  self.rank, self.world))
         # The same seed on every rank gives the same initial model; dropout then differs per rank.
