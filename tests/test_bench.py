@@ -171,23 +171,50 @@ def test_reducer_path_cuts_the_size_into_capped_buckets(one_rank_group, monkeypa
 # ---- the table ---------------------------------------------------------------------------------------------------
 
 def test_table_has_nccl_tests_columns_and_footer():
-    rows = [bench.Row("raw", 4 << 20, 1 << 20, "float", "sum", 2000.0, *bench.bandwidths(4 << 20, 2000.0, 2), 0),
-            bench.Row("reducer", 4 << 20, 1 << 20, "float", "sum", 2100.0, *bench.bandwidths(4 << 20, 2100.0, 2),
-                      0)]
-    paths = [bench.BenchPath("raw", "dist.all_reduce", None), bench.BenchPath("reducer", "reducer", None)]
-    head = bench.header(paths)
-    assert head[1].split() == ["#", "size", "count", "type", "redop"] + ["time", "algbw", "busbw", "#wrong"] * 2
-    assert "(us)" in head[2] and "(GB/s)" in head[2] and "(B)" in head[2]
-    fields = bench.line(rows).split()
-    assert fields[:4] == [str(4 << 20), str(1 << 20), "float", "sum"]
-    assert fields[4:8] == ["2000.0", "2.10", "2.10", "0"]
-    foot = bench.footer(rows, paths)
+    def row(path, place, t):
+        return bench.Row(path, 4 << 20, 1 << 20, "float", "sum", t, *bench.bandwidths(4 << 20, t, 2), 0, place=place)
+
+    rows = [row("raw", "out-of-place", 2000.0), row("raw", "in-place", 1900.0), row("reducer", "in-place", 2100.0)]
+    head = bench.header()
+    # all_reduce_perf's heading rows, character for character (nccl-tests' src/common.cu formats)
+    assert head[0] == "#" + " " * 62 + "out-of-place" + " " * 23 + "in-place" + " " * 10
+    assert head[1] == ("#       size         count      type   redop    root     time   algbw   busbw #wrong     "
+                       "time   algbw   busbw #wrong")
+    assert head[2] == ("#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            "
+                       "(us)  (GB/s)  (GB/s)       ")
+    text = bench.line(rows[0], rows[1])
+    assert text == ("     4194304       1048576     float     sum      -1   2000.0    2.10    2.10      0   "
+                    "1900.0    2.21    2.21      0")
+    fields = text.split()
+    assert fields[:5] == [str(4 << 20), str(1 << 20), "float", "sum", "-1"]  # root -1: an all-reduce has none
+    foot = bench.footer(rows)
     assert foot[0] == "# Out of bounds values : 0 OK"
-    assert foot[1].startswith("# Avg bus bandwidth    : 2.09")
-    assert "reducer/raw busbw at >= 4 MiB : min 0.952" in foot[3]
+    # the mean over both column groups of the table's (raw) rows, as nccl-tests averages it; the reducer's is apart
+    assert foot[1] == f"# Avg bus bandwidth    : {(rows[0].busbw + rows[1].busbw) / 2:g} " and foot[2] == "#"
+    extra = bench.extra_lines(rows)
+    assert all(ln.startswith("#") for ln in extra)  # the project's columns: comments to nccl-tests' parsers
+    assert any("reducer" in ln and "in-place" in ln for ln in extra)
+    assert any("reducer/raw busbw at >= 4 MiB : min 0.905" in ln for ln in extra)  # against the raw in-place row
     rows[0].wrong = 2
-    assert bench.footer(rows, paths)[0] == "# Out of bounds values : 2 FAILED"
-    assert "N/A" in bench.line([rows[0], None])
+    assert bench.footer(rows)[0] == "# Out of bounds values : 2 FAILED"
+    rows[2].wrong = 5  # the reducer's wrong elements are reported in its own comment, not in nccl-tests' footer
+    assert bench.footer(rows)[0] == "# Out of bounds values : 2 FAILED"
+    assert any("out of bounds values 5 FAILED" in ln for ln in bench.extra_lines(rows))
+    assert bench.line(None, rows[1]).split()[5:9] == ["N/A"] * 4
+    rows[1].wrong = None  # -c 0: not checked
+    assert bench.line(rows[0], rows[1]).split()[-1] == "N/A"
+
+
+def test_out_of_place_keeps_its_input(one_rank_group):
+    oop = bench.raw_path(None, "out-of-place")
+    t = torch.arange(8, dtype=torch.float32)
+    fn, result = oop.bind(t, "sum")
+    fn()
+    assert result() is not t and torch.equal(result(), t) and oop.place == "out-of-place"
+    row = bench.measure(oop, 4096, "float", "sum", _Args, None, 1, 0, torch.device("cpu"))
+    assert row.wrong == 0 and row.place == "out-of-place" and row.path == "raw"
+    assert [(p.name, p.place) for p in bench.bench_paths("all", None, None, None)] == [
+        ("raw", "out-of-place"), ("raw", "in-place"), ("reducer", "in-place")]
 
 
 # ---- 2 ranks under torchrun --------------------------------------------------------------------------------------
@@ -202,11 +229,18 @@ def test_two_rank_sweep_on_loopback(tmp_path):
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "nRanks 2 backend gloo" in r.stdout and "group: class ffn" in r.stdout
+    assert "# nThread 1 nGpus 1 minBytes 8 maxBytes 1048576 step: 32(factor)" in r.stdout
     assert "# Out of bounds values : 0 OK" in r.stdout and "# Avg bus bandwidth    : " in r.stdout
+    assert sum(1 for ln in r.stdout.splitlines() if ln.startswith("#  Rank ")) == 2
     rows = json.loads(out.read_text())
     assert {tuple(sorted(row)) for row in rows} == {tuple(sorted(bench.FIELDS))}
-    raw = [row for row in rows if row["path"] == "raw"]
-    assert [row["size"] for row in raw] == [8, 256, 8192, 262144]
+    for place in ("out-of-place", "in-place"):
+        raw = [row for row in rows if row["path"] == "raw" and row["place"] == place]
+        assert [row["size"] for row in raw] == [8, 256, 8192, 262144]
+    # the table's data lines: the raw path's two column groups per size, in all_reduce_perf's 13 columns
+    data = [ln.split() for ln in r.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert [int(f[0]) for f in data] == [8, 256, 8192, 262144] and {len(f) for f in data} == {13}
+    assert {f[4] for f in data} == {"-1"}
     for row in rows:
         assert row["wrong"] == 0 and row["type"] == "float" and row["redop"] == "sum"
         assert row["count"] * 4 == row["size"]

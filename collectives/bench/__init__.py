@@ -11,19 +11,20 @@ tensor class's group, under torchrun on loopback or across the emulated cluster 
     correctness  the correctness pass (`#wrong`)
     measure      one measurement (`Row`), timed as nccl-tests times it
     overlap      `--overlap`: the computation an all-reduce takes from a backward it overlaps (CPU)
-    output       nccl-tests' table, and the rows as JSON / CSV
+    output       all_reduce_perf's table column for column, the project's columns as comments, JSON / CSV
     cli          the command line and the sweep (`python -m collectives.bench --help`)
 """
 
 from collectives.bench.cli import PROG, class_group_for, main, parse_args, parse_dtypes, parse_ops, sweep_sizes
 from collectives.bench.correctness import PERIOD, check, count_wrong, expected_period, fill, pattern
 from collectives.bench.measure import Row, bandwidths, measure
-from collectives.bench.output import FIELDS, footer, header, line, ratio_lines, to_csv, to_json, write_out
+from collectives.bench.output import (FIELDS, extra_line, extra_lines, footer, header, line, ratio_lines, to_csv,
+                                     to_json, write_out)
 from collectives.bench.overlap import measure_overlap, overlap_cost
 from collectives.bench.paths import ALIASES, DTYPES, OPS, BenchPath, bench_paths, raw_path, reducer_path, run_bound
 
 __all__ = ["PROG", "class_group_for", "main", "parse_args", "parse_dtypes", "parse_ops", "sweep_sizes", "PERIOD",
            "check", "count_wrong", "expected_period", "fill", "pattern", "Row", "bandwidths", "measure", "FIELDS",
-           "footer", "header", "line", "ratio_lines", "to_csv", "to_json", "write_out", "measure_overlap",
-           "overlap_cost", "ALIASES", "DTYPES", "OPS", "BenchPath", "bench_paths", "raw_path", "reducer_path",
-           "run_bound"]
+           "extra_line", "extra_lines", "footer", "header", "line", "ratio_lines", "to_csv", "to_json", "write_out",
+           "measure_overlap", "overlap_cost", "ALIASES", "DTYPES", "OPS", "BenchPath", "bench_paths", "raw_path",
+           "reducer_path", "run_bound"]

@@ -1,19 +1,21 @@
 """The command line: nccl-tests' flags (`-b -e -f -i -w -n -c -d -o`), the paths, the tensor class and its group,
-and the sweep on every rank, rank 0 printing and writing."""
+and the sweep on every rank, rank 0 printing all_reduce_perf's table and writing the rows."""
 
 from __future__ import annotations
 
 import math
 import os
+import platform
 import socket
 from dataclasses import asdict
 
+import torch
 import torch.distributed as dist
 
 from collectives import dist as ddist
 from collectives import nccl, tensor_classes
 from collectives.bench.measure import Row, measure
-from collectives.bench.output import footer, header, line, to_csv, to_json, write_out
+from collectives.bench.output import extra_lines, footer, header, line, to_csv, to_json, write_out
 from collectives.bench.overlap import measure_overlap
 from collectives.bench.paths import ALIASES, DTYPES, NCCL_ONLY_OPS, OPS, bench_paths
 from collectives.config import CommConfig
@@ -134,25 +136,40 @@ def main(argv=None) -> int:
             ddist.cleanup()
 
 
+def _device_text(device) -> str:
+    """A rank's device as nccl-tests names it (index [PCI bus] name); a CPU rank has no index or bus."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        bus = getattr(props, "pci_bus_id", None)
+        return f"{device.index or 0:2d} [{f'0x{bus:02x}' if bus is not None else '?'}] {props.name}"
+    return f"{-1:2d} [cpu] {platform.processor() or platform.machine() or 'CPU'}"
+
+
 def _preamble(args, paths, nranks: int, backend: str, what: str, device, settings, emit) -> None:
-    """The table's head, as nccl-tests prints it: the sweep's parameters, the ranks and their devices, what the
-    reducer path does, and the column headings."""
+    """The table's head, as all_reduce_perf prints it (one process a rank: nThread 1 nGpus 1; a rank line each),
+    then, as comments of its own, what this benchmark adds: backend, group and the reducer path."""
     hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, (dist.get_rank(), os.getpid(), socket.gethostname(), str(device)))
+    dist.all_gather_object(hosts, (dist.get_rank(), os.getpid(), socket.gethostname(), _device_text(device)))
     step = f"{parse_size(args.stepbytes)}(bytes)" if parse_size(args.stepbytes) > 0 else f"{args.stepfactor:g}(factor)"
-    emit(f"# {PROG}: nRanks {nranks} backend {backend} minBytes {parse_size(args.minbytes)} "
-         f"maxBytes {parse_size(args.maxbytes)} step: {step} "
-         f"warmup iters: {args.warmup} iters: {args.iters} validation: {args.check} group: {what}")
+    emit(f"# nThread 1 nGpus 1 minBytes {parse_size(args.minbytes)} maxBytes {parse_size(args.maxbytes)} "
+         f"step: {step} warmup iters: {args.warmup} iters: {args.iters} agg iters: 1 validation: {args.check} "
+         f"graph: 0")
     emit("#\n# Using devices")
     for r, pid, host, dev in hosts:
         emit(f"#  Rank {r:2d} Group  0 Pid {pid:6d} on {host:>10} device {dev}")
     emit("#")
+    emit(f"# {PROG}: nRanks {nranks} backend {backend} group: {what}")
+    emit("# out-of-place: dist.all_reduce into an output buffer (the input copied there first, timed with it: "
+         "torch.distributed reduces in place only); in-place: dist.all_reduce of the tensor itself")
     if any(p.name == "reducer" for p in paths):
         cap = (settings or CollectiveSettings()).bucket_cap_mb
         emit(f"# reducer path: collectives.reducer.Reducer, the size cut into buckets of <= {cap:g} MiB, launched "
-             f"async in order, waited, averaged (checked against the mean); float types, op sum only")
+             f"async in order, waited, averaged (checked against the mean); float types, op sum only; its rows are "
+             f"the commented table after the footer")
+    if not any(p.name == "raw" for p in paths):
+        emit("# --path reducer: the raw path is not measured, so the table below has no rows")
     emit("#")
-    for h in header(paths):
+    for h in header():
         emit(h)
 
 
@@ -177,14 +194,14 @@ def _bench(args, sizes: list[int], dtypes: list[str], device, backend: str, comm
                 count = size // DTYPES[dtype_name].itemsize
                 if count == 0:  # nccl-tests too skips sizes below one element
                     continue
-                # A path that cannot do this op (the reducer only sums) shows N/A in its columns.
-                cells = [measure(p, count, dtype_name, op, args, group, nranks, rank, device)
-                         if p.can(op, dtype_name)
-                         else None for p in paths]
-                rows += [c for c in cells if c is not None]
-                if any(c is not None for c in cells):
-                    emit(line(cells), flush=True)
-    for f in footer(rows, paths):
+                # A path that cannot do this op (the reducer only sums) is skipped at that size.
+                cells = [measure(p, count, dtype_name, op, args, group, nranks, rank, device) for p in paths
+                         if p.can(op, dtype_name)]
+                rows += cells
+                raw = {c.place: c for c in cells if c.path == "raw"}
+                if raw:
+                    emit(line(raw.get("out-of-place"), raw.get("in-place")), flush=True)
+    for f in footer(rows) + extra_lines(rows):
         emit(f)
     if args.overlap is not None:
         measure_overlap(rows, args.overlap, group, nranks, device, emit)

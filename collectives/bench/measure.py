@@ -38,6 +38,8 @@ class Row:
     # --overlap (CPU only, reducer path): how much longer a computation takes per all-reduce of this size launched
     # during it, mean over ranks; what a bucket launched during backward costs the backward (the simulator's host cost)
     host_us: float | None = None
+    # nccl-tests' column group: "out-of-place" (the raw path's result in another buffer) or "in-place"
+    place: str = "in-place"
 
 
 def bandwidths(nbytes: int, time_us: float, nranks: int) -> tuple[float, float]:
@@ -90,4 +92,4 @@ def measure(path: BenchPath, count: int, dtype_name: str, op: str, args, group, 
     algbw, busbw = bandwidths(nbytes, time_us, nranks)
     return Row(path.name, nbytes, count, dtype_name, op, time_us, algbw, busbw, wrong, round(cpu_us, 3),
                median_us=None if math.isnan(median_us) else round(median_us, 3),
-               iqr_us=None if math.isnan(iqr_us) else round(iqr_us, 3))
+               iqr_us=None if math.isnan(iqr_us) else round(iqr_us, 3), place=path.place)

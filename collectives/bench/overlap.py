@@ -90,5 +90,5 @@ def measure_overlap(rows: list[Row], max_bytes: int, group, nranks: int, device,
     for r in todo:
         host, alone = overlap_cost(r.count, r.type, group, nranks, r.time_us)
         r.host_us = round(host, 3)
-        emit(f"   {r.size:>10}  {r.type:>8}  {alone:11.1f}  {host:12.1f}", flush=True)
+        emit(f"#  {r.size:>10}  {r.type:>8}  {alone:11.1f}  {host:12.1f}", flush=True)  # "#": not a table row
     emit("#")

@@ -37,8 +37,9 @@ class BenchPath:
     zero-argument operation to time, a function giving the result as one flat tensor once it has run)."""
 
     name: str  # "raw" | "reducer": the `path` of a JSON row
-    title: str  # column-group heading of the table
+    title: str  # what it is, for the table's comments
     bind: Callable[[torch.Tensor, str], tuple[Callable[[], None], Callable[[], torch.Tensor]]]
+    place: str = "in-place"  # nccl-tests' column group: "out-of-place" (result in another buffer) or "in-place"
     ops: tuple[str, ...] = tuple(OPS)  # the reduction ops this path can do
     dtypes: tuple[str, ...] = tuple(DTYPES)  # and the data types
     result_op: Callable[[str], str] = lambda op: op  # what the result equals: the reducer averages its sum
@@ -54,11 +55,24 @@ def run_bound(bound) -> torch.Tensor:
     return result()
 
 
-def raw_path(group) -> BenchPath:
-    def bind(t, op):
-        return (lambda: dist.all_reduce(t, op=OPS[op], group=group)), (lambda: t)
+def raw_path(group, place: str = "in-place") -> BenchPath:
+    """`dist.all_reduce` of the tensor. torch.distributed's all-reduce works in place only, so out-of-place (nccl-tests'
+    first column group: the input kept, the result in another buffer) is the input copied into an output buffer and
+    that buffer all-reduced in place, the copy timed with it, as torch's functional all_reduce does it."""
+    if place == "in-place":
+        def bind(t, op):
+            return (lambda: dist.all_reduce(t, op=OPS[op], group=group)), (lambda: t)
+    else:
+        def bind(t, op):
+            out = torch.empty_like(t)
 
-    return BenchPath("raw", "dist.all_reduce", bind)
+            def fn():
+                out.copy_(t)
+                dist.all_reduce(out, op=OPS[op], group=group)
+
+            return fn, (lambda: out)
+
+    return BenchPath("raw", "dist.all_reduce", bind, place=place)
 
 
 def reducer_path(group, class_name: str | None, settings) -> BenchPath:
@@ -100,10 +114,11 @@ def reducer_path(group, class_name: str | None, settings) -> BenchPath:
 
 
 def bench_paths(which: str, group, class_name: str | None, settings) -> list[BenchPath]:
-    """The paths `--path` names: raw, reducer, or all."""
+    """The paths `--path` names: raw (out-of-place, then in-place, as nccl-tests' two column groups), reducer, or
+    all."""
     paths = []
     if which in ("raw", "all"):
-        paths.append(raw_path(group))
+        paths += [raw_path(group, "out-of-place"), raw_path(group, "in-place")]
     if which in ("reducer", "all"):
         paths.append(reducer_path(group, class_name, settings))
     return paths

@@ -1,6 +1,10 @@
 """Measurements to fit: the rows of an nccl-tests log (`all_reduce_perf` ...) or of the project's benchmark
 (`collectives.bench` CSV / JSON / JSONL), each row a size, its time, and a label saying what ran.
 
+The benchmark's printed table is all_reduce_perf's, column for column, so one reader takes both: the rows of the
+first `# size count type redop root time algbw busbw #wrong ...` heading, their out-of-place column group, and the
+footer's average bus bandwidth; `#` lines are comments to it (the benchmark's own columns live there).
+
 A label is "measured" when nothing says what ran, the benchmark's code path ("raw", "reducer") when several were
 measured, or "Algo/proto" when NCCL's TUNING lines or a forced NCCL_ALGO / NCCL_PROTO in the log say it. Rows that
 failed the correctness check (#wrong > 0) are left out and counted.
@@ -57,6 +61,7 @@ class MeasurementSet:
     ranks: int | None = None
     source: str = ""
     skipped: int = 0  # rows dropped because their correctness check failed (#wrong > 0)
+    avg_busbw: float | None = None  # an nccl-tests table's footer: the mean busbw over both column groups
 
 
 def read_measurements(path: str | Path) -> MeasurementSet:
@@ -121,7 +126,15 @@ def bench_row(d: dict, where: str) -> Measurement:
 
 def _by_path(dicts: list[dict]) -> list[dict]:
     """nccl-tests and the bench report out-of-place and in-place: keep out-of-place when both exist. Any other
-    'path' values (code paths) become labels, so each is fitted on its own."""
+    'path' values (code paths) become labels, so each is fitted on its own. The benchmark's rows say their column
+    group in 'place': a code path measured in place keeps those rows (dist.all_reduce as training calls it; its
+    out-of-place rows add a copy), one measured out of place only keeps these."""
+    if any(d.get("place") for d in dicts):
+        def place(d):
+            return d.get("place") or "in-place"
+
+        measured_in_place = {str(d.get("path", "")) for d in dicts if place(d) == "in-place"}
+        dicts = [d for d in dicts if place(d) == "in-place" or str(d.get("path", "")) not in measured_in_place]
     paths = {str(d.get("path", "")).lower() for d in dicts}
     if any("place" in p for p in paths):
         if any("out" in p for p in paths):
@@ -199,6 +212,7 @@ class _NcclTestsLog:
         self.coll: str | None = None
         self.env = {"PROTO": None, "ALGO": None}
         self.tuned: dict[int, dict[str, int]] = {}  # size -> label -> how often NCCL logged it
+        self.avg_busbw: float | None = None
 
     def nccl_line(self, s: str) -> None:
         decisions, envs = parse_log([s])  # the one reader of NCCL's log lines (collectives.nccl.log)
@@ -213,8 +227,15 @@ class _NcclTestsLog:
 
     def comment(self, s: str) -> None:
         words = s.lstrip("#").split()
-        if "size" in words and "time" in words and "busbw" in words:
+        # The first heading is the table's; the benchmark prints its own columns after it as a commented table.
+        if self.cols is None and "size" in words and "time" in words and "busbw" in words:
             self.cols = words
+        m = re.match(r"#\s*Avg bus bandwidth\s*:\s*(\S+)", s)
+        if m:
+            try:
+                self.avg_busbw = float(m.group(1))
+            except ValueError as e:
+                raise UserError(f"{self.where}: cannot parse nccl-tests footer '{s}' ({e})") from e
         m = re.search(r"Collective test starting:\s*(\w+?)_perf", s)
         if m:
             self.coll = _TEST_NAMES.get(m.group(1), m.group(1))
@@ -253,7 +274,7 @@ class _NcclTestsLog:
                 m.label = max(self.tuned[m.size].items(), key=lambda kv: kv[1])[0]
             elif forced_algo or forced_proto:
                 m.label = f"{forced_algo or '*'}/{forced_proto or '*'}"
-        return MeasurementSet(self.rows, coll, self.ranks or None, skipped=self.skipped)
+        return MeasurementSet(self.rows, coll, self.ranks or None, skipped=self.skipped, avg_busbw=self.avg_busbw)
 
 
 def _read_nccl_tests(text: str, where) -> MeasurementSet:

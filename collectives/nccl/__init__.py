@@ -31,15 +31,16 @@ from collectives.nccl.groups import (
 )
 from collectives.nccl.log import Decision, EnvSetting, InitTable, parse_init_table, parse_log
 from collectives.nccl.settings import COLLECTIVES, MODES, validate_config
-from collectives.nccl.tuner import build_tuner, example_tuner_csv, tuner_lib_path, tuner_rules
+from collectives.nccl.tuner import (ExampleRule, build_tuner, example_tuner_csv, read_example_config, tuner_lib_path,
+                                    tuner_rules)
 from collectives.nccl.tuner_check import TunerHarness, cell_name, render_tuner_table, sample_cost_table, tuner_table
 from collectives.nccl.versions import nccl_version, parse_version
 
 __all__ = [
     "COLLECTIVES", "MODES", "Decision", "EnvSetting", "GroupSettings", "InitTable", "NcclSetup", "TunerHarness",
-    "apply_global", "build_groups", "build_tuner", "cell_name", "check_decisions", "class_group", "class_names",
+    "ExampleRule", "apply_global", "build_groups", "build_tuner", "cell_name", "check_decisions", "class_group", "class_names",
     "example_tuner_csv", "groups_text", "load_buckets", "nccl_version", "parse_init_table", "parse_log",
-    "parse_version", "render_check", "render_groups", "render_tuner_table", "requested", "reset", "resolve",
+    "parse_version", "read_example_config", "render_check", "render_groups", "render_tuner_table", "requested", "reset", "resolve",
     "run_record", "sample_cost_table", "tuner_lib_path", "tuner_rules", "tuner_table", "validate_config",
     "verify_run",
 ]

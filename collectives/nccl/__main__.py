@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--nproc", type=int, default=8)
     c.add_argument("--nnodes", type=int, default=1)
+    c.add_argument("--example-config", metavar="FILE",
+                   help="a config file of NCCL's example tuner plugin, read after the classes' rules")
     lg = sub.add_parser("parse-log", help="NCCL ENV,TUNING log -> (communicator, collective, bytes, algorithm, "
                                           "protocol, channels); exit 1 when a bucket is off its requested choice")
     lg.add_argument("logs", nargs="+")
@@ -107,7 +109,7 @@ def main(argv=None) -> int:
             if args.nproc < 1 or args.nnodes < 1:
                 raise UserError("--nproc and --nnodes must be positive")
             rows = tuner_table(load(args.profile, args.overrides), nranks=args.nproc * args.nnodes,
-                               nnodes=args.nnodes)
+                               nnodes=args.nnodes, example_config=args.example_config)
             print(render_tuner_table(rows), end="")
     return 0
 

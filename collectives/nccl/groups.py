@@ -26,13 +26,14 @@ from collectives.dist import choose_backend
 from collectives.nccl.classes import requested, resolve, resolved
 from collectives.nccl.guards import NONBLOCKING_VAR, creates_class_groups, guards, nonblocking_init
 from collectives.nccl.settings import describe
-from collectives.nccl.tuner import CLASS_VAR, RULES_VAR, build_tuner, rules_path, tuner_lib_path, tuner_rules
+from collectives.nccl.tuner import (CLASS_VAR, EXAMPLE_CONFIG_VAR, RULES_VAR, build_tuner, read_example_config,
+                                    rules_path, tuner_lib_path, tuner_rules)
 from collectives.nccl.versions import nccl_version, per_collective_syntax, version_str
 from collectives.settings import NcclSettings
 from common.errors import UserError
 from common.files import replace_atomically
 
-_PATH_VARS = ("NCCL_TUNER_PLUGIN", RULES_VAR, "NCCL_DEBUG_FILE")
+_PATH_VARS = ("NCCL_TUNER_PLUGIN", RULES_VAR, EXAMPLE_CONFIG_VAR, "NCCL_DEBUG_FILE")
 
 
 @dataclass
@@ -121,6 +122,11 @@ def build_groups(cfg, version=None, log_dir: str | Path | None = None, tuner_lib
         rules_file = str(rules_path(rules))
         files[rules_file] = rules
         process_env.update({"NCCL_TUNER_PLUGIN": str(tuner_lib or tuner_lib_path()), RULES_VAR: rules_file})
+        example = os.environ.get(EXAMPLE_CONFIG_VAR)
+        if example:  # a user's config file of NCCL's example plugin: checked now, not at the first communicator
+            read_example_config(example)
+            warnings.append(f"{EXAMPLE_CONFIG_VAR}={example}: its rules apply to every communicator after the "
+                            "classes' own")
     groups = [GroupSettings("world", NcclSettings())]
     groups += [class_group_settings(c.mode, n, s, version, rules_file) for n, s in settings.items()]
     return NcclSetup(c.mode, version, process_env, files, groups, warnings)

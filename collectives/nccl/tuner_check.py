@@ -11,7 +11,8 @@ from pathlib import Path
 from collectives.nccl.classes import class_names
 from collectives.nccl.groups import scoped_env
 from collectives.nccl.settings import COLLECTIVES
-from collectives.nccl.tuner import BUILD_DIR, CLASS_VAR, RULES_VAR, build_tuner, rules_path, tuner_rules
+from collectives.nccl.tuner import (BUILD_DIR, CLASS_VAR, EXAMPLE_CONFIG_VAR, RULES_VAR, build_tuner,
+                                    read_example_config, rules_path, tuner_rules)
 from collectives.settings import NCCL_ALGORITHMS, NCCL_PROTOCOLS
 
 _LOGGER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_ulong, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p)
@@ -65,13 +66,15 @@ class TunerHarness:
             raise RuntimeError(f"tuner v{self.version} init returned {rc}")
         return ctx
 
-    def get_coll_info(self, ctx, coll: str, nbytes: int, table: list[float]) -> tuple[list[float], int, int]:
-        """The cost table after the call, nChannels (0 = NCCL's), and the return code."""
+    def get_coll_info(self, ctx, coll: str, nbytes: int, table: list[float], num_pipe_ops: int = 1,
+                      reg_buff: int = 0) -> tuple[list[float], int, int]:
+        """The cost table after the call, nChannels (0 = NCCL's), and the return code. `reg_buff` (whether the user
+        buffer can be registered) exists from v4 on."""
         arr = (ctypes.c_float * len(table))(*table)
         nch = ctypes.c_int(0)  # NCCL initializes it to 0, "NCCL decides"
-        args = [ctx, COLLECTIVES.index(coll), nbytes, 1, ctypes.cast(arr, ctypes.c_void_p), len(NCCL_ALGORITHMS),
-                len(NCCL_PROTOCOLS)]
-        args += [ctypes.byref(nch)] if self.version == 3 else [0, ctypes.byref(nch)]
+        args = [ctx, COLLECTIVES.index(coll), nbytes, num_pipe_ops, ctypes.cast(arr, ctypes.c_void_p),
+                len(NCCL_ALGORITHMS), len(NCCL_PROTOCOLS)]
+        args += [ctypes.byref(nch)] if self.version == 3 else [reg_buff, ctypes.byref(nch)]
         rc = self.api.getCollInfo(*args)
         return list(arr), nch.value, rc
 
@@ -108,15 +111,19 @@ def cell_name(index: int) -> str:
 
 
 def tuner_table(cfg, sizes=(1024, 65536, 1 << 20, 16 << 20, 256 << 20), nranks: int = 8, nnodes: int = 1,
-                versions=(3, 4, 5, 6)) -> list[dict]:
-    """For each exported version, class and size: NCCL's own pick on the sample table, and what the plugin forced."""
+                versions=(3, 4, 5, 6), example_config: str | None = None) -> list[dict]:
+    """For each exported version, class and size: NCCL's own pick on the sample table, and what the plugin forced.
+    `example_config`: a config file of NCCL's example tuner plugin, checked, then read by the plugin
+    (NCCL_TUNER_CONFIG_FILE) after the profile's rules."""
+    if example_config is not None:
+        read_example_config(example_config)  # one line naming file and line, before the plugin refuses it
     lib = build_tuner()
     rules = tuner_rules(cfg)
     path = rules_path(rules)
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     path.write_text(rules)
     rows = []
-    with scoped_env({RULES_VAR: str(path)}):
+    with scoped_env({RULES_VAR: str(path), EXAMPLE_CONFIG_VAR: example_config}):
         for v in versions:
             h = TunerHarness(lib, v)
             for name in ["world"] + class_names(cfg):

@@ -1,0 +1,102 @@
+"""One reader for nccl-tests' output and the benchmark's: a real, published all_reduce_perf output
+(tests/data/nccl_tests_format/, its source beside it) and `collectives.bench`'s own table, run here on 2 gloo ranks,
+both read by `collectives.costmodel.measurements` and by the column layout nccl-tests' parsers assume."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from collectives.costmodel.measurements import read_measurements
+from conftest import REPO
+
+REAL = REPO / "tests" / "data" / "nccl_tests_format" / "h100x16_2nodes_roce_nccl2.21.5_all_reduce_perf.txt"
+
+
+def table(text: str) -> list[list[str]]:
+    """The data lines as a column parser of nccl-tests' output takes them: every line not starting with `#` whose
+    first field is a size, split on blanks."""
+    return [ln.split() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")
+            and ln.split()[0].isdigit()]
+
+
+def check_layout(text: str) -> list[list[str]]:
+    """What all_reduce_perf's output promises a parser: its heading rows, 13 columns a row (size, count, type, redop,
+    root -1, then out-of-place and in-place time/algbw/busbw/#wrong), and the two footer lines."""
+    lines = text.splitlines()
+    heads = [ln for ln in lines if re.match(r"#\s+size\s+count\s+type\s+redop\s+root\s+time", ln)]
+    assert heads and heads[0].split() == ["#", "size", "count", "type", "redop", "root", "time", "algbw", "busbw",
+                                          "#wrong", "time", "algbw", "busbw", "#wrong"]
+    assert any(ln.split() == ["#", "out-of-place", "in-place"] for ln in lines)
+    rows = table(text)
+    assert rows and {len(r) for r in rows} == {13} and {r[4] for r in rows} == {"-1"}
+    assert re.search(r"^# Out of bounds values : 0 OK$", text, re.M)
+    assert re.search(r"^# Avg bus bandwidth    : [0-9.e+-]+ $", text, re.M)
+    return rows
+
+
+def footer_avg(text: str) -> float:
+    return float(re.search(r"^# Avg bus bandwidth\s*:\s*(\S+)", text, re.M).group(1))
+
+
+def test_real_all_reduce_perf_output():
+    text = REAL.read_text()
+    rows = check_layout(text)
+    ms = read_measurements(REAL)
+    assert [m.size for m in ms.rows] == [1 << 30, 2 << 30, 4 << 30, 8 << 30, 16 << 30]
+    assert [m.time_us for m in ms.rows] == [4511.2, 8825.9, 17437.0, 34719.0, 69338.0]  # the out-of-place group
+    assert ms.rows[0].busbw == 446.28 and ms.rows[-1].algbw == 247.77
+    assert ms.ranks == 16 and ms.coll == "allreduce" and ms.skipped == 0
+    assert ms.avg_busbw == 458.452
+    # nccl-tests' footer is the mean busbw over both column groups of every size: what the benchmark's footer copies
+    both = [float(r[7]) for r in rows] + [float(r[11]) for r in rows]
+    assert sum(both) / len(both) == pytest.approx(ms.avg_busbw, abs=5e-4)
+
+
+@pytest.mark.slow
+def test_the_benchmark_table_reads_like_all_reduce_perf(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "collectives.bench", "-b", "1K", "-e", "256K", "-f", "4", "-w", "1", "-n", "3", "--json", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    log = tmp_path / "bench.txt"
+    log.write_text(r.stdout)
+    rows = check_layout(r.stdout)
+    ms = read_measurements(log)  # the same reader, the same path through it, as the real output above
+    assert [m.size for m in ms.rows] == [1024, 4096, 16384, 65536, 262144]
+    assert ms.ranks == 2 and ms.coll == "allreduce" and ms.skipped == 0
+    # the rows read are the table's out-of-place group, which the JSON holds unrounded
+    oop = {d["size"]: d for d in json.loads(out.read_text()) if d["path"] == "raw" and d["place"] == "out-of-place"}
+    for m, cols in zip(ms.rows, rows):
+        assert m.time_us == float(cols[5]) == pytest.approx(oop[m.size]["time_us"], rel=0.01, abs=0.01)
+        assert m.busbw == pytest.approx(oop[m.size]["busbw"], abs=0.005)
+    # the footer is nccl-tests': the mean busbw over both groups of the raw rows (the JSON's), the reducer's apart
+    raw = [d["busbw"] for d in json.loads(out.read_text()) if d["path"] == "raw"]
+    assert ms.avg_busbw == footer_avg(r.stdout) == pytest.approx(sum(raw) / len(raw), rel=1e-5)
+    # the project's own columns (median, iqr, the reducer path) are `#` lines, invisible to that reader
+    extra = [ln for ln in r.stdout.splitlines() if " reducer " in ln and "in-place" in ln]
+    assert len(extra) == 5 and all(ln.startswith("#") for ln in extra)
+
+
+def test_benchmark_json_keeps_each_paths_in_place_rows(tmp_path):
+    """The JSON holds both groups of the raw path: the fit takes its in-place rows (the collective as training calls
+    it), the reducer's as they are; a path measured out of place only keeps those."""
+    def row(path, place, size, t):
+        return {"path": path, "place": place, "size": size, "count": size // 4, "type": "float", "redop": "sum",
+                "time_us": t, "algbw": size / t / 1e3, "busbw": size / t / 1e3, "wrong": 0}
+
+    rows = [row("raw", "out-of-place", s, t) for s, t in ((1024, 21.0), (4096, 24.0))]
+    rows += [row("raw", "in-place", s, t) for s, t in ((1024, 11.0), (4096, 14.0))]
+    rows += [row("reducer", "in-place", s, t) for s, t in ((1024, 31.0), (4096, 34.0))]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(rows))
+    ms = read_measurements(path)
+    assert sorted((m.label, m.size, m.time_us) for m in ms.rows) == [
+        ("raw", 1024, 11.0), ("raw", 4096, 14.0), ("reducer", 1024, 31.0), ("reducer", 4096, 34.0)]
+    path.write_text(json.dumps([r for r in rows if r["place"] == "out-of-place"]))
+    assert [m.time_us for m in read_measurements(path).rows] == [21.0, 24.0]
