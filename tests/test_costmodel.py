@@ -4,6 +4,7 @@ and the CLI's verbs and one-line errors."""
 
 import json
 import math
+from dataclasses import replace
 import statistics
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from common.units import parse_sizes
 DATA = Path(__file__).parent / "data"
 H100 = cm.NcclModel(cm.topology("h100x8"))  # 12 channels x 30 GB/s, NVLink, one node of 8
 H100x2 = cm.NcclModel(cm.topology("h100x8-ib:2"))  # 8 channels x 45 GB/s, 2 nodes of 8, Intel hosts
+H100_NO_NVLS = cm.NcclModel(replace(cm.topology("h100x8"), nvls_enable=False))  # as NCCL_NVLS_ENABLE=0
 
 
 def test_single_node_latencies_match_hand_computed_formulas():
@@ -79,11 +81,16 @@ def test_time_is_latency_plus_bytes_over_bandwidth_with_tree_correction():
 
 
 def test_pick_changes_from_ll_to_simple_on_one_node():
-    assert (H100.pick(8).algo, H100.pick(8).proto) == ("Ring", "LL")
-    assert (H100.pick(1 << 30).algo, H100.pick(1 << 30).proto) == ("Ring", "Simple")
-    doc = cm.table(H100, parse_sizes("8:1G"))
+    # Without NVLS (NCCL_NVLS_ENABLE=0, or any node without NVSwitch): Ring LL -> LL128 -> Simple.
+    assert (H100_NO_NVLS.pick(8).algo, H100_NO_NVLS.pick(8).proto) == ("Ring", "LL")
+    assert (H100_NO_NVLS.pick(1 << 30).algo, H100_NO_NVLS.pick(1 << 30).proto) == ("Ring", "Simple")
+    doc = cm.table(H100_NO_NVLS, parse_sizes("8:1G"))
     changes = cm.pick_changes(doc)
     assert [c[2] for c in changes] == ["Ring/LL128", "Ring/Simple"]
+    # With NVLS (the default on an NVSwitch Hopper node) NVLS/Simple takes over from Ring/LL once its 25 us NVLink
+    # SHARP latency is paid back.
+    doc = cm.table(H100, parse_sizes("8:1G"))
+    assert [(c[1], c[2]) for c in cm.pick_changes(doc)] == [("Ring/LL", "NVLS/Simple")]
     # The pick is always the least modeled time.
     for row in doc["rows"]:
         best = min(row["choices"], key=lambda c: c["time_us"])
@@ -93,16 +100,81 @@ def test_pick_changes_from_ll_to_simple_on_one_node():
 def test_pascal_has_no_ll128_and_tree_only_for_allreduce():
     p100 = cm.NcclModel(cm.topology("p100x8"))
     assert {c.proto for c in p100.choices(1 << 20)} == {"LL", "Simple"}
-    assert {c.algo for c in H100.choices(1 << 20, "allgather")} == {"Ring"}
+    assert {c.algo for c in H100_NO_NVLS.choices(1 << 20, "allgather")} == {"Ring"}
     # AllGather ring: N-1 steps, algbw = busbw x N/(N-1).
     ag = H100.choice(1 << 30, "Ring", "Simple", "allgather")
     assert ag.lat_us == pytest.approx(8.4 + 7 * 3.4)
     assert ag.bw == pytest.approx(360 * 8 / 7)
 
 
+def test_nvls_on_one_hopper_node_by_hand():
+    # NVLS graph 8 channels x 40 GB/s intra, 60 inter; Hopper NVLS efficiency 0.85 (tuning.cc).
+    per_ch = min(40 * 0.85 * 7 / 8 * 2, 60)  # AllReduce pipelines two operations: x2
+    nvls = H100.choice(1 << 30, "NVLS", "Simple")
+    assert nvls.lat_us == pytest.approx(25.0)  # NCCL sets the NVLS latency to the NVLink hop's 25 us, no base
+    assert nvls.bw == pytest.approx(8 * per_ch * 8 / 14)  # bus bandwidth x N / (2(N-1))
+    assert nvls.busbw == pytest.approx(8 * per_ch, rel=0.01)  # nccl-tests busbw near 476 GB/s at 1 GiB
+    # AllGather: x(ppn-1)/ppn instead of x2, and no conversion to algorithm bandwidth off the ring.
+    ag = H100.choice(1 << 30, "NVLS", "Simple", "allgather")
+    assert ag.bw == pytest.approx(8 * min(40 * 0.85 * 7 / 8 * 7 / 8, 60))
+    # Simple only; never for Broadcast; not without NVSwitch or before Hopper; not with NCCL_NVLS_ENABLE=0.
+    assert {c.proto for c in H100.choices(1 << 20) if c.algo == "NVLS"} == {"Simple"}
+    assert "NVLS" not in {c.algo for c in H100.choices(1 << 20, "broadcast")}
+    for model in (H100_NO_NVLS, cm.NcclModel(cm.topology("a100x8")), cm.NcclModel(cm.topology("v100x8"))):
+        assert not {"NVLS", "NVLSTree"} & {c.algo for c in model.choices(1 << 20)}
+
+
+def test_nvls_tree_across_nodes_by_hand():
+    # Across nodes without SHARP: NVLSTree, not NVLS. Latency: the NVLink hop plus 2 log2(nodes) network levels.
+    assert {c.algo for c in H100x2.choices(1 << 20)} == {"Tree", "Ring", "NVLSTree"}
+    assert H100x2.latency_us("NVLSTree", "Simple") == pytest.approx(25.0 + 2 * 1 * 20.9)
+    # Per channel: min(intra 40 x 0.85 x 7/8 x 2, inter 48 x 2 on <= 2 nodes, cap 57.7 at 2 nodes) = 57.7.
+    assert H100x2.bus_bw("NVLSTree", "Simple") == pytest.approx(8 * 57.7)
+    assert H100x2.alg_bw("NVLSTree", "Simple") == pytest.approx(8 * 57.7 * 16 / 30)
+    four = cm.NcclModel(cm.topology("h100x8-ib:4"))  # inter 48 not doubled, cap 45.5 at >= 4 nodes
+    assert four.bus_bw("NVLSTree", "Simple") == pytest.approx(8 * 45.5)
+    assert four.latency_us("NVLSTree", "Simple") == pytest.approx(25.0 + 2 * 2 * 20.9)
+    assert H100x2.pick(1 << 30).algo == "NVLSTree"
+    # Blackwell applies Tree's per-size correction to NVLSTree too (256 KiB: Simple row, 0.5).
+    b200 = cm.NcclModel(cm.topology("b200x8-ib:2"))
+    assert b200.choice(64 << 12, "NVLSTree", "Simple").bw == pytest.approx(0.5 * b200.alg_bw("NVLSTree", "Simple"))
+    assert H100x2.choice(64 << 12, "NVLSTree", "Simple").bw == pytest.approx(H100x2.alg_bw("NVLSTree", "Simple"))
+
+
+def test_collnet_only_with_sharp_by_hand():
+    assert not {"CollNetDirect", "CollNetChain"} & {c.algo for c in H100x2.choices(1 << 20)}
+    a100 = cm.NcclModel(cm.topology("a100x8-ib-sharp:4"))  # 8 ranks a node, CollNet graph 8 x 24 GB/s
+    assert {c.algo for c in a100.choices(1 << 20)} == {"Tree", "Ring", "CollNetDirect", "CollNetChain"}
+    assert a100.latency_us("CollNetDirect", "Simple") == pytest.approx(2 * (3.7 + 7 * 0.4) + 31.0)
+    assert a100.latency_us("CollNetChain", "Simple") == pytest.approx(2 * 7 * 2.8 + 30.0)
+    assert a100.alg_bw("CollNetDirect", "Simple") == pytest.approx(8 * 24 * 0.5)  # one NIC per GPU: factor 1
+    assert a100.alg_bw("CollNetChain", "Simple") == pytest.approx(8 * 24 * 0.5)
+    h100 = cm.NcclModel(cm.topology("h100x8-ib-sharp:4"))
+    assert h100.alg_bw("CollNetDirect", "Simple") == pytest.approx(8 * 48 * 0.85 * 0.5)  # x0.85 from Hopper on
+    # With SHARP, NVLS runs across nodes too: the NVLink hop plus one network step.
+    assert h100.latency_us("NVLS", "Simple") == pytest.approx(25.0 + 18.0)
+    assert "NVLS" in {c.algo for c in h100.choices(1 << 20)}
+    # CollNet serves AllReduce only here (its AllGather/ReduceScatter need the plugin's own, not modeled).
+    assert {c.algo for c in a100.choices(1 << 20, "allgather")} == {"Ring"}
+
+
+def test_pat_for_allgather_with_one_gpu_per_node_by_hand():
+    eth = cm.NcclModel(cm.topology("a100x1-roce25:16"))  # 1 channel x 3.0 GB/s, 16 nodes of 1 GPU
+    assert eth.latency_us("PAT", "Simple", "allgather") == pytest.approx(8.0 + 4 * 14.0 / 3.5 + 16 * 2.8)
+    assert eth.alg_bw("PAT", "Simple", "allgather") == pytest.approx(3.0 * 0.75)  # not converted off the ring
+    assert eth.pick(4 << 10, "allgather").algo == "PAT" and eth.pick(1 << 30, "allgather").algo == "Ring"
+    assert "PAT" not in {c.algo for c in eth.choices(1 << 20)}  # never for AllReduce
+    assert "PAT" not in {c.algo for c in H100.choices(1 << 20, "allgather")}  # 8 GPUs per node
+    off = cm.NcclModel(replace(cm.topology("a100x1-roce25:16"), pat_enable=False))  # NCCL_PAT_ENABLE=0
+    assert "PAT" not in {c.algo for c in off.choices(1 << 20, "allgather")}
+    # One GPU per node: every ring step is a network step at Tree's network latency (tuning.cc).
+    assert eth.latency_us("Ring", "Simple") == pytest.approx(8.4 + 30 * 14.0)
+
+
 def test_topology_names():
     assert cm.topology("h100x8-ib:4").ranks == 32
-    for bad in ("h200x8", "h100x8-ib", "h100x8-ib:1", "h100x8-ib:x", "h100x8:2"):
+    assert cm.topology("a100x1-roce25:16").ranks == 16 and cm.topology("h200x8").gpu == "H200"
+    for bad in ("h300x8", "h100x8-ib", "h100x8-ib:1", "h100x8-ib:x", "h100x8:2", "a100x1-roce25", "b200x8-ib-sharp:2"):
         with pytest.raises(UserError):
             cm.topology(bad)
 
@@ -258,9 +330,12 @@ def test_cli_json_table(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["topology"] == "h100x8" and doc["modeled"] is True
     assert [r["size"] for r in doc["rows"]] == [8, 1 << 30]
-    assert doc["rows"][1]["pick"] == {"algo": "Ring", "proto": "Simple"}
+    assert doc["rows"][1]["pick"] == {"algo": "NVLS", "proto": "Simple"}
     assert {"algo", "proto", "time_us", "algbw", "busbw"} <= set(doc["rows"][0]["choices"][0])
-    assert len(doc["rows"][0]["choices"]) == 6
+    assert len(doc["rows"][0]["choices"]) == 7  # Ring/Tree x 3 protocols, NVLS/Simple
+    cm.main(["--topology", "h100x8", "--sizes", "1G", "--json", "--nvls-enable", "0"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["rows"][0]["pick"] == {"algo": "Ring", "proto": "Simple"} and len(doc["rows"][0]["choices"]) == 6
 
 
 def test_cli_fit_saves_a_local_model(tmp_path, capsys):
@@ -351,7 +426,7 @@ def test_help_lists_the_verbs(capsys):
     out = capsys.readouterr().out
     assert "table (the default)" in out and "fit FILE" in out and "fit:<fit.json" in out
     assert "recommend" not in out  # one home: python -m analysis.recommend
-    cm.main(["table", "--topology", "h100x8", "--sizes", "8,1G", "--json"])  # the default verb, named
+    cm.main(["table", "--topology", "a100x8", "--sizes", "8,1G", "--json"])  # the default verb, named
     assert json.loads(capsys.readouterr().out)["rows"][1]["pick"] == {"algo": "Ring", "proto": "Simple"}
 
 

@@ -1,5 +1,5 @@
-"""Cost models of one collective: NCCL's analytical model (Ring/Tree x LL/LL128/Simple) on topology presets, NCCL's
-own printed table, and fits to measurements.
+"""Cost models of one collective: NCCL's analytical model (Ring, Tree, NVLS, NVLSTree, CollNet, PAT x LL/LL128/Simple,
+each where NCCL enables it) on topology presets, NCCL's own printed table, and fits to measurements.
 
 Given a collective's size a model predicts its time and the (algorithm, protocol) NCCL would pick, for
 `analysis.simulate` and `analysis.recommend`. Every number it prints is modeled, not measured, unless a row says
@@ -7,7 +7,7 @@ otherwise.
 
     base          the modeled algorithms/protocols/collectives, `Choice`, the cost of one all-reduce (`CollectiveCost`)
     presets       `Topology`, the preset tables, `topology(spec)`
-    nccl_model    NCCL 2.30's analytical model (src/graph/tuning.cc): `NcclModel`
+    nccl_model    NCCL 2.30's analytical model (src/graph/tuning.cc): `NcclModel`; docs/costmodel.md
     table_model   `NcclTableModel`: NCCL's printed table as a model (read by `collectives.nccl.log`)
     measurements  `read_measurements`: nccl-tests logs and the benchmark's CSV/JSON
     fit           size regimes and `FittedModel`

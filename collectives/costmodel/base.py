@@ -14,7 +14,8 @@ from collectives.settings import NCCL_ALGORITHMS, NCCL_PROTOCOLS
 from common.errors import UserError
 from common.units import bus_factor
 
-ALGOS = NCCL_ALGORITHMS[:2]  # Tree, Ring: NCCL's tuner indices 0 and 1; NVLS, CollNet and PAT are not modeled
+# Tree, Ring, CollNetDirect, CollNetChain, NVLS, NVLSTree, PAT: NCCL's tuner indices 0..6 (src/include/nccl_tuner.h)
+ALGOS = NCCL_ALGORITHMS
 PROTOS = NCCL_PROTOCOLS  # LL, LL128, Simple: indices 0..2 (src/include/nccl_tuner.h)
 COLLECTIVES = ("allreduce", "allgather", "reducescatter", "broadcast")
 

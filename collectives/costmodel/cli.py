@@ -44,9 +44,15 @@ def _cmd_table(argv) -> None:
     ap.add_argument("--coll", default="allreduce", choices=COLLECTIVES)
     ap.add_argument("--channels", type=int, help="override the preset's channel count (from a GRAPH log)")
     ap.add_argument("--bw-per-channel", type=float, help="override the preset's per-channel GB/s")
+    ap.add_argument("--nvls-enable", type=int, choices=(0, 1),
+                    help="as NCCL_NVLS_ENABLE: 0 leaves NVLS/NVLSTree out (default: on where the preset has NVSwitch)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     model = load_model(args.topology)
+    if args.nvls_enable is not None:
+        if not isinstance(model, NcclModel):
+            raise UserError("--nvls-enable applies to topology presets, not to a fitted model or NCCL's table")
+        model = NcclModel(replace(model.topo, nvls_enable=bool(args.nvls_enable)))
     if args.channels is not None or args.bw_per_channel is not None:
         if not isinstance(model, NcclModel):
             raise UserError("--channels/--bw-per-channel apply to topology presets, not to a fitted model")

@@ -28,8 +28,8 @@ class NcclTableModel(NcclPick):
 
     @classmethod
     def from_log(cls, path: str | Path) -> "NcclTableModel":
-        """The first complete table in the log and the rank count from an INIT line (`collectives.nccl.log`); the
-        model keeps the algorithms it models (Tree, Ring)."""
+        """The first complete table in the log and the rank count from an INIT line (`collectives.nccl.log`), every
+        algorithm NCCL printed."""
         table = parse_init_table(read_log(path), str(path))
         cells = {k: v for k, v in (table.cells if table else {}).items() if k[1] in ALGOS}
         if not cells:
@@ -48,4 +48,4 @@ class NcclTableModel(NcclPick):
 
     def header(self) -> list[str]:
         return [f"MODELED (not measured): NCCL's own latency/bandwidth table as printed at init ({self.source}), "
-                f"{self.ranks or '?'} ranks; Ring/Tree x LL/LL128/Simple"]
+                f"{self.ranks or '?'} ranks; every algorithm/protocol it enabled"]
