@@ -2,7 +2,12 @@
 
 `<run>/checkpoints/step-0001000.pt` is written to a temporary name, flushed and renamed; its sha256 goes into
 `step-0001000.pt.sha256` only after that, so a checkpoint without a matching checksum file is incomplete or corrupt
-and is skipped. Older checkpoints are pruned only once the new one is complete.
+and is skipped. Older checkpoints are pruned only once the new one is complete; a write that fails (a full disk)
+removes what it wrote and is a one-line `JobFailure`, so the previous checkpoint stays the latest complete one.
+
+A checkpoint is read with `torch.load(weights_only=True)`: tensors, dicts, lists, tuples, numbers and strings, which
+is all a training state holds (model, optimizer and scheduler state, RNG states, data position, config). A file that
+names anything else (a class, a function) is refused rather than unpickled, since unpickling it could run code.
 
     python -m dtrain.checkpoint inspect <checkpoint>
     python -m dtrain.checkpoint diff <run-or-checkpoint A> <run-or-checkpoint B>
@@ -13,15 +18,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import pickle
+import re
 import sys
 import warnings
 from pathlib import Path
 
 import torch
 
-from common.errors import UserError, exit_on_user_error
+from common.errors import JobFailure, UserError, exit_on_user_error
+from common.files import replace_atomically
 
 CKPT_DIR = "checkpoints"
+AVERAGED = "averaged.pt"  # in the run directory, written by `save_averaged`
 
 
 def ckpt_dir(run_dir: Path) -> Path:
@@ -36,32 +45,85 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def checksum_file(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
 
 
 def save(run_dir: Path, step: int, state: dict, keep: int) -> Path:
-    """Write `state` as the checkpoint of `step` atomically, then prune all but the newest `keep`."""
+    """Write `state` as the checkpoint of `step` atomically, then prune all but the newest `keep`.
+
+    If any write fails (no space, I/O error), nothing of this checkpoint stays behind and a one-line JobFailure names
+    the file: the newest complete checkpoint is still the previous one, which is what `latest` and `--resume` take.
+    """
     directory = ckpt_dir(run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step-{step:07d}.pt"
     tmp = directory / f".{path.name}.tmp"
+    renamed = False  # once True, `path` holds this write's bytes, complete only when its checksum file is written
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _save_synced(state, tmp)
+        digest = sha256_file(tmp)
+        os.replace(tmp, path)
+        renamed = True
+        replace_atomically(checksum_file(path), f"{digest}  {path.name}\n")
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        if renamed:  # a step file without its checksum would only be skipped later: remove it and free the space
+            path.unlink(missing_ok=True)
+            checksum_file(path).unlink(missing_ok=True)
+        failure = _disk_failure(e, path, "checkpoint", "the earlier checkpoints are untouched")
+        if failure is None:
+            raise  # not the disk: a bug (say, an unpicklable state), with its traceback
+        raise failure from None
+    for old in list_checkpoints(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+        checksum_file(old).unlink(missing_ok=True)
+    return path
+
+
+def save_averaged(run_dir: Path, model: dict[str, torch.Tensor], sources: list[Path]) -> Path:
+    """`<run>/averaged.pt`: the mean of the models in `sources` (see `average`), written whole or not at all; a
+    failed write is a one-line JobFailure like a checkpoint's."""
+    path = Path(run_dir) / AVERAGED
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        _save_synced({"model": model, "averaged": [p.name for p in sources]}, tmp)
+        os.replace(tmp, path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        failure = _disk_failure(e, path, "averaged model", "the checkpoints it averages are untouched")
+        if failure is None:
+            raise
+        raise failure from None
+    return path
+
+
+def _save_synced(state, tmp: Path) -> None:
     with open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    digest = sha256_file(tmp)
-    os.replace(tmp, path)
-    _atomic_write_bytes(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
-    for old in list_checkpoints(run_dir)[:-keep]:
-        old.unlink(missing_ok=True)
-        old.with_name(old.name + ".sha256").unlink(missing_ok=True)
-    return path
+
+
+def _disk_failure(e: Exception, path: Path, what: str, untouched: str) -> JobFailure | None:
+    """The one-line error for a write of `path` that the disk refused (no space, I/O error); None if `e` is not that."""
+    os_error = _os_error(e)
+    if os_error is None:
+        return None
+    reason = os_error.strerror or str(os_error)
+    return JobFailure(f"{path}: {what} not written ({reason[:1].lower() + reason[1:]}); {untouched}")
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind `e`: torch.save reports a failed write of its file object as a RuntimeError ("unexpected
+    pos ...") raised while handling the OSError that the file raised."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -72,7 +134,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 def verify(path: Path) -> str | None:
     """None if the checkpoint's checksum file exists and matches, else what is wrong."""
-    side = path.with_name(path.name + ".sha256")
+    side = checksum_file(path)
     if not side.is_file():
         return "no checksum file (incomplete write?)"
     expected = side.read_text().split()[0] if side.read_text().split() else ""
@@ -106,11 +168,19 @@ def load(path: Path, map_location="cpu", keys=()) -> dict:
 
     A matching checksum only says the file is what was written, not that dtrain wrote it (a `torch.save` of some
     other object, a checkpoint of another tool), so the contents are checked too before any caller indexes them.
+    Only tensors and plain data are unpickled (`weights_only=True`); a file naming any other global is refused, since
+    unpickling it could run code (see "torch.load" and "weights_only" in the PyTorch serialization docs).
     """
     try:
-        state = torch.load(path, map_location=map_location, weights_only=False)
+        state = torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise UserError(f"{path}: checkpoint not found") from None
+    except pickle.UnpicklingError as e:  # the weights-only unpickler meeting anything it does not allow
+        named = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        said = re.search(r"WeightsUnpickler error: ([^\n]{1,120})", str(e))
+        detail = f"it names {named.group(1)}" if named else said.group(1).rstrip(". ") if said else "unpickling failed"
+        raise UserError(f"{path}: refused: holds more than tensors and plain data ({detail}); loading it could run "
+                        "code from the file") from None
     except Exception as e:  # truncated zip, wrong format: the user's file, not dtrain's bug
         raise UserError(f"{path}: not a readable checkpoint ({e.__class__.__name__})") from None
     if not isinstance(state, dict):

@@ -100,18 +100,31 @@ def _split_files(directory: Path, split: str, src: str, tgt: str) -> tuple[Path,
     return found[0], found[1]
 
 
+def _missing_files(directory: Path, src: str, tgt: str) -> list[str]:
+    """The Multi30k files (name without .gz) that `directory` lacks in either form."""
+    return [f"{stem}.{lang}" for stem in MULTI30K_SPLITS.values() for lang in (src, tgt)
+            if not any((directory / f"{stem}.{lang}{gz}").is_file() for gz in (".gz", ""))]
+
+
 def multi30k_dir(data_dir: str | None, cache_dir: str | None, src: str = "en", tgt: str = "de") -> Path:
-    """Where the Multi30k files are: the profile's `data.dir`, then `$DTRAIN_DATA_DIR/multi30k`, then the user
-    cache; if none has them, download into the cache (checksummed)."""
-    candidates = []
+    """Where the Multi30k files are. A profile's `data.dir` is where they must be (that folder or its multi30k/):
+    a named folder without them is an error, not a reason to look elsewhere. Without it: `$DTRAIN_DATA_DIR/multi30k`,
+    then the user cache; if neither has them, download into the cache (checksummed)."""
     if data_dir:
-        candidates += [Path(data_dir).expanduser(), Path(data_dir).expanduser() / "multi30k"]
+        named = Path(data_dir).expanduser()
+        missing = {d: _missing_files(d, src, tgt) for d in (named, named / "multi30k")}
+        closest = min(missing, key=lambda d: len(missing[d]))
+        if not missing[closest]:
+            return closest
+        raise UserError(f"data.dir {named}: no Multi30k there ({', '.join(missing[closest])} missing from {closest}, "
+                        "as .gz or plain text); fix data.dir or leave it unset")
+    candidates = []
     if os.environ.get("DTRAIN_DATA_DIR"):
         candidates.append(Path(os.environ["DTRAIN_DATA_DIR"]).expanduser() / "multi30k")
     cache = cache_root(cache_dir) / "multi30k"
     candidates.append(cache)
     for d in candidates:
-        if all(_split_files(d, s, src, tgt) for s in MULTI30K_SPLITS):
+        if not _missing_files(d, src, tgt):
             return d
     download_multi30k(cache, src, tgt, searched=candidates[:-1])
     return cache

@@ -20,10 +20,11 @@ from dtrain import checkpoint
 from dtrain import config as config_mod
 from dtrain.bleu import corpus_bleu
 from dtrain.config import EvalConfig, RunConfig
-from dtrain.data import multi30k_dir, multi30k_split
+from dtrain.data import multi30k_split
 from dtrain.decode import translate
 from dtrain.log import RunWriter
 from dtrain.model import Transformer, sdpa_backend
+from dtrain.startup import locate_corpus
 from dtrain.tokenizer import Tokenizer
 
 
@@ -32,7 +33,7 @@ def score_split(model: Transformer, tokenizer: Tokenizer, cfg: RunConfig, ecfg: 
 
     Returns the score record on rank 0 (hypotheses included under "hypotheses"), None elsewhere.
     """
-    directory = multi30k_dir(cfg.data.dir, cfg.data.cache_dir, cfg.data.src, cfg.data.tgt)
+    directory = locate_corpus(cfg)  # found on rank 0, so a missing corpus is the same error on every rank
     src, ref = multi30k_split(directory, ecfg.split, cfg.data.src, cfg.data.tgt)
     rank, world = ddist.rank(), ddist.world_size()
     mine = list(range(rank, len(src), world))
@@ -71,7 +72,7 @@ def write_score(run_dir: Path, record: dict, **extra) -> dict:
 
 
 def load_model_for_eval(run_dir: Path, which: str, vocab: int, cfg: RunConfig) -> tuple[Transformer, str]:
-    avg = Path(run_dir) / "averaged.pt"
+    avg = Path(run_dir) / checkpoint.AVERAGED
     if which == "averaged" and avg.is_file():
         state, label = checkpoint.load(avg)["model"], "averaged"
     else:

@@ -1,5 +1,9 @@
-"""What every rank needs before its first step: the corpus and the shared tokenizer, decided on rank 0 and shared
-through the process group, so that only one rank downloads or trains anything.
+"""What every rank needs before its first step: the corpus, the shared tokenizer and the checkpoint to resume from,
+decided on rank 0 and shared through the process group, so that only one rank downloads or trains anything.
+
+Each decision goes through `collectives.dist.main_decides`: rank 0 sends either its result or its error, so when it
+fails (no corpus under data.dir, a failed download) every rank raises the same one-line UserError and exits alike,
+instead of the others dying on a closed connection while rank 0 reports the cause.
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from collectives import dist as ddist
+from dtrain import checkpoint
 from dtrain.config import RunConfig
 from dtrain.data import Pairs, cache_root, multi30k_dir, multi30k_split
 from dtrain.tokenizer import Tokenizer, train_or_load
@@ -23,15 +28,21 @@ class Corpus(NamedTuple):
 def locate_corpus(cfg: RunConfig) -> Path:
     """Rank 0 finds (or downloads) the corpus; the others take its word, so only one rank ever downloads."""
     d = cfg.data
-    found = str(multi30k_dir(d.dir, d.cache_dir, d.src, d.tgt)) if ddist.is_main() else None
-    return Path(ddist.broadcast_object(found))
+    return Path(ddist.main_decides(lambda: str(multi30k_dir(d.dir, d.cache_dir, d.src, d.tgt))))
 
 
 def shared_tokenizer(cfg: RunConfig, src: list[str], tgt: list[str]) -> Tokenizer:
     """Rank 0 trains (or loads the cached) BPE model; the others load the file it names."""
-    path = str(train_or_load(src, tgt, cfg.data.vocab_size, cache_root(cfg.data.cache_dir) / "bpe").model_file
-               ) if ddist.is_main() else None
-    return Tokenizer(ddist.broadcast_object(path))
+    bpe_dir = cache_root(cfg.data.cache_dir) / "bpe"
+    return Tokenizer(ddist.main_decides(
+        lambda: str(train_or_load(src, tgt, cfg.data.vocab_size, bpe_dir).model_file)))
+
+
+def resume_checkpoint(run_dir: Path) -> Path | None:
+    """The latest complete checkpoint of `run_dir` as rank 0 finds it, the same on every rank; None: there is none,
+    start from step 0."""
+    found = ddist.main_decides(lambda: str(checkpoint.latest(run_dir) or ""))
+    return Path(found) if found else None
 
 
 def load_corpus(cfg: RunConfig) -> Corpus:

@@ -109,8 +109,36 @@ def test_multi30k_lookup_order_and_no_network(tmp_path, monkeypatch, multi30k_di
 
     monkeypatch.setattr(data.urllib.request, "urlopen", no_network)
     with pytest.raises(UserError, match="Multi30k not found .* download of train.en.gz failed"):
-        data.multi30k_dir(str(tmp_path / "nowhere"), str(tmp_path / "cache"))
+        data.multi30k_dir(None, str(tmp_path / "cache"))
     assert not list((tmp_path / "cache" / "multi30k").glob("*"))
     # With no data.dir and no DTRAIN_DATA_DIR, the cache is the one place searched, and the message says so.
     with pytest.raises(UserError, match=r"\(searched [^,]*cache/multi30k\) and download"):
         data.multi30k_dir(None, str(tmp_path / "cache"))
+
+
+def test_named_data_dir_must_hold_the_corpus(tmp_path, monkeypatch, multi30k_dir):
+    from dtrain import data
+
+    # The folder itself or its multi30k/ subfolder.
+    assert data.multi30k_dir(str(multi30k_dir), str(tmp_path / "cache")) == multi30k_dir
+    assert data.multi30k_dir(str(multi30k_dir.parent), str(tmp_path / "cache")) == multi30k_dir
+
+    def no_download(*a, **k):
+        raise AssertionError("a named data.dir must not lead to a download")
+
+    monkeypatch.setattr(data.urllib.request, "urlopen", no_download)
+    # A named folder without the files is an error even though $DTRAIN_DATA_DIR holds them: no silent fallback.
+    monkeypatch.setenv("DTRAIN_DATA_DIR", str(multi30k_dir.parent))
+    nowhere = tmp_path / "nowhere"
+    with pytest.raises(UserError, match=rf"^data.dir {nowhere}: no Multi30k there \(train.en, train.de, val.en, "
+                                        r"val.de, test_2016_flickr.en, test_2016_flickr.de missing from "):
+        data.multi30k_dir(str(nowhere), str(tmp_path / "cache"))
+    # A partial copy in its multi30k/ folder: the message lists what that copy lacks.
+    partial = tmp_path / "partial" / "multi30k"
+    partial.mkdir(parents=True)
+    for name in ("train.en.gz", "train.de.gz", "val.en.gz", "val.de.gz"):
+        (partial / name).write_bytes((multi30k_dir / name).read_bytes())
+    (partial / "test_2016_flickr.en").write_text("a plain-text file counts too\n")
+    with pytest.raises(UserError, match=rf"\(test_2016_flickr.de missing from {partial}, as .gz or plain text\)"):
+        data.multi30k_dir(str(partial.parent), str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()

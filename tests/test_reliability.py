@@ -99,7 +99,7 @@ def test_unwritable_run_dir(tmp_path):
 def test_missing_corpus_without_network(tmp_path):
     # No data anywhere; the download points at a closed local port, so it fails at once like an offline machine.
     r = run_train("--profile", "profiles/smoke.yaml", "--run-dir", str(tmp_path / "r"),
-                  "--set", f"data.dir={tmp_path / 'nowhere'}", "--set", f"data.cache_dir={tmp_path / 'cache'}",
+                  "--set", f"data.cache_dir={tmp_path / 'cache'}",
                   env={"DTRAIN_DATA_DIR": "", "https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"})
     assert_one_line_error(r, r"Multi30k not found .* download of .* failed")
 
