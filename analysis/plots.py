@@ -8,6 +8,7 @@ artists: every line, bar group and span carries the label of the series it shows
 from __future__ import annotations
 
 import matplotlib
+import matplotlib.lines
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -84,6 +85,40 @@ def busbw(table: pd.DataFrame, title: str = "") -> Figure:
     ax.set_title(title or "All-reduce bus bandwidth: measured and modeled", fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=7, loc="best")
+    return fig
+
+
+def allreduce_size(table: pd.DataFrame, title: str = "") -> Figure:
+    """Each bucket's measured all-reduce time against its bytes, coloured by tensor class, over the cost model's
+    curve, one panel per strategy (shared axes). Columns: kind (measured | modeled), strategy, class, bytes,
+    time_ms."""
+    strategies = sorted(table["strategy"].unique())
+    fig = _figure(max(5.0, 3.6 * len(strategies) + 1.5), 4.0)
+    axes = fig.subplots(1, len(strategies), sharex=True, sharey=True, squeeze=False)[0]
+    classes = list(dict.fromkeys(table.loc[table["kind"] == "measured", "class"]))
+    for ax, strategy in zip(axes, strategies):
+        t = table[table["strategy"] == strategy]
+        m = t[t["kind"] == "measured"]
+        for c in classes:
+            pts = m[m["class"] == c]
+            if not pts.empty:
+                ax.scatter(pts["bytes"], pts["time_ms"], s=10, alpha=0.6, color=CLASS_COLORS.get(c, "tab:cyan"),
+                           label=c, gid=f"class:{strategy}:{c}")
+        curve = t[t["kind"] == "modeled"].sort_values("bytes")
+        if not curve.empty:
+            ax.plot(curve["bytes"], curve["time_ms"], color="black", linestyle="--", linewidth=1.2,
+                    label="modeled", gid=f"modeled:{strategy}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(strategy, fontsize=9)
+        ax.set_xlabel("bucket size (bytes)")
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0].set_ylabel("all-reduce time, launch to completion (ms)")
+    handles = [Patch(color=CLASS_COLORS.get(c, "tab:cyan"), label=c) for c in classes]
+    if (table["kind"] == "modeled").any():
+        handles.append(matplotlib.lines.Line2D([], [], color="black", linestyle="--", label="modeled"))
+    fig.legend(handles=handles, fontsize=7, loc="outside right center")
+    fig.suptitle(title or "All-reduce time vs bucket size: measured points, modeled curve", fontsize=10)
     return fig
 
 

@@ -23,6 +23,7 @@ from analysis import plots
 from analysis.runs import PHASES, Run, find_runs, load_run, steady_text, typical_step
 from collectives import costmodel as cm
 from collectives import strategies
+from collectives.costmodel.loading import is_fit_spec
 from common.errors import UserError, exit_on_user_error
 from common.files import output_dir
 
@@ -231,6 +232,47 @@ def busbw_table(bench_paths: list[Path], topology: str | None) -> tuple[pd.DataF
     return pd.concat(parts, ignore_index=True), described
 
 
+def network_model(bench_paths: list[Path], topology: str | None):
+    """The cost model of the network the runs measured, and how it was chosen: `--topology fit:<file>` as given;
+    else a fit of the benchmark measured beside the runs (a sweep's bench.json, or --bench: the same launcher, hence
+    the same network: the testbed's emulated links too); else the `--topology` preset, which is not that network;
+    else none."""
+    if topology and is_fit_spec(topology):
+        return cm.load_model(topology), f"fitted to {topology.partition(':')[2]} (--topology)"
+    if bench_paths:
+        spec = f"fit:{bench_paths[0]}"
+        return cm.load_model(spec), f"fitted to the benchmark measured beside the runs ({bench_paths[0]})"
+    if topology:
+        model = cm.load_model(topology)
+        described = getattr(getattr(model, "topo", None), "describe", lambda: topology)()
+        return model, f"NCCL's model of the preset {described}: not the network these runs measured"
+    return None, ""
+
+
+def allreduce_size_table(runs: list[Run], model) -> pd.DataFrame:
+    """Every recorded bucket with launch and completion times (rank 0's, every step): its bytes and its time
+    (complete - launch), and the cost model's all-reduce time over the same range of sizes, per strategy.
+    Columns: kind (measured | modeled), strategy, run, step, bucket, class, bytes, time_ms."""
+    rows = []
+    for r in runs:
+        b = r.bucket_frame
+        if b.empty or "launch_ms" not in b or "complete_ms" not in b:
+            continue
+        b = b.dropna(subset=["launch_ms", "complete_ms"])
+        for _, x in b.iterrows():
+            rows.append({"kind": "measured", "strategy": r.strategy, "run": r.label, "step": int(x["step"]),
+                         "bucket": int(x["bucket"]), "class": x["class"], "bytes": int(x["bytes"]),
+                         "time_ms": float(x["complete_ms"] - x["launch_ms"])})
+    t = pd.DataFrame(rows)
+    if t.empty or model is None:
+        return t
+    lo, hi = max(1.0, t["bytes"].min() / 2), t["bytes"].max() * 2
+    sizes = sorted({int(v) for v in np.geomspace(lo, hi, 40)})
+    modeled = [{"kind": "modeled", "strategy": s, "bytes": n, "time_ms": model.allreduce_ms(n)}
+               for s in t["strategy"].unique() for n in sizes]
+    return pd.concat([t, pd.DataFrame(modeled)], ignore_index=True)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Sections: a table, a figure and a caption each
 
@@ -270,6 +312,27 @@ def section_busbw(bench: list[Path], topology: str | None, runs: list[Run] = ())
     caption = (f"x: message size (bytes, log scale); y: all-reduce bus bandwidth (GB/s, nccl-tests' busbw = algbw x "
                f"2(n-1)/n, log scale). Solid: {measured}. {model}")
     return Section(key, title, caption, t, plots.busbw(t))
+
+
+def section_allreduce_size(runs: list[Run], bench: list[Path], topology: str | None) -> Section:
+    key, title = "allreduce_size", "All-reduce time versus bucket size, per strategy: measured and modeled"
+    model, how = network_model(bench, topology)
+    t = allreduce_size_table(runs, model)
+    if t.empty:
+        return _missing(key, title, "no run recorded per-bucket launch and completion times (buckets.jsonl)")
+    measured = t[t["kind"] == "measured"]
+    shown = [r for r in runs if r.label in set(measured["run"])]
+    left = sorted({r.strategy for r in runs if r.communicates} - set(measured["strategy"]))
+    model_text = (f"Dashed black curve: MODELED, not measured: the cost model's time for one all-reduce of that "
+                  f"size ({model.ranks or '?'} ranks), {how}." if model is not None else
+                  "No modeled curve: no benchmark beside the runs and no --topology.")
+    caption = (f"x: bucket size (bytes on the wire, log scale); y: all-reduce time (ms, log scale), from the bucket's "
+               f"launch to its completion, which includes waiting behind buckets launched earlier on the same "
+               f"communicator. One point per recorded bucket and step (rank 0's records, warm-up steps "
+               f"included), coloured by tensor class; one panel per strategy. {model_text}"
+               + (f" Strategies without bucket timings: {', '.join(left)}." if left else "")
+               + f" Measured on: {machines(shown)}.")
+    return Section(key, title, caption, t, plots.allreduce_size(t))
 
 
 def section_breakdown(runs: list[Run], warmup: int | None) -> Section:
@@ -334,8 +397,8 @@ def build(run_paths: list[str | Path], out: str | Path, bench: list[str | Path] 
             raise UserError(f"--bench {b}: no such file")
     summary = summary_table(runs, warmup)
     sections = [section_step_vs_bucket(runs, summary, warmup), section_busbw(bench, topology, runs),
-                section_breakdown(runs, warmup), section_timeline(runs, warmup, timeline),
-                section_pareto(runs, warmup, target)]
+                section_allreduce_size(runs, bench, topology), section_breakdown(runs, warmup),
+                section_timeline(runs, warmup, timeline), section_pareto(runs, warmup, target)]
     write(Path(out), runs, summary, sections)
     return sections
 
@@ -422,7 +485,8 @@ def parse_args(argv=None):
                     help="collectives.bench --json/--csv output (or an nccl-tests log) for the bandwidth figure")
     ap.add_argument("--topology", default="h100x8",
                     help="cost-model topology for the modeled curves (h100x8, a100x8-ib:2, fit:fit.json ...; "
-                         "'none' to leave them out; default h100x8)")
+                         "'none' to leave them out; default h100x8). The all-reduce-time figure models the runs' "
+                         "own network: a fit:/local: topology, else a fit of the benchmark beside the runs")
     ap.add_argument("--warmup", type=int, help="first steps of each run left out of timings (default: max(3, "
                                                 "10%%) of its steps, the warm-up rule of analysis.runs)")
     ap.add_argument("--target-val-nll", type=float,

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from collectives import hooks
 from collectives.nccl.settings import validate_config
 from collectives.settings import CollectivesConfig, DistConfig, SyncConfig
-from collectives.strategies import available, unused_keys
-from collectives.strategies.ddp import STOCK_HOOKS
+from collectives.strategies import available, get, unused_keys
 from collectives.tensor_classes import config_problems
 from common.errors import UserError
 from common.schema import Source, apply_overrides, build, read_overlay
@@ -39,9 +39,6 @@ def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check:
     s = sync
     check(s.bucket_cap_mb is None or s.bucket_cap_mb > 0, "sync.bucket_cap_mb",
           f"must be positive or null, got {s.bucket_cap_mb}")
-    hooks = list(STOCK_HOOKS)
-    check(s.hook is None or s.hook in STOCK_HOOKS, "sync.hook",
-          f"must be null, {', '.join(hooks[:-1])} or {hooks[-1]}, got '{s.hook}'")
     check(s.first_bucket_mb is None or s.first_bucket_mb > 0, "sync.first_bucket_mb",
           f"must be positive or null, got {s.first_bucket_mb}")
     check(s.powersgd_rank > 0, "sync.powersgd_rank", f"must be positive, got {s.powersgd_rank}")
@@ -52,8 +49,15 @@ def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check:
     # Strategy names are checked against the registry at attach time, and here early.
     check(s.strategy in available(), "sync.strategy",
           f"unknown strategy '{s.strategy}' (available: {', '.join(available())})")
+    reads_hook = s.strategy in available() and "hook" in get(s.strategy).sync_keys
+    if reads_hook:  # a name torch does not ship, a missing option, an option the hook's state does not take
+        for path, msg in hooks.hook_problems(s):
+            check(False, path, msg)
     for path, msg in unused_keys(s):  # a knob the strategy ignores would silently change nothing
-        check(False, path, msg)
+        # ddp with the per-class hook reads the classes' wire dtypes and NCCL settings, as per_class does
+        hook_reads = reads_hook and hooks.hook_name(s.hook) == hooks.PER_CLASS and any(
+            path.startswith("sync.classes.") and path.endswith("." + k.split(".")[1]) for k in hooks.PER_CLASS_KEYS)
+        check(hook_reads, path, msg)
     validate_config(coll, s, check)  # collectives.* and the NCCL keys of sync.classes
 
 

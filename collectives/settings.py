@@ -7,6 +7,7 @@ Plain frozen dataclasses, loaded by the strict loader (`common.schema`) as parts
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.errors import UserError
 from common.schema import Source, build
@@ -45,11 +46,22 @@ class ClassSettings:
 
 
 @dataclass(frozen=True)
+class HookConfig:
+    """`sync.hook` as a mapping: a DDP comm hook that takes options (`collectives.hooks` resolves and checks it).
+    A plain string is the same as `{name: <string>}`."""
+
+    name: str | None = None  # a short name (allreduce, fp16_compress, bf16_compress, powersgd, per_class) or a
+    # dotted name under torch.distributed.algorithms.ddp_comm_hooks
+    wraps: str | None = None  # for a wrapper (fp16_compress_wrapper, bf16_compress_wrapper): the hook it wraps
+    state: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the (wrapped) hook's state object
+
+
+@dataclass(frozen=True)
 class SyncConfig:
     strategy: str = "ddp"  # ddp, per_tensor, flat, bucketed, per_class, powersgd, noop (see collectives/strategies)
     bucket_cap_mb: float | None = None  # None: DDP's default (25 MiB, with a 1 MiB first bucket); 25 for the others
     first_bucket_mb: float | None = None  # ddp, bucketed: cap of the bucket ready first; None: as bucket_cap_mb
-    hook: str | None = None  # ddp: a stock DDP comm hook: allreduce, fp16_compress, bf16_compress
+    hook: HookConfig | str | None = None  # ddp: a DDP comm hook by name, or {name, wraps, state} (collectives.hooks)
     classes: dict[str, ClassSettings] = field(default_factory=dict)  # tensor class name -> its rule and settings
     powersgd_rank: int = 1  # powersgd: matrix approximation rank
     powersgd_start_iter: int = 2  # powersgd: plain all-reduce before this iteration (error feedback needs >= 2)
@@ -64,6 +76,8 @@ class SyncConfig:
             object.__setattr__(self, "classes", {
                 name: v if isinstance(v, ClassSettings) else build(ClassSettings, v, f"sync.classes.{name}", src)
                 for name, v in self.classes.items()})
+        if isinstance(self.hook, dict):  # code may give the hook's mapping too: the same loader, the same errors
+            object.__setattr__(self, "hook", build(HookConfig, self.hook, "sync.hook", Source("sync.hook")))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from analysis.runs import find_runs, load_run, load_runs
 from conftest import REPO
 
 RUNS = REPO / "tests" / "data" / "runs" / "smoke"
-KEYS = ["step_vs_bucket", "busbw", "breakdown", "timeline", "pareto"]
+KEYS = ["step_vs_bucket", "busbw", "allreduce_size", "breakdown", "timeline", "pareto"]
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +96,51 @@ def test_bus_bandwidth_measured_beside_modeled(built):
         proto = r["curve"].split()[-1]
         best = min((c for c in model.choices(r["size"]) if c.proto == proto), key=lambda c: c.time_us)
         assert r["busbw"] == pytest.approx(best.busbw)
+
+
+def test_allreduce_time_against_size_per_strategy_over_the_model_of_the_same_network(built):
+    _, sections = built
+    s = sections["allreduce_size"]
+    t = s.table
+    measured, modeled = t[t["kind"] == "measured"], t[t["kind"] == "modeled"]
+    # every recorded bucket with both times, read here from the records themselves
+    want = sorted((r.strategy, b["class"], b["bytes"], round(b["complete_ms"] - b["launch_ms"], 6))
+                  for r in load_runs([RUNS]) for recs in r.buckets.values() for b in recs
+                  if b.get("launch_ms") is not None and b.get("complete_ms") is not None)
+    got = sorted(zip(measured["strategy"], measured["class"], measured["bytes"], measured["time_ms"].round(6)))
+    assert got == want and {"bucketed", "per_class"} <= set(measured["strategy"])
+    axes = {ax.get_title(): ax for ax in s.figure.axes}
+    assert set(axes) == set(measured["strategy"])  # one panel per strategy with bucket timings
+    assert "ddp" in s.caption  # ... and the ones without are named
+    model = cm.load_model(f"fit:{RUNS / 'bench.json'}")  # the benchmark the sweep ran beside its runs
+    for strategy, ax in axes.items():
+        mine = measured[measured["strategy"] == strategy]
+        for c in ax.collections:
+            cls = c.get_gid().split(":")[2]
+            pts = mine[mine["class"] == cls]
+            assert tuple(c.get_facecolor()[0][:3]) == to_rgba(plots.CLASS_COLORS[cls])[:3]
+            np.testing.assert_allclose(sorted(map(tuple, c.get_offsets())),
+                                       sorted(zip(pts["bytes"], pts["time_ms"])))
+        assert sum(len(c.get_offsets()) for c in ax.collections) == len(mine)
+        line = next(ln for ln in ax.get_lines() if ln.get_gid() == f"modeled:{strategy}")
+        np.testing.assert_allclose(line.get_ydata(), [model.allreduce_ms(x) for x in line.get_xdata()])
+        assert min(line.get_xdata()) <= measured["bytes"].min() and max(line.get_xdata()) >= measured["bytes"].max()
+    assert len(modeled) == len(axes) * len(set(modeled["bytes"]))
+    assert "MODELED" in s.caption and "bench.json" in s.caption and "(ms" in s.caption
+
+
+def test_allreduce_size_model_follows_the_topology(tmp_path):
+    runs = [load_run(RUNS / "smoke-per_class-bucket_cap_mb=1")]
+    preset = report.section_allreduce_size(runs, [], "h100x8")  # no benchmark beside: the preset, said so
+    assert "not the network these runs measured" in preset.caption
+    m = preset.table[preset.table["kind"] == "modeled"]
+    model = cm.NcclModel(cm.topology("h100x8"))
+    np.testing.assert_allclose(m["time_ms"], [model.allreduce_ms(n) for n in m["bytes"]])
+    fitted = report.section_allreduce_size(runs, [], f"fit:{RUNS / 'bench.json'}")  # a fit given: that one
+    assert "(--topology)" in fitted.caption
+    bare = report.section_allreduce_size(runs, [], None)
+    assert (bare.table["kind"] == "measured").all() and "No modeled curve" in bare.caption
+    assert not any(ln.get_gid() for ln in bare.figure.axes[0].get_lines())
 
 
 def test_breakdown_stacks_the_phases_and_marks_headroom(built):
@@ -188,11 +233,11 @@ def test_missing_data_skips_figures_with_a_note(tmp_path):
     shutil.copy(src / "run.json", run / "run.json")
     shutil.copy(src / "steps.jsonl", run / "steps.jsonl")  # no buckets, no evals, no config
     sections = {s.key: s for s in report.build([tmp_path / "runs"], tmp_path / "out", topology=None)}
-    for key in ("busbw", "timeline", "pareto"):
+    for key in ("busbw", "allreduce_size", "timeline", "pareto"):
         assert sections[key].figure is None and sections[key].note.startswith("skipped: "), key
     assert sections["breakdown"].figure is not None and sections["step_vs_bucket"].figure is not None
     md = (tmp_path / "out" / "report.md").read_text()
-    assert md.count("*skipped: ") == 3 and not (tmp_path / "out" / "timeline.png").exists()
+    assert md.count("*skipped: ") == 4 and not (tmp_path / "out" / "timeline.png").exists()
 
 
 def test_cli(tmp_path, capsys):

@@ -1,6 +1,8 @@
-"""`ddp`: stock `DistributedDataParallel`, optionally with a stock comm hook; the baseline for every comparison.
+"""`ddp`: stock `DistributedDataParallel`, optionally with a comm hook; the baseline for every comparison.
 
-Knobs: `sync.bucket_cap_mb`, `sync.first_bucket_mb` (DDP's `bucket_cap_mb_list=[first, cap]`), `sync.hook`.
+Knobs: `sync.bucket_cap_mb`, `sync.first_bucket_mb` (DDP's `bucket_cap_mb_list=[first, cap]`), `sync.hook`: any of
+torch's hooks by short or dotted name, with its state and the hook a wrapper wraps, or the project's `per_class` hook
+(`collectives.hooks`; with it, `sync.classes.<class>` wire dtypes and NCCL settings).
 Records: without a hook DDP's C++ reducer runs untouched and only the bucket sizes are known; with a hook each bucket
 is timed from the hook (ready = launch, complete = the hook's future).
 """
@@ -10,22 +12,14 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from collectives import hooks
 from collectives import tensor_classes as tc
 from collectives.strategies import CLASS_RULE_KEYS, register
 from collectives.sync import GradSync
 from collectives.timing import Stamp, record_ms, stamp
 from common.rundir import BucketRecord
-
-STOCK_HOOKS = {  # sync.hook -> torch's default DDP comm hook
-    "allreduce": default_hooks.allreduce_hook,
-    "fp16_compress": default_hooks.fp16_compress_hook,
-    "bf16_compress": default_hooks.bf16_compress_hook,
-}
-_WIRE = {None: "fp32", "allreduce": "fp32", "fp16_compress": "fp16", "bf16_compress": "bf16"}
 
 
 @register("ddp")
@@ -70,28 +64,39 @@ class DDPSync(GradSync):
         self._inflight = None  # the previous bucket's future, for serialize_buckets
         # The output's gradient is among the first computed: its hook marks the start of the backward.
         self.module.register_forward_hook(self._mark_backward_start)
-        hook = self.comm_hook()
-        if hook is not None:
-            state, fn = hook
+        self.hook = hooks.resolve(cfg.hook)  # None: DDP's built-in all-reduce
+        if self.hook is not None and not self.hook.one_collective:
+            self.serialize_buckets = True
+        self._registered = self.comm_hook()  # (state, hook) or None
+        if self._registered is not None:
+            state, fn = self._registered
             self.module.register_comm_hook(state, self._timed(fn))
-        self.lossless = cfg.hook in (None, "allreduce")
+        self.lossless = self.hook is None or (
+            self._registered[0].lossless if self.hook.per_class else self.hook.lossless)
 
     def comm_hook(self):
-        """(state, hook) to register on DDP, or None for DDP's built-in all-reduce."""
-        if self.cfg.hook is None:
+        """(state, hook) to register on DDP, or None for DDP's built-in all-reduce. Builds the hook's state (and
+        the per-class groups): called once."""
+        if self.hook is None:
             return None
-        state = self.process_group if self.process_group is not None else dist.group.WORLD
-        return state, STOCK_HOOKS[self.cfg.hook]
+        return hooks.build_state(self.hook, self.model, self.cfg, self.process_group), self.hook.fn
 
     def wire_dtype(self) -> str:
-        return _WIRE[self.cfg.hook]
+        return "fp32" if self.hook is None else self.hook.wire
+
+    def _bucket_wire(self, classes: set[str]) -> str:
+        """What a bucket of `classes` travels as: with the per-class hook its classes' wire dtype (or mixed)."""
+        if self.hook is not None and self.hook.per_class:
+            wires = {self._registered[0].settings[c].wire_dtype for c in classes}
+            return wires.pop() if len(wires) == 1 else "mixed"
+        return self.wire_dtype()
 
     def _mark_backward_start(self, module, inputs, out):
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda grad: setattr(self, "_backward_t", stamp(self.device)))
 
     def _timed(self, hook):
-        """Wrap a stock comm hook so that each bucket leaves a record (the hook itself runs unchanged)."""
+        """Wrap a comm hook so that each bucket leaves a record (the hook itself runs unchanged)."""
 
         def timed(state, bucket):  # no annotations: DDP checks them, and they would be strings here
             t = stamp(self.device)
@@ -101,9 +106,10 @@ class DDPSync(GradSync):
             names = [self.names[p] for p in bucket.parameters()]
             classes = {self.class_of[n] for n in names}
             buffer = bucket.buffer()  # (numel,) the flat bucket DDP copied the gradients into
-            rec = BucketRecord(bucket.index(), classes.pop() if len(classes) == 1 else "mixed",
-                               dtype=str(buffer.dtype)[6:], wire_dtype=self.wire_dtype(), tensors=len(names),
-                               numel=buffer.numel(), nbytes=buffer.numel() * buffer.element_size())
+            rec = BucketRecord(bucket.index(), next(iter(classes)) if len(classes) == 1 else "mixed",
+                               dtype=str(buffer.dtype)[6:], wire_dtype=self._bucket_wire(classes),
+                               tensors=len(names), numel=buffer.numel(),
+                               nbytes=buffer.numel() * buffer.element_size())
             stamps = [t, t_launch, None]
             self._timing.append((rec, stamps))
 
@@ -123,7 +129,7 @@ class DDPSync(GradSync):
 
     def wait(self) -> None:
         # DDP has already waited inside backward; what is left is turning the timestamps into a record.
-        if self.comm_hook() is None:
+        if self._registered is None:
             self._records = self._size_records()
             return
         t0 = self._backward_t
@@ -162,4 +168,4 @@ class DDPSync(GradSync):
 
     def stats(self):
         return {**super().stats(), "bucket_cap_mb": self.cfg.bucket_cap_mb,
-                "first_bucket_mb": self.cfg.first_bucket_mb, "hook": self.cfg.hook}
+                "first_bucket_mb": self.cfg.first_bucket_mb, "hook": hooks.describe(self.cfg.hook)}
