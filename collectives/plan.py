@@ -96,6 +96,7 @@ class BucketingStrategy(StrategyFacts):
     """
 
     overlap: ClassVar[bool] = True
+    handle: ClassVar[type | None] = None  # the `GradSync` that executes the plan (None: `PlannedSync`)
 
     @dataclass(frozen=True)
     class Config:

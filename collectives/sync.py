@@ -1,9 +1,12 @@
 """The handle of the one seam between a training loop and gradient communication.
 
-A training loop calls `collectives.attach(model, sync_config)` once and gets a `GradSync`: it runs forward through
-`handle.module`,
-wraps all but the last micro-batch of an accumulation in `handle.no_sync()`, and calls `handle.wait()` before
-`optimizer.step()`. It never branches on which strategy is behind the handle.
+A training loop calls `collectives.attach(model, sync_config)` once and gets a `GradSync`. It builds its optimizer
+over `handle.optimizer_params()`, runs forward through `handle.module`, wraps all but the last micro-batch of an
+accumulation in `handle.no_sync()`, calls `handle.wait()` before the update and clips by `handle.grad_norm()`; it may
+call `handle.stepped()` after `optimizer.step()`. Before reading the model's parameters outside training (validation, a
+checkpoint) it calls `handle.wait_params()`; it saves and loads the optimizer through `handle.optimizer_state()` and
+`handle.load_optimizer_state()`. It never branches on which strategy is behind the handle: for all but a sharded
+strategy these calls are the plain ones (the model's parameters, the optimizer's own state dict).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import ClassVar
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -48,6 +52,32 @@ class GradSync(StrategyFacts):
     def wait(self) -> None:
         """Block until every gradient is averaged across ranks; the time spent here is exposed communication."""
 
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """What the optimizer updates: the model's parameters (a sharded strategy: this rank's shards of them)."""
+        return list(self.model.parameters())
+
+    def grad_norm(self, exact: bool = False) -> torch.Tensor:
+        """The L2 norm of the synchronized gradient, equal on every rank (call after `wait()`); see `total_norm`.
+        `exact`: the same float32 value however the gradient is split over ranks (when the norm scales the update,
+        as clipping does)."""
+        return total_norm([p.grad for p in self.optimizer_params() if p.grad is not None], exact=exact)
+
+    def stepped(self) -> None:
+        """The optimizer has updated `optimizer_params()`: a sharded strategy starts sending the updated shards now
+        rather than when the next forward starts (optional; the next forward waits, module by module, for what it
+        needs)."""
+
+    def wait_params(self) -> None:
+        """Block until the model's parameters are current on this rank (before validation or a checkpoint)."""
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state dict as if it updated the whole model (a collective for a sharded strategy)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load a state dict of `optimizer_state()`'s form, whatever the world size that wrote it."""
+        optimizer.load_state_dict(state)
+
     def step_records(self) -> list[BucketRecord]:
         """Per-bucket records of the step just synchronized, drained by the trainer after `wait()` and written to
         `<run>/buckets.jsonl` with the step number (bytes, class, dtype, ready/launch/complete times ...)."""
@@ -57,3 +87,24 @@ class GradSync(StrategyFacts):
         """Per-strategy facts for the run header (bucket count, sizes ...)."""
         return {"strategy": self.name, "lossless": self.lossless, "communicates": self.communicates}
 
+
+def total_norm(grads: list[torch.Tensor], exact: bool = False, group: dist.ProcessGroup | None = None,
+               sharded: bool = False) -> torch.Tensor:
+    """The L2 norm of `grads` as a float32 0-dim tensor; with `sharded`, each rank holds a disjoint part and the
+    sums of squares are all-reduced over `group`.
+
+    `exact` sums the squares in float64: the square of a float32 is exact there, so the sum hardly depends on its
+    order and any split of the gradient gives the same float32 norm (a different norm would scale a clipped update
+    differently, and Adam carries the difference on). Otherwise torch's float32 norm of the per-tensor norms, which
+    is cheaper but depends on how the gradient is split into tensors."""
+    device = grads[0].device if grads else torch.device("cpu")
+    if not (exact or sharded):
+        return torch.nn.utils.get_total_norm(grads).to(device) if grads else torch.zeros((), device=device)
+    dtype = torch.float64 if exact else torch.float32
+    squares = torch.zeros((), dtype=dtype, device=device)
+    for g in grads:
+        flat = g.reshape(-1).to(dtype)  # (numel,) exact: a float64 copy, whose products are exact
+        squares += torch.dot(flat, flat)
+    if sharded:
+        dist.all_reduce(squares, group=group)
+    return squares.sqrt().float()

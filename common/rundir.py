@@ -85,7 +85,9 @@ class BucketRecord:
     complete_ms: float | None = None
     wait_start_ms: float | None = None  # `wait()` called (the same for every bucket of the step)
     wait_ms: float | None = None  # blocked on this bucket in `wait()`
-    part: str | None = None  # a split tied embedding (`collectives.tied_split`): "projection" or "lookup"
+    # A part of a tensor's communication: "projection" or "lookup" of a split tied embedding (`collectives.tied_split`),
+    # "reduce_scatter" (backward) or "all_gather" (the next forward) of a sharded bucket (`collectives.shards`).
+    part: str | None = None
 
     def to_json(self, step: int) -> dict:
         out = {"step": step, "bucket": self.bucket, "class": self.tensor_class, "dtype": self.dtype,

@@ -31,7 +31,7 @@ from dtrain.loss import LabelSmoothing
 from dtrain.model import Transformer, count_parameters, sdpa_backend
 from dtrain.profiler import StepProfiler
 from dtrain.schedule import make_scheduler
-from dtrain.startup import load_corpus
+from dtrain.startup import load_corpus, resume_checkpoint
 from dtrain.telemetry import Telemetry
 from dtrain.tokenizer import PAD
 
@@ -80,7 +80,8 @@ class Trainer:
         self.telemetry = Telemetry.for_device(device) if self.main else Telemetry.off("rank 0 writes the records")
         self.profiler = StepProfiler.from_env(self.run_dir, self.rank)
         o = cfg.optim
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1.0, betas=o.betas, eps=o.eps)
+        # Over what the strategy says this rank updates: the model's parameters, or a sharded strategy's shards.
+        self.optimizer = torch.optim.Adam(self.sync.optimizer_params(), lr=1.0, betas=o.betas, eps=o.eps)
         self.scheduler = make_scheduler(self.optimizer, cfg.model.d_model, o.warmup, o.lr_factor)
         self.criterion = LabelSmoothing(vocab, PAD, o.label_smoothing)
         self.step = 0
@@ -90,6 +91,8 @@ class Trainer:
 
     def state(self) -> dict | None:
         """The checkpoint: every rank's RNG state is gathered to rank 0, which alone holds the rest."""
+        self.sync.wait_params()  # a sharded strategy's updated parameters, all-gathered
+        optimizer = self.sync.optimizer_state(self.optimizer)  # a collective for a sharded strategy
         rngs = [None] * self.world if self.main else None
         if self.world > 1:
             dist.gather_object(rng_state(), rngs, dst=0)
@@ -97,21 +100,29 @@ class Trainer:
             rngs = [rng_state()]
         if not self.main:
             return None
-        return {"step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"step": self.step, "model": self.model.state_dict(), "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "rng": rngs,
                 "model_hash": self.cfg.model_hash(), "config_hash": self.cfg.config_hash(), "world_size": self.world,
                 "config": self.cfg.to_dict()}
 
     def save(self) -> None:
+        """Rank 0 writes the checkpoint; if that fails (a full disk), every rank stops with its one-line error."""
         state = self.state()
+        problem = None
         if self.main:
-            checkpoint.save(self.run_dir, self.step, state, self.cfg.train.keep_ckpts)
-        ddist.barrier()  # nobody runs ahead of a checkpoint that a restart may need
+            try:
+                checkpoint.save(self.run_dir, self.step, state, self.cfg.train.keep_ckpts)
+            except JobFailure as e:
+                problem = str(e)
+        # Also the barrier: nobody runs ahead of a checkpoint that a restart may need.
+        problem = ddist.broadcast_object(problem)
+        if problem is not None:
+            raise JobFailure(problem)
 
     def resume(self) -> None:
         """Continue from the latest complete checkpoint; rank 0 chooses it so every rank agrees."""
-        path = ddist.broadcast_object(str(checkpoint.latest(self.run_dir) or "") if self.main else None)
-        if not path:
+        path = resume_checkpoint(self.run_dir)
+        if path is None:
             if self.main:
                 print(f"no complete checkpoint in {self.run_dir}; starting from step 0", flush=True)
             return
@@ -119,7 +130,7 @@ class Trainer:
         # under its name) is an error naming the file, like an unreadable one, not skipped like a torn write: the
         # file is exactly what was written, and falling back would drop the step records past the older checkpoint
         # and later overwrite the file, so a person should look at it first.
-        state = checkpoint.load(Path(path), keys=checkpoint.TRAINING_KEYS)
+        state = checkpoint.load(path, keys=checkpoint.TRAINING_KEYS)
         if state.get("model_hash") != self.cfg.model_hash():
             raise UserError(f"{path}: checkpoint is of a different model shape than the profile "
                             f"(model hash {state.get('model_hash')} vs {self.cfg.model_hash()})")
@@ -127,7 +138,7 @@ class Trainer:
             raise UserError(f"{path}: written by {state['world_size']} ranks, this job has {self.world}; "
                             "the data order would not continue exactly")
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.sync.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.load_state_dict(state["data"])
         set_rng_state(state["rng"][self.rank])
@@ -208,15 +219,21 @@ class Trainer:
 
     def _optimizer_step(self) -> tuple[float, bool]:
         """Clip by the global norm and step, unless a gradient is not finite: (the norm, whether it stepped)."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads)  # of the synchronized gradients: equal on every rank
+        # Of the synchronized gradients: equal on every rank. With clipping, the same float32 value however the
+        # strategy splits the gradient over ranks, since it scales the update.
+        grad_norm = self.sync.grad_norm(exact=self.cfg.optim.clip_norm is not None)
         # A non-finite gradient reached every rank through the all-reduce, so all ranks skip this step alike.
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             if self.cfg.optim.clip_norm:
-                torch.nn.utils.clip_grads_with_norm_(grads, self.cfg.optim.clip_norm, grad_norm)
+                # Takes the parameters and scales their .grad (given bare gradient tensors it scales nothing).
+                torch.nn.utils.clip_grads_with_norm_(self.sync.optimizer_params(), self.cfg.optim.clip_norm,
+                                                     grad_norm)
             self.optimizer.step()
             self.scheduler.step()
+        # No `self.sync.stepped()`: a sharded strategy then all-gathers the updated shards when the next forward
+        # starts, which costs this loop only the records and the next batch, and under analysis.interleave keeps the
+        # all-gather inside this configuration's own step instead of hiding it behind the others'.
         self.optimizer.zero_grad(set_to_none=True)
         self._sync_device()
         return float(grad_norm), finite
@@ -224,6 +241,7 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> ValRecord:
         """Label-free validation: per-token NLL and perplexity over the whole val split, summed across ranks."""
+        self.sync.wait_params()
         self.model.eval()
         batcher = TokenBatcher(self.val_pairs.lengths(), self.cfg.data.max_tokens, 0, self.rank, self.world,
                                shuffle=False)
@@ -319,6 +337,7 @@ class Trainer:
     def _wrap_up(self, start_step: int, train_s: float, val: ValRecord | None) -> dict:
         """After the last step: the final checkpoint and validation, the NCCL check, averaging, the final BLEU."""
         cfg, t = self.cfg, self.cfg.train
+        self.sync.wait_params()
         if self.step % t.ckpt_every != 0:  # the final state, unless the loop just saved it
             self.save()
         if val is None or val.step != self.step:
@@ -357,12 +376,9 @@ class Trainer:
         """Average the last k complete checkpoints into <run>/averaged.pt and evaluate with it."""
         if self.main:
             paths = checkpoint.complete_checkpoints(self.run_dir)[-self.cfg.train.average_last :]
-            avg = checkpoint.average(paths)
-            tmp = self.run_dir / ".averaged.pt.tmp"
-            torch.save({"model": avg, "averaged": [p.name for p in paths]}, tmp)
-            tmp.replace(self.run_dir / "averaged.pt")
+            checkpoint.save_averaged(self.run_dir, checkpoint.average(paths), paths)
         ddist.barrier()
-        self.model.load_state_dict(checkpoint.load(self.run_dir / "averaged.pt")["model"])
+        self.model.load_state_dict(checkpoint.load(self.run_dir / checkpoint.AVERAGED)["model"])
 
     def final_eval(self) -> dict:
         record = score_split(self.model, self.tokenizer, self.cfg, self.cfg.eval, self.device)

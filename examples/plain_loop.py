@@ -1,11 +1,17 @@
 """dtrain's gradient synchronization in a plain PyTorch training loop, without dtrain's trainer.
 
     torchrun --nproc_per_node=2 examples/plain_loop.py [--strategy bucketed] [--steps 20]
+    torchrun --nproc_per_node=2 examples/plain_loop.py --own-ddp [--wire-dtype bf16]
 
-`collectives.attach(model, SyncConfig(...))` returns a handle: run forward through `handle.module`, call `backward()`
-as usual, then `handle.wait()` before `optimizer.step()`. Any `nn.Module` works: its parameters fall into the
-catch-all tensor class unless `sync.classes` names others. Prints the last loss and checks that every rank ends
-with the same parameters.
+`collectives.attach(model, SyncConfig(...))` returns a handle: build the optimizer over `handle.optimizer_params()`,
+run forward through `handle.module`, call `backward()` as usual, then `handle.wait()` before `optimizer.step()` and
+`handle.stepped()` after it (the strategy `sharded` then all-gathers the updated shards during the next forward). Any `nn.Module` works: its parameters fall into the
+catch-all tensor class unless `sync.classes` names others (here the biases fall into `norm_bias` by the default
+rule `*.bias`, the weights into `other`).
+
+With `--own-ddp` the loop wraps the model in its own `DistributedDataParallel` and registers the project's per-class
+comm hook on it (`collectives.hooks.per_class_hook`): each class goes on its own process group in its wire dtype.
+Prints the last loss and checks that every rank ends with the same parameters; `--save FILE` writes them (rank 0).
 """
 
 import argparse
@@ -13,31 +19,53 @@ import argparse
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import collectives
+from collectives.hooks import per_class_hook
 from collectives.settings import SyncConfig
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--strategy", default="bucketed", help="any of collectives.strategies.available()")
+    ap.add_argument("--hook", help="sync.hook, for --strategy ddp (a short or dotted name, or per_class)")
+    ap.add_argument("--own-ddp", action="store_true", help="the loop's own DDP with the per-class comm hook")
+    ap.add_argument("--wire-dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                    help="wire dtype of the weights' class ('other')")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--save", help="write the final parameters here (rank 0)")
     args = ap.parse_args()
     dist.init_process_group("gloo")  # torchrun's environment: rank, world size, rendezvous
     rank = dist.get_rank()
 
     torch.manual_seed(0)  # the same initial model on every rank
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
-    handle = collectives.attach(model, SyncConfig(strategy=args.strategy, bucket_cap_mb=0.01))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    classes = {"other": {"wire_dtype": args.wire_dtype}}
+    if args.own_ddp:
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
+        state, hook = per_class_hook(model, SyncConfig(classes=classes))
+        ddp.register_comm_hook(state, hook)
+        forward, wait, label = ddp, (lambda: None), "own DDP + per_class hook"  # DDP waits inside backward()
+        params, stepped, settle = list(model.parameters()), (lambda: None), (lambda: None)
+    else:
+        strategy = SyncConfig(strategy=args.strategy, bucket_cap_mb=0.01, hook=args.hook,
+                              classes=classes if args.strategy == "per_class" or args.hook == "per_class" else {})
+        handle = collectives.attach(model, strategy)
+        forward, wait, label = handle.module, handle.wait, args.strategy + (f" + {args.hook}" if args.hook else "")
+        # What this rank updates (a sharded strategy: its shards), and the calls that publish the update.
+        params, stepped, settle = handle.optimizer_params(), handle.stepped, handle.wait_params
+    optimizer = torch.optim.SGD(params, lr=0.1)
     data = torch.Generator().manual_seed(rank)  # each rank its own batches
     for _ in range(args.steps):
         x, y = torch.randn(16, 32, generator=data), torch.randint(0, 4, (16,), generator=data)
-        loss = nn.functional.cross_entropy(handle.module(x), y)  # (16, 4) logits
+        loss = nn.functional.cross_entropy(forward(x), y)  # (16, 4) logits
         loss.backward()
-        handle.wait()  # every gradient now holds the mean over the ranks
+        wait()  # every gradient now holds the mean over the ranks
         optimizer.step()
+        stepped()  # a sharded strategy sends the updated shards while the next forward runs
         optimizer.zero_grad(set_to_none=True)
+    settle()  # the model's parameters current on this rank
 
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     spread = flat.clone()
@@ -45,8 +73,9 @@ def main() -> None:
     largest = (spread - flat).abs().max()
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"{args.strategy}: last loss {loss.item():.4f}; parameters equal on every rank: "
-              f"{largest.item() == 0.0}")
+        print(f"{label}: last loss {loss.item():.4f}; parameters equal on every rank: {largest.item() == 0.0}")
+        if args.save:
+            torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, args.save)
     dist.destroy_process_group()
 
 

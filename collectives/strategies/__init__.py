@@ -2,7 +2,8 @@
 `plan_for(sync, params)`, the one bucket plan of a sync section that training, the cost model and the simulator use.
 
 A registered class is either a `GradSync` subclass (ddp, powersgd, noop: they synchronize by themselves) or a
-`BucketingStrategy` (per_tensor, flat, bucketed, per_class: a pure plan that `PlannedSync` executes with the reducer).
+`BucketingStrategy` (per_tensor, flat, bucketed, per_class: a pure plan that `PlannedSync` executes with the reducer;
+sharded: one that `ShardedSync` executes with the sharded reducer).
 Each declares the `sync` keys it reads (`sync_keys`); `unused_keys(sync)` names those a profile sets in vain, which
 `collectives.config.validate` refuses.
 """
@@ -52,7 +53,7 @@ def get(name: str) -> type:
 def build(name: str, model, cfg, process_group=None):
     cls = get(name)
     if issubclass(cls, BucketingStrategy):
-        return PlannedSync(model, cfg, process_group, cls.from_sync(cfg))
+        return (cls.handle or PlannedSync)(model, cfg, process_group, cls.from_sync(cfg))
     return cls(model, cfg, process_group)
 
 
@@ -112,6 +113,7 @@ def plan_for(sync, named_params) -> Plan:
     return Plan(buckets, strategy.overlap, strategy.class_groups)
 
 
-# Importing the modules registers their strategies; PlannedSync runs the plans.
+# Importing the modules registers their strategies; PlannedSync runs the plans (ShardedSync the sharded one's).
 from collectives.strategies import bucketed, ddp, flat, noop, per_class, per_tensor, powersgd  # noqa: E402,F401
 from collectives.strategies.planned import PlannedSync  # noqa: E402
+from collectives.strategies import sharded  # noqa: E402,F401

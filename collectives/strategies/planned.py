@@ -34,16 +34,9 @@ class _Synced(nn.Module):
         object.__setattr__(self, "_handle", handle)  # not a submodule: no second path to the parameters
 
     def forward(self, *args, **kwargs):
-        reducer = self._handle.reducer
-        reducer.prepare(sync=self._handle._sync_enabled)
-        if reducer.armed:
-            for split in self._handle.splits:
-                split.prepare()
+        self._handle.before_forward()
         out = self.model(*args, **kwargs)
-        first = _first_tensor(out)
-        if reducer.armed and first is not None and first.requires_grad:
-            # The output's gradient is among the first computed: the backward of this micro-batch has started.
-            first.register_hook(lambda grad: reducer.mark_backward_start())
+        self._handle.after_forward(out)
         return out
 
 
@@ -72,13 +65,28 @@ class PlannedSync(GradSync):
             # One group per class, created in rule order on every rank (a collective call).
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
             groups = {c: nccl.class_group(c, self.settings[c], ranks) for c in used}
-        self.reducer = Reducer(dict(model.named_parameters()), buckets, self.world, strategy.overlap, groups,
-                               process_group)
+        self.reducer = self._make_reducer(dict(model.named_parameters()), buckets, groups, process_group)
         self.splits = self._tied_splits(model, process_group)
         self.module = _Synced(model, self)
         self._sync_enabled = True
         self._replanned = False
         self._records: list[BucketRecord] = []
+
+    def before_forward(self) -> None:
+        """Arm the reducer (and the splits) for this micro-batch."""
+        self.reducer.prepare(sync=self._sync_enabled)
+        if self.reducer.armed:
+            for split in self.splits:
+                split.prepare()
+
+    def after_forward(self, out) -> None:
+        first = _first_tensor(out)
+        if self.reducer.armed and first is not None and first.requires_grad:
+            # The output's gradient is among the first computed: the backward of this micro-batch has started.
+            first.register_hook(lambda grad: self.reducer.mark_backward_start())
+
+    def _make_reducer(self, named_params, buckets, groups, process_group) -> Reducer:
+        return Reducer(named_params, buckets, self.world, self.strategy.overlap, groups, process_group)
 
     @contextmanager
     def no_sync(self):
