@@ -151,16 +151,24 @@ def breakdown(table: pd.DataFrame, title: str = "") -> Figure:
 
 def timeline(table: pd.DataFrame, backward_end_ms: float | None, title: str = "") -> Figure:
     """One step's buckets against its backward pass: a thin line from ready to launch (waiting for the buckets
-    before it), a bar from launch to completion coloured by tensor class. Columns: bucket, class, ready_ms,
-    launch_ms, complete_ms (ms from the start of the synchronized backward), wait_start_ms."""
+    before it), a bar from launch to completion coloured by tensor class, hatched for a part of a tensor's
+    communication (a sharded strategy's all-gathers, which run in the forward before time 0; a split embedding's
+    lookup rows). Columns: bucket, class, ready_ms, launch_ms, complete_ms (ms from the start of the synchronized
+    backward), wait_start_ms, and optionally part."""
     fig = _figure(7.5, max(3.0, 0.22 * len(table) + 1.8))
     ax = fig.add_subplot()
+    part = table["part"] if "part" in table else pd.Series([None] * len(table), index=table.index)
+    gathers = table[part == "all_gather"]
+    if not gathers.empty and gathers["launch_ms"].notna().any():
+        # A sharded strategy's all-gathers start with this step's forward (before time 0) and run while it computes.
+        ax.axvspan(float(gathers["launch_ms"].min()), 0, color="0.97", hatch="..", label="forward pass",
+                   gid="forward")
     if backward_end_ms:
         ax.axvspan(0, backward_end_ms, color="0.92", label="backward pass", gid="backward")
     wait = table["wait_start_ms"].dropna()
     if not wait.empty:
         ax.axvline(wait.iloc[0], color="black", linewidth=1, linestyle="--", label="wait() called", gid="wait")
-    for _, r in table.iterrows():
+    for i, r in table.iterrows():
         color = CLASS_COLORS.get(r["class"], "tab:cyan")
         y = r["bucket"]
         if pd.notna(r["ready_ms"]) and pd.notna(r["launch_ms"]) and r["launch_ms"] > r["ready_ms"]:
@@ -168,7 +176,10 @@ def timeline(table: pd.DataFrame, backward_end_ms: float | None, title: str = ""
         if pd.notna(r["ready_ms"]):
             ax.plot([r["ready_ms"]], [y], marker="|", color=color, markersize=8)
         if pd.notna(r["launch_ms"]) and pd.notna(r["complete_ms"]):
+            # Parts of one tensor's communication: hatched where it is not a whole bucket's all-reduce.
+            hatch = {"all_gather": "///", "reduce_scatter": "", "lookup": "xx"}.get(part[i])
             ax.barh(y, r["complete_ms"] - r["launch_ms"], left=r["launch_ms"], height=0.6, color=color,
+                    hatch=hatch, edgecolor="black" if hatch else None, linewidth=0.3 if hatch else 0,
                     gid=f"bucket:{int(y)}")
     classes = list(dict.fromkeys(table["class"]))
     handles = [Patch(color=CLASS_COLORS.get(c, "tab:cyan"), label=c) for c in classes]

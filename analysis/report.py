@@ -2,7 +2,9 @@
 
 Last stage of the pipeline. Each figure is built from a table that is written beside it as CSV, and captioned with
 its axes, units and the machine it was measured on (run.json). Runs of the no-communication baseline appear in timing
-figures as headroom and never in quality figures. A figure whose data is missing is skipped with a note.
+figures as headroom and never in quality figures. A figure whose data is missing is skipped with a note. Runs that
+kept their translations (hyps.<split>.txt) also get a table of BLEU with 95% confidence intervals and paired
+significance against a baseline run (`analysis.significance`).
 
     python -m analysis.report runs/sweep-lossless-buckets --out reports/lossless
     python -m analysis.report runs/sweep-bleu-cost --bench runs/bench.json --topology h100x8-ib:2 --out reports/bleu
@@ -19,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import plots
+from analysis import plots, significance
 from analysis.runs import PHASES, Run, find_runs, load_run, steady_text, typical_step
 from collectives import costmodel as cm
 from collectives import strategies
@@ -40,6 +42,7 @@ class Section:
     table: pd.DataFrame | None = None
     figure: object = None  # matplotlib Figure
     note: str = ""  # why the figure was skipped (no figure then)
+    display: pd.DataFrame | None = None  # a table section: `table` formatted as text, shown in place of a figure
 
 
 def machines(runs: list[Run]) -> str:
@@ -142,8 +145,10 @@ def timeline_table(run: Run, warmup: int | None, step: int | None = None
                             "without a comm hook, records none)")
         step = int(typical_step(run, pool)["step"])
     b = run.bucket_frame[run.bucket_frame["step"] == step].sort_values("bucket")
-    cols = ["bucket", "class", "bytes", "ready_ms", "launch_ms", "complete_ms", "wait_start_ms", "wait_ms"]
+    cols = ["bucket", "class", "bytes", "ready_ms", "launch_ms", "complete_ms", "wait_start_ms", "wait_ms", "part"]
     b = b.reindex(columns=cols).reset_index(drop=True)
+    if b["part"].isna().all():
+        b = b.drop(columns="part")  # whole buckets only: no parts to name
     end = b["wait_start_ms"].dropna()
     if len(end):
         backward_end = float(end.iloc[0])
@@ -381,8 +386,31 @@ def section_pareto(runs: list[Run], warmup: int | None, target: float | None) ->
     return Section(key, title, caption, t, plots.pareto(t))
 
 
+def sections_significance(runs: list[Run], baseline: str | None) -> list[Section]:
+    """BLEU with 95% intervals and sacreBLEU's paired bootstrap test against a baseline run (`analysis.significance`),
+    and the spread across seeds where a configuration has several. Only when some run kept its translations
+    (hyps.<split>.txt): the report of runs never decoded has no such section."""
+    key, title = "bleu_significance", "BLEU with 95% confidence intervals, paired against a baseline"
+    if not any(significance.has_hypotheses(r) for r in runs):
+        return []
+    try:
+        a = significance.analyse(runs, baseline=baseline, strict=False)
+    except significance.NotComparable as e:
+        return [_missing(key, title, str(e))]
+    out = [Section(key, title, a.caption(), a.paired, display=significance.display_paired(a.paired))]
+    if len(a.seeds):
+        out.append(Section("bleu_seeds", "BLEU across seeds, per configuration",
+                           f"Mean BLEU on split {a.split} over each configuration's seeds, its sample standard "
+                           "deviation and range; Δ mean: against the baseline configuration "
+                           f"({a.baseline.configuration}); significant seeds: of its runs paired with the baseline "
+                           f"configuration's run of the same seed, those with p < {significance.ALPHA}.",
+                           a.seeds, display=significance.display_seeds(a.seeds)))
+    return out
+
+
 def build(run_paths: list[str | Path], out: str | Path, bench: list[str | Path] = (), topology: str | None = "h100x8",
-          warmup: int | None = None, target: float | None = None, timeline: str | None = None) -> list[Section]:
+          warmup: int | None = None, target: float | None = None, timeline: str | None = None,
+          baseline: str | None = None) -> list[Section]:
     """Load the runs, build every section, write figures (PNG, SVG), tables (CSV), report.md and report.html."""
     paths = find_runs(run_paths)
     if not paths:
@@ -398,7 +426,8 @@ def build(run_paths: list[str | Path], out: str | Path, bench: list[str | Path] 
     summary = summary_table(runs, warmup)
     sections = [section_step_vs_bucket(runs, summary, warmup), section_busbw(bench, topology, runs),
                 section_allreduce_size(runs, bench, topology), section_breakdown(runs, warmup),
-                section_timeline(runs, warmup, timeline), section_pareto(runs, warmup, target)]
+                section_timeline(runs, warmup, timeline), section_pareto(runs, warmup, target),
+                *sections_significance(runs, baseline)]
     write(Path(out), runs, summary, sections)
     return sections
 
@@ -460,6 +489,11 @@ def write(out: Path, runs: list[Run], summary: pd.DataFrame, sections: list[Sect
     for s in sections:
         md += [f"## {s.title}", ""]
         page.append(f"<h2>{html.escape(s.title)}</h2>")
+        if s.display is not None:
+            md += [markdown_table(s.display), "", f"{s.caption} Table: [{s.key}.csv]({s.key}.csv).", ""]
+            page += [s.display.to_html(index=False, border=0, classes="runs"),
+                     f"<p>{html.escape(s.caption)} Table: <a href=\"{s.key}.csv\">{s.key}.csv</a>.</p>"]
+            continue
         if s.figure is None:
             md += [f"*{s.note}*", ""]
             page.append(f"<p><em>{html.escape(s.note)}</em></p>")
@@ -493,6 +527,8 @@ def parse_args(argv=None):
                     help="validation loss for the time-to-target axis (default: the worst run's best)")
     ap.add_argument("--timeline", help="run (directory name) whose bucket timeline is drawn (default: first "
                                        "per_class, else bucketed run)")
+    ap.add_argument("--baseline", help="run (directory name) the BLEU significance table compares with (default: "
+                                       "the first ddp run, else the first run with hypotheses)")
     return ap.parse_args(argv)
 
 
@@ -503,9 +539,10 @@ def main(argv=None) -> int:
             raise UserError("--warmup must be 0 or positive")
         topology = None if args.topology in ("none", "") else args.topology
         output_dir(args.out, "--out")  # before the work, not after it
-        sections = build(args.runs, args.out, args.bench, topology, args.warmup, args.target_val_nll, args.timeline)
+        sections = build(args.runs, args.out, args.bench, topology, args.warmup, args.target_val_nll, args.timeline,
+                         args.baseline)
     for s in sections:
-        print(f"{s.key:<16} {'written' if s.figure is not None else s.note}")
+        print(f"{s.key:<16} {'written' if s.figure is not None or s.display is not None else s.note}")
     print(f"report: {Path(args.out) / 'report.md'}, {Path(args.out) / 'report.html'}")
     return 0
 

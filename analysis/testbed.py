@@ -9,7 +9,11 @@ Needs root and iproute2 (`ip`, `tc`). The links and the testbed profile (`--prof
     python -m analysis.testbed probe                              # measured node 0 → node 1 throughput
     python -m analysis.testbed run --nodes 2 --nproc-per-node 1 -- -m collectives.bench -b 8 -e 256M
     python -m analysis.testbed run --nodes 2 --nproc-per-node 1 -- -m dtrain.train --profile profiles/smoke.yaml
+    python -m analysis.testbed run --private-fs -- -m dtrain.train --profile profiles/smoke.yaml
     python -m analysis.testbed down
+
+The nodes share the host's filesystem unless `run --private-fs`: then every node but node 0 (the machine the job is
+launched from) sees its own run directories, caches and /tmp, as a separate machine would (see `private_mounts`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -29,6 +34,7 @@ from pathlib import Path
 
 from analysis.testbed_links import Link, format_rate, links_from, load_profile
 from common.errors import UserError, exit_on_user_error
+from dtrain.data import cache_root
 
 PROG = "analysis.testbed"
 SUBNET = "10.77.0"  # a private /24 used only inside the testbed's namespaces, so it can never clash with the host
@@ -36,6 +42,7 @@ IFACE = "dtb-eth"  # each node's interface name (inside its namespace); GLOO_SOC
 BRIDGE = "br0"  # lives in the hub namespace, so the host's own network namespace is never touched
 MAX_NODES = 64
 DEFAULT_PORT = 29500
+DISKS = Path("/tmp")  # each node's private filesystem lives in DISKS/<prefix>-node<i> (run --private-fs)
 
 
 # ---- the testbed's names -----------------------------------------------------------------------------------------
@@ -60,6 +67,14 @@ class Names:
     @staticmethod
     def address(i: int) -> str:
         return f"{SUBNET}.{i + 1}"
+
+    def disk(self, i: int) -> Path:
+        """Node i's private filesystem (`run --private-fs`): its view of path P is disk(i)/P."""
+        return DISKS / f"{self.prefix}-node{i}"
+
+    def existing_disks(self) -> list[Path]:
+        pattern = re.escape(self.prefix) + r"-node\d+"
+        return sorted(p for p in DISKS.glob(f"{self.prefix}-node*") if re.fullmatch(pattern, p.name) and p.is_dir())
 
     def existing(self) -> tuple[list[str], list[int]]:
         """(all of this testbed's namespaces, hub included; the node indices among them, sorted)."""
@@ -178,7 +193,10 @@ def down(names: Names) -> list[str]:
     left = names.existing()[0]
     if left:
         raise UserError(f"could not remove {', '.join(left)}")
-    return sorted(ours)
+    disks = names.existing_disks()
+    for disk in disks:  # no process is left to hold a mount over it: the namespaces' processes were stopped above
+        shutil.rmtree(disk, ignore_errors=True)
+    return sorted(ours) + [str(d) for d in disks]
 
 
 def _json(*args: str) -> list:
@@ -261,10 +279,52 @@ def probe(names: Names, src: int = 0, dst: int = 1, seconds: float = 2.0, port: 
 
 # ---- run: one torchrun agent per node ----------------------------------------------------------------------------
 
-def agent_command(names: Names, i: int, nodes: int, nproc: int, port: int, run_id: str, args: list[str]) -> list[str]:
+def private_paths(extra: list[str] = ()) -> list[Path]:
+    """What `run --private-fs` makes node-local: the default run directories (`runs/` under the working directory),
+    dtrain's cache (BPE models, a downloaded corpus), /tmp, and any `--private-path`. The repository and the data
+    folders stay visible: code and data may be on every node."""
+    return [Path(p).absolute() for p in (Path.cwd() / "runs", cache_root(), "/tmp", *extra)]
+
+
+def private_mounts(names: Names, i: int, targets: list[Path]) -> list[tuple[Path, Path]]:
+    """(source, target) bind mounts that give node i its own copy of each target: disk(i)/target over target.
+
+    A target inside another is already private with it and is left out. A target holding the node's disk (/tmp holds
+    /tmp/<prefix>-node<i>) is mounted last: once it is covered, the other sources are no longer reachable by path."""
+    disk = names.disk(i)
+    targets = [Path(os.path.normpath(t)) for t in targets]
+    if any(t == Path("/") for t in targets):
+        raise UserError("--private-path /: the whole filesystem cannot be node-local (the code and data must stay)")
+    kept = []
+    for t in targets:
+        if t not in kept and not any(o != t and o in t.parents for o in targets):
+            kept.append(t)
+    kept.sort(key=lambda t: t in disk.parents)  # stable: the order given, ancestors of the disk last
+    return [(disk / t.relative_to("/"), t) for t in kept]
+
+
+def prepare_disk(mounts: list[tuple[Path, Path]]) -> None:
+    """Create the mount points on the host (empty folders, if missing) and the node's empty private folders."""
+    for source, target in mounts:
+        target.mkdir(parents=True, exist_ok=True)
+        source.mkdir(parents=True, exist_ok=True)
+        if target == Path("/tmp"):
+            source.chmod(0o1777)  # like /tmp: anyone may create, only the owner may delete
+
+
+def agent_command(names: Names, i: int, nodes: int, nproc: int, port: int, run_id: str, args: list[str],
+                  mounts: list[tuple[Path, Path]] = ()) -> list[str]:
     """The torchrun agent of node i, inside its namespace. c10d ranks agents by their address, and node 0's is
-    the lowest (10.77.0.1 sorts first, also as a string), so global rank 0 is always on node 0."""
-    return ["ip", "netns", "exec", names.node(i), sys.executable, "-m", "torch.distributed.run",
+    the lowest (10.77.0.1 sorts first, also as a string), so global rank 0 is always on node 0.
+
+    With `mounts`, the agent first bind-mounts each (source, target) pair. `ip netns exec` runs its command in a mount
+    namespace of its own whose mounts are slaves of the host's (iproute2, lib/namespace.c: netns_switch), so these
+    mounts are seen by the agent and its workers only, never by the host or the other nodes, and vanish with them."""
+    prefix = ["ip", "netns", "exec", names.node(i)]
+    if mounts:
+        binds = [f"mount --bind {shlex.quote(str(s))} {shlex.quote(str(t))}" for s, t in mounts]
+        prefix += ["sh", "-c", " && ".join([*binds, 'exec "$@"']), "sh"]
+    return [*prefix, sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={nodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={names.address(0)}:{port}", f"--rdzv-id={run_id}",
             f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={names.address(i)}",
@@ -283,8 +343,9 @@ def agent_env(nodes: int, nproc: int) -> dict[str, str]:
 
 
 def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int = DEFAULT_PORT,
-        log_dir: str | None = None, grace_s: float = 5.0) -> int:
-    """Launch the job; stream node 0's rank 0, log the other nodes to files; return the job's exit code."""
+        log_dir: str | None = None, grace_s: float = 5.0, private: list[Path] | None = None) -> int:
+    """Launch the job; stream node 0's rank 0, log the other nodes to files; return the job's exit code.
+    `private`: paths that nodes 1.. see on their own disks (`private_paths`); None: every node sees the host's."""
     require_tools()
     _, up_nodes = names.existing()
     if not up_nodes:
@@ -302,6 +363,13 @@ def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int 
     env = agent_env(nodes, nproc)
     print(f"{PROG}: {nodes} node(s) x {nproc} rank(s), rendezvous {names.address(0)}:{port}, "
           f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, logs of nodes 1.. in {logs}", file=sys.stderr, flush=True)
+    mounts = {i: private_mounts(names, i, private) if private is not None and i > 0 else [] for i in range(nodes)}
+    for i in range(1, nodes):
+        if mounts[i]:
+            prepare_disk(mounts[i])
+    if private is not None and nodes > 1:
+        print(f"{PROG}: private filesystems: node i (i >= 1) sees {names.disk(1).parent}/{names.prefix}-node<i>/P "
+              f"at P for P in {', '.join(str(t) for _, t in mounts[1])}", file=sys.stderr, flush=True)
     procs: list[subprocess.Popen] = []
     files = []
     try:
@@ -311,7 +379,7 @@ def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int 
                 out = open(logs / f"node{i}.log", "w")
                 files.append(out)
             # Its own session per agent: Ctrl-C reaches only us, and we stop each agent's tree deliberately.
-            procs.append(subprocess.Popen(agent_command(names, i, nodes, nproc, port, run_id, args), env=env,
+            procs.append(subprocess.Popen(agent_command(names, i, nodes, nproc, port, run_id, args, mounts[i]), env=env,
                                           stdout=out, stderr=subprocess.STDOUT if out else None,
                                           start_new_session=True))
         return _supervise(procs, logs, grace_s)
@@ -438,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--nproc-per-node", type=int, default=1)
     p_run.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous port on node 0")
     p_run.add_argument("--log-dir", help="where nodes 1.. write their output (default: a new /tmp/<name>-run-*)")
+    p_run.add_argument("--private-fs", action="store_true",
+                       help="nodes 1.. get their own runs/, dtrain cache and /tmp, as separate machines would "
+                            f"(kept in {DISKS}/<name>-node<i>/ until 'down')")
+    p_run.add_argument("--private-path", action="append", default=[], metavar="PATH",
+                       help="with --private-fs: one more path that nodes 1.. see on their own disks (repeatable)")
     args = ap.parse_args(argv)
     if job and args.cmd != "run":
         ap.error("arguments after '--' are only for 'run'")
@@ -469,8 +542,11 @@ def _command(args, job: list[str]) -> int:
         print(f"node {args.src} -> node {args.dst}: {bps / 1e6:.1f} MB/s ({bps * 8 / 1e9:.3f} Gbit/s), "
               f"one TCP stream, {args.seconds:g} s")
     elif args.cmd == "run":
+        if args.private_path and not args.private_fs:
+            raise UserError("--private-path needs --private-fs")
+        private = private_paths(args.private_path) if args.private_fs else None
         with _signals_as_interrupt():
-            return run(names, args.nodes, args.nproc_per_node, job, args.port, args.log_dir)
+            return run(names, args.nodes, args.nproc_per_node, job, args.port, args.log_dir, private=private)
     return 0
 
 

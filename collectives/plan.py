@@ -97,6 +97,8 @@ class BucketingStrategy(StrategyFacts):
 
     overlap: ClassVar[bool] = True
     handle: ClassVar[type | None] = None  # the `GradSync` that executes the plan (None: `PlannedSync`)
+    # Each bucket reduce-scattered in backward and its updated parameters all-gathered in the next forward (`sharded`)
+    shards: ClassVar[bool] = False
 
     @dataclass(frozen=True)
     class Config:

@@ -17,6 +17,8 @@ ranks the sum is the all-reduce's a + b, bit for bit.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -37,7 +39,8 @@ class _Shard:
     received: list[torch.Tensor]  # per peer, (s,): its partial sum of this rank's chunk
     scatter: list = field(default_factory=list)  # the reduce-scatter's sends and receives in flight
     gather: list = field(default_factory=list)  # the all-gather's
-    reduced: bool = True  # the shard's gradient is summed for the last synchronized backward
+    reduced: threading.Event = field(default_factory=threading.Event)  # the shard's gradient is summed
+    gathered: threading.Event = field(default_factory=threading.Event)  # the bucket's parameters are current
     gather_launch: Stamp | None = None
     gather_complete: Stamp | None = None
 
@@ -54,6 +57,11 @@ class ShardedReducer(Reducer):
         self.peers = [dist.get_global_rank(group, j) for j in range(world_size)]
         self.shards: list[_Shard] = []
         self.gather_pending = False  # shards may have changed since the last all-gather: launch one
+        # gloo's point-to-point work has no future to chain a callback on: a thread waits for each exchange in
+        # launch order, stamps its completion and sums the shard (on CPU while backward computes).
+        self._waiting: queue.Queue = queue.Queue()
+        self._failure: BaseException | None = None
+        threading.Thread(target=self._waiter, name="shards-waiter", daemon=True).start()
         super().__init__(named_params, buckets, world_size, overlap=True, groups={}, default_group=group)
 
     def _padded(self, numel: int) -> int:
@@ -76,6 +84,8 @@ class ShardedReducer(Reducer):
             s = padded // self.world
             shard = nn.Parameter(flat[self.rank * s: (self.rank + 1) * s])  # shares P's storage
             self.shards.append(_Shard(flat, shard, [flat.new_empty(s) for _ in range(self.world - 1)]))
+            self.shards[-1].reduced.set()
+            self.shards[-1].gathered.set()
         self.attach_grads()
 
     def chunk(self, st: _BucketState, j: int) -> torch.Tensor:
@@ -88,31 +98,37 @@ class ShardedReducer(Reducer):
         st.launch_t = stamp(self.device)
         sh = self.shards[st.bucket.index]
         tag = 2 * st.bucket.index
-        sh.reduced = False
+        sh.reduced.clear()
         others = [j for j in range(self.world) if j != self.rank]
         sh.scatter = [dist.irecv(buf, src=self.peers[j], group=self.group, tag=tag)
                       for j, buf in zip(others, sh.received)]
         sh.scatter += [dist.isend(self.chunk(st, j), dst=self.peers[j], group=self.group, tag=tag) for j in others]
         st.work = sh.scatter
+        self._waiting.put(("scatter", st))
 
-    def ready(self, name: str) -> None:
-        super().ready(name)
-        if self.armed:
-            self._reduce_completed()
-
-    def _reduce_completed(self) -> None:
-        """Sum the shards whose exchange has finished (polled from the gradient hooks: gloo's point-to-point work has
-        no future to chain a callback on)."""
-        for st in self.buckets[: self._next]:
+    def _waiter(self) -> None:
+        while True:
+            kind, st = self._waiting.get()
             sh = self.shards[st.bucket.index]
-            if not sh.reduced and all(w.is_completed() for w in sh.scatter):
-                self._reduce(st)
+            try:
+                for w in (sh.scatter if kind == "scatter" else sh.gather):
+                    w.wait()
+                if kind == "scatter":
+                    st.complete_t = stamp(self.device)
+                    self._reduce(st)
+                else:
+                    sh.gather_complete = stamp(self.device)
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread, which re-raises it
+                self._failure = e
+            (sh.reduced if kind == "scatter" else sh.gathered).set()
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
 
     def _reduce(self, st: _BucketState) -> None:
         sh = self.shards[st.bucket.index]
-        for w in sh.scatter:
-            w.wait()  # re-raises a failed exchange
-        st.complete_t = stamp(self.device)
         # In rank order: chunk_0 + chunk_1 + ..., this rank's own chunk in its place.
         partial = iter(sh.received)
         parts = [self.chunk(st, self.rank) if j == self.rank else next(partial) for j in range(self.world)]
@@ -121,11 +137,11 @@ class ShardedReducer(Reducer):
             total += part
         total.div_(self.world)  # sum, then divide: the reference's order of operations
         sh.shard.grad = total  # (s,)
-        sh.scatter, sh.reduced = [], True
+        sh.scatter = []
 
     def finish(self) -> None:
-        """Launch what is left, wait for every bucket's exchange and sum the shards. The local gradients are then
-        consumed: they are zeroed for the next step's accumulation."""
+        """Launch what is left, wait for every bucket's exchange and sum. The local gradients are then consumed:
+        they are zeroed for the next step's accumulation."""
         if not self.armed:
             self.prepare(True)
         self.wait_t = stamp(self.device)
@@ -134,9 +150,9 @@ class ShardedReducer(Reducer):
         self._next = len(self.buckets)
         for st in self.buckets:
             t0 = time.perf_counter()
-            if not self.shards[st.bucket.index].reduced:
-                self._reduce(st)
+            self.shards[st.bucket.index].reduced.wait()
             st.wait_s = time.perf_counter() - t0
+        self._check()
         for st in self.buckets:
             st.buffer.zero_()
         self.armed = False
@@ -155,20 +171,19 @@ class ShardedReducer(Reducer):
             sh = self.shards[st.bucket.index]
             s = sh.shard.numel()
             tag = 2 * st.bucket.index + 1
+            sh.gathered.clear()
             sh.gather_launch, sh.gather_complete = stamp(self.device), None
             sh.gather = [dist.irecv(sh.params[j * s: (j + 1) * s], src=self.peers[j], group=self.group, tag=tag)
                          for j in others]
             sh.gather += [dist.isend(sh.shard.detach(), dst=self.peers[j], group=self.group, tag=tag)
                           for j in others]
+            self._waiting.put(("gather", st))
 
     def wait_gathered(self, indices) -> None:
         """Block until the parameters of buckets `indices` are all-gathered."""
         for i in indices:
-            sh = self.shards[i]
-            if sh.gather:
-                for w in sh.gather:
-                    w.wait()
-                sh.gather, sh.gather_complete = [], stamp(self.device)
+            self.shards[i].gathered.wait()
+        self._check()
 
     def wait_params(self) -> None:
         self.gather()

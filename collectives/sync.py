@@ -5,7 +5,8 @@ over `handle.optimizer_params()`, runs forward through `handle.module`, wraps al
 accumulation in `handle.no_sync()`, calls `handle.wait()` before the update and clips by `handle.grad_norm()`; it may
 call `handle.stepped()` after `optimizer.step()`. Before reading the model's parameters outside training (validation, a
 checkpoint) it calls `handle.wait_params()`; it saves and loads the optimizer through `handle.optimizer_state()` and
-`handle.load_optimizer_state()`. It never branches on which strategy is behind the handle: for all but a sharded
+`handle.load_optimizer_state()`, and the strategy's own state (PowerSGD's error feedback; this rank's, so
+gathered per rank) through `handle.state_dict()` and `handle.load_state_dict()`. It never branches on which strategy is behind the handle: for all but a sharded
 strategy these calls are the plain ones (the model's parameters, the optimizer's own state dict).
 """
 
@@ -77,6 +78,15 @@ class GradSync(StrategyFacts):
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Load a state dict of `optimizer_state()`'s form, whatever the world size that wrote it."""
         optimizer.load_state_dict(state)
+
+    def state_dict(self) -> dict:
+        """This rank's state of the strategy itself, for a checkpoint (tensors and plain data, keyed so that it
+        survives a new bucket layout); empty for a strategy that carries nothing from step to step."""
+        return {}
+
+    def load_state_dict(self, state: dict, own: bool = True) -> None:
+        """Restore a `state_dict()`, before the first step. `own`: False when it is another rank's (this rank has
+        none of its own, as after a change of world size): only what every rank holds alike is taken from it."""
 
     def step_records(self) -> list[BucketRecord]:
         """Per-bucket records of the step just synchronized, drained by the trainer after `wait()` and written to

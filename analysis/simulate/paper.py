@@ -13,12 +13,13 @@ from collectives import costmodel as cm
 from common.errors import UserError
 from dtrain import config as config_mod
 
-# Vendor datasheet peaks of the SXM parts: dense TFLOPS for fp32 (no tensor cores; PyTorch's default for fp32
+# Vendor datasheet peaks of the SXM parts (and of the A100 80GB PCIe card): dense TFLOPS for fp32 (no tensor cores; PyTorch's default for fp32
 # matmuls) and for bf16 autocast (tensor cores; P100 has none: fp16 without tensor cores stands in, V100 has no
 # bf16: its fp16 tensor cores stand in), and HBM GB/s. The projection's compute side rests on these and an assumed
 # fraction of peak.
 GPU_PEAK = {"P100": {"fp32": 10.6, "bf16": 21.2, "hbm": 732.0}, "V100": {"fp32": 15.7, "bf16": 125.0, "hbm": 900.0},
-            "A100": {"fp32": 19.5, "bf16": 312.0, "hbm": 2039.0}, "H100": {"fp32": 67.0, "bf16": 989.0, "hbm": 3350.0}}
+            "A100": {"fp32": 19.5, "bf16": 312.0, "hbm": 2039.0}, "A100 PCIe": {"fp32": 19.5, "bf16": 312.0, "hbm": 1935.0},
+            "H100": {"fp32": 67.0, "bf16": 989.0, "hbm": 3350.0}, "H200": {"fp32": 67.0, "bf16": 989.0, "hbm": 4800.0}}
 PAPER_STEP_S = 0.4  # "each training step took about 0.4 seconds" (base model, 8 P100), Vaswani et al. 2017 §5.2
 PAPER_TOKENS = 25_000  # source and target tokens per step, each (Vaswani et al. 2017 §5.1)
 

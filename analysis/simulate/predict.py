@@ -10,7 +10,7 @@ from analysis.plans import bucket_plan, ready_params
 from analysis.simulate.calibration import Calibration
 from analysis.simulate.costs import host_ms
 from analysis.simulate.reference import ReferenceStep
-from analysis.simulate.timeline import ReadyCurve, play_timeline, through
+from analysis.simulate.timeline import ReadyCurve, forward_stall, play_timeline, through
 from collectives import nccl, strategies
 from common.errors import UserError
 
@@ -78,13 +78,41 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     dur = [calib.comm_scale * one(b.nbytes, *nccl_of(b)) for b in plan]
     lat = [calib.comm_scale * model.allreduce_latency_ms(b.nbytes) for b in plan] if cost is None else None
     groups = [b.tensor_class for b in plan] if class_groups and calib.lanes > 1 else None
+    sharded = strategies.planner(strategy).shards
+    if sharded:
+        # A reduce-scatter (and an all-gather) moves half an all-reduce's bytes: its latency and half the rest.
+        dur = [a + (d - a) / 2 for a, d in zip(lat or [0.0] * len(dur), dur)]
     tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups)
     exposed = tl.exposed_ms + calib.post_ms
     if calib.host_base_ms is not None:  # more collectives during backward than the reference step: slower compute
         compute += host_ms(model, [b.nbytes for b in plan], tl) - calib.host_base_ms
+    if sharded:
+        compute += _sharded_extra_ms(cfg, ref, model, plan, dur, calib, getattr(model, "ranks", None) or 2)
     lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
     return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, len(plan), tl.comm_ms,
                       exposed, compute + exposed, lossless)
+
+
+def _sharded_extra_ms(cfg, ref: ReferenceStep, model, plan, dur: list[float], calib: Calibration, world: int
+                      ) -> float:
+    """What a sharded step adds to (or saves from) the reference step's compute: the next forward waiting for the
+    all-gathers, their host cost on a CPU machine, and the optimizer updating 1/world of the parameters.
+
+    The forward needs the buckets in the reverse of their ready order (it runs the layers backward computed last
+    first), after compute proportional to the elements before them; the tied embedding's lookups cost next to
+    nothing, so its bucket weighs nothing there and is needed at once."""
+    order = list(range(len(plan)))[::-1]
+    weight = [0.0 if plan[i].tensor_class == "embedding" else float(plan[i].numel) for i in order]
+    forward = ref.forward_ms / ref.accum_steps  # the gathers delay only the first micro-batch's forward
+    total, need, acc = sum(weight) or 1.0, [], 0.0
+    for w in weight:
+        need.append(forward * acc / total)
+        acc += w
+    extra = forward_stall(need, [dur[i] for i in order], forward)
+    host = getattr(model, "host_us", None)
+    if calib.host_base_ms is not None and host is not None and host(0) is not None:
+        extra += sum(host(b.nbytes) / 2 for b in plan) / 1000.0  # half an all-reduce's bytes each, all in forward
+    return extra - ref.optimizer_ms * (1 - 1 / world)
 
 
 def sweep(cfg, ref, curve, model, calib, names, caps, vocab=None) -> list[Prediction]:

@@ -112,6 +112,19 @@ def play_timeline(ready_ms: list[float], durations_ms: list[float], backward_ms:
     return Timeline(list(ready_ms), launch, start, end, backward_ms)
 
 
+def forward_stall(need_ms: list[float], durations_ms: list[float], forward_ms: float) -> float:
+    """How much longer a forward takes when it waits for all-gathers (a sharded strategy's updated parameters): all
+    launched as it starts and run one after another on the link, in the order it needs them; the forward reaches the
+    module that needs gather k after `need_ms[k]` of its own compute (ascending) and waits there until gather k is
+    done."""
+    link = clock = computed = 0.0
+    for need, d in zip(need_ms, durations_ms):
+        link += d  # gather k done
+        clock = max(clock + (need - computed), link)
+        computed = need
+    return clock + (forward_ms - computed) - forward_ms
+
+
 class ReadyCurve:
     """Milliseconds from the start of backward until the first `x` gradient elements (in ready order) are ready:
     piecewise linear through measured points, from (0, 0) to (all elements, end of backward)."""

@@ -150,4 +150,5 @@ def _one_group(sd: dict) -> dict:
 class Sharded(Bucketed):
     sync_keys = ("bucket_cap_mb", "first_bucket_mb") + CLASS_RULE_KEYS
     handle = ShardedSync
+    shards = True
 
