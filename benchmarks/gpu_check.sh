@@ -13,8 +13,9 @@
 #    in the step records, bucket timelines from CUDA events.
 # 4. CUDA training steps on one rank, checkpoint averaging, beam search and sacreBLEU on test 2016.
 # 5. `collectives.bench` over the two ranks with NCCL's pick (NCCL_DEBUG=INFO), two-rank ddp training and the same
-#    with the tied embedding's gradient split (parameters compared with ddp's), then the bench with NCCL_PROTO
-#    forced to LL, LL128, Simple (socket transport: the network path's bandwidth, not NVLink's).
+#    with the tied embedding's gradient split and with the sharded strategy (parameters compared with ddp's), then
+#    the bench with NCCL_PROTO forced to LL, LL128, Simple (socket transport: the network path's bandwidth, not
+#    NVLink's).
 # Each part has its own time limit and the script goes on after a failed part; the exit status counts the failures.
 set -uf  # -f: the part patterns below are not file globs
 OUT_DIR=${1:-runs/gpu-check}
@@ -89,6 +90,11 @@ part train-2rank-tied-split 100 two_ranks 29616 -m dtrain.train --profile profil
     --run-dir "$OUT_DIR/train-2rank-tied-split"
 part tied-split-vs-ddp 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-ddp" \
     "$OUT_DIR/train-2rank-tied-split"
+# The sharded strategy on NCCL (point-to-point reduce-scatter in backward, all-gather in the next forward, waited
+# for per module on the CUDA stream), the same steps again: its parameters against ddp's.
+part train-2rank-sharded 100 two_ranks 29617 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+    --set sync.strategy=sharded --set sync.bucket_cap_mb=2 --run-dir "$OUT_DIR/train-2rank-sharded"
+part sharded-vs-ddp 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-ddp" "$OUT_DIR/train-2rank-sharded"
 port=29620
 for proto in LL LL128 Simple; do
     port=$((port + 1))
