@@ -266,13 +266,17 @@ def finished(path: str | Path) -> bool:
 
 
 def slowest_rank_records(run: Run, step: int) -> tuple[list[dict], float | None]:
-    """Rank 0's bucket records of `step`, with each bucket's ready and launch times the latest over the ranks whose
+    """Rank 0's bucket records of `step` (those of its backward), with each bucket's ready and launch times the latest over the ranks whose
     records the run has (`train.record_ranks`): a collective cannot start before every rank has launched it. Each
     rank's clock starts at its own backward; it is put on rank 0's by the median, over buckets, of the difference
     in completion times (an all-reduce completes on every rank at about the same moment). Also returns the largest
     delay another rank added to a bucket's launch (ms), None where no other rank's records cover the step."""
-    own = run.buckets.get(step, [])
-    others = [recs[step] for recs in run.rank_buckets.values() if own and len(recs.get(step, [])) == len(own)]
+    def in_backward(recs):  # a sharded run's all-gathers ran in the forward, before the backward's clock starts
+        return [r for r in recs if r.get("part") != "all_gather"]
+
+    own = in_backward(run.buckets.get(step, []))
+    others = [in_backward(recs[step]) for recs in run.rank_buckets.values()
+              if own and len(in_backward(recs.get(step, []))) == len(own)]
     if not own or not others or any(r.get("complete_ms") is None or r.get("launch_ms") is None
                                     for recs in (own, *others) for r in recs):
         return own, None
