@@ -275,3 +275,36 @@ def test_an_output_folder_in_the_way_is_named_before_any_work(tmp_path, capsys):
         report.main([str(tmp_path), "--out", str(tmp_path / "afile")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--out" in err and "a file is in the way" in err and err.count("\n") == 1
+
+
+def test_runs_with_translations_get_a_bleu_significance_section(tmp_path, capsys):
+    from test_significance import degrade, half_wrong, make_run, write_corpus
+
+    refs = write_corpus(tmp_path / "corpus")
+    sweep = tmp_path / "sweep"
+    make_run(sweep, "smoke-ddp", "smoke-ddp", tmp_path / "corpus", half_wrong(refs, True, seed=1))
+    make_run(sweep, "smoke-flat", "smoke-flat", tmp_path / "corpus", degrade(refs, 0.1, seed=2))
+    make_run(sweep, "smoke-bucketed", "smoke-bucketed-bucket_cap_mb=1", tmp_path / "corpus",
+             half_wrong(refs, True, seed=1))
+    make_run(sweep, "smoke-per_class", "smoke-per_class-bucket_cap_mb=1", tmp_path / "corpus", None)
+    out = tmp_path / "out"
+    assert report.main([str(sweep), "--out", str(out), "--topology", "none", "--baseline", "smoke-bucketed"]) == 0
+    assert "bleu_significance written" in " ".join(capsys.readouterr().out.split())
+    table = pd.read_csv(out / "bleu_significance.csv").set_index("run")
+    assert list(table.index) == ["bucketed", "ddp", "flat"]  # per_class kept no translations: left out
+    assert table.loc["flat", "significant"] and not table.loc["ddp", "significant"]
+    assert table.loc["ddp", "p_value"] == 1.0 and table.loc["flat", "baseline"] == "bucketed"
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    section = md.split("## BLEU with 95% confidence intervals, paired against a baseline")[1]
+    assert "| run | seed | BLEU | 95% CI | baseline | Δ BLEU | p | significant |" in section
+    assert "| flat | 1 |" in section and "| yes |" in section and "(baseline)" in section
+    assert "split val (300 sentences" in section and "Left out (no hyps.val.txt): per_class" in section
+    assert "95% CI" in page and "bleu_significance.csv" in page
+
+    # translations scored against other references: the section says why it is missing, the rest is written
+    other = write_corpus(tmp_path / "corpus2", seed=5)
+    make_run(sweep, "smoke-elsewhere", "smoke-ddp", tmp_path / "corpus2", other)
+    sections = {s.key: s for s in report.build([sweep], tmp_path / "out2", topology=None)}
+    s = sections["bleu_significance"]
+    assert s.figure is None and s.display is None and "cannot be compared" in s.note
+    assert "*skipped: " in (tmp_path / "out2" / "report.md").read_text() and sections["pareto"].figure is not None
