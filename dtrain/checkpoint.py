@@ -9,6 +9,9 @@ A checkpoint is read with `torch.load(weights_only=True)`: tensors, dicts, lists
 is all a training state holds (model, optimizer and scheduler state, RNG states, data position, config). A file that
 names anything else (a class, a function) is refused rather than unpickled, since unpickling it could run code.
 
+No filesystem is assumed to be shared between nodes: only rank 0 reads the checkpoint to resume from and writes the
+averaged model; `load_on_main` and `average_on_main` send what they hold to the other ranks through the process group.
+
     python -m dtrain.checkpoint inspect <checkpoint>
     python -m dtrain.checkpoint diff <run-or-checkpoint A> <run-or-checkpoint B>
 """
@@ -25,7 +28,9 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from collectives import dist as ddist
 from common.errors import JobFailure, UserError, exit_on_user_error
 from common.files import replace_atomically
 
@@ -205,6 +210,89 @@ def average(paths: list[Path]) -> dict[str, torch.Tensor]:
             else:
                 avg[k] = v.double().clone()
     return {k: (v / len(paths)).to(torch.float32) for k, v in avg.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Without a shared filesystem: rank 0 reads or writes, the process group carries the result
+
+
+PER_RANK_KEYS = ("rng", "sync")  # lists in a training state with one entry per rank that wrote it
+
+
+def load_on_main(path: Path, keys=(), per_rank=PER_RANK_KEYS) -> dict:
+    """`load(path, keys=keys)` on rank 0, its state dict sent to every rank through the process group: the other
+    ranks never open `path`, which need exist only on rank 0's disk. A refused or unreadable file is the same
+    one-line UserError on every rank.
+
+    Of each list under `per_rank`, rank r receives only entries 0 and r (the others are None, the length is kept),
+    so what a rank receives does not grow with the number of ranks that wrote the checkpoint."""
+    lists: dict[str, list] = {}  # filled on rank 0 only
+
+    def read() -> tuple[dict, dict]:
+        state = load(path, keys=keys)
+        for k in per_rank:
+            if isinstance(state.get(k), list):
+                lists[k] = state.pop(k)
+        return state, {k: (len(v), v[0] if v else None) for k, v in lists.items()}
+
+    state, heads = _main_does(read)
+    if ddist.is_main():
+        state.update(lists)
+    own = {}
+    if ddist.world_size() > 1:
+        # One object per rank: its own entries, through torch.distributed.scatter_object_list.
+        box = [None]
+        dist.scatter_object_list(box, [{k: v[r] if r < len(v) else None for k, v in lists.items()}
+                                       for r in range(ddist.world_size())] if ddist.is_main() else None, src=0)
+        own = box[0]
+    if not ddist.is_main():
+        r = ddist.rank()
+        for k, (n, head) in heads.items():
+            entries = [None] * n
+            if n:
+                entries[0] = head
+            if r < n:
+                entries[r] = own[k]
+            state[k] = entries
+    return state
+
+
+def average_on_main(run_dir: Path, last: int) -> dict[str, torch.Tensor]:
+    """Rank 0 averages its last `last` complete checkpoints into `<run>/averaged.pt` (see `save_averaged`); every rank
+    gets the averaged model (parameter name → float32 tensor, on the CPU) from rank 0, not from the file. A failed
+    write is the same JobFailure on every rank."""
+
+    def averaged() -> dict[str, torch.Tensor]:
+        paths = complete_checkpoints(run_dir)[-last:]
+        if not paths:
+            raise JobFailure(f"{ckpt_dir(run_dir)}: no complete checkpoint to average")
+        model = average(paths)
+        save_averaged(run_dir, model, paths)
+        return model
+
+    return _main_does(averaged)
+
+
+def _main_does(fn):
+    """`fn()` on rank 0, its result broadcast to every rank (a pickle of CPU tensors, through
+    `torch.distributed.broadcast_object_list`). A UserError or JobFailure on rank 0 is raised on every rank with the
+    same message and type, so every rank exits with the same status; anything else is a bug: rank 0 raises it with
+    its traceback, the others a JobFailure naming it."""
+    result, failure = None, None
+    if ddist.is_main():
+        try:
+            result = fn()
+        except (UserError, JobFailure) as e:
+            failure = (type(e).__name__, str(e))
+        except Exception as e:
+            failure = ("bug", f"rank 0 failed: {type(e).__name__}: {e}")
+            ddist.broadcast_object((None, failure))
+            raise
+    result, failure = ddist.broadcast_object((result, failure))
+    if failure is not None:
+        kind, message = failure
+        raise (UserError if kind == "UserError" else JobFailure)(message)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------------------

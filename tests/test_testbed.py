@@ -4,16 +4,19 @@ fixture. The links and the testbed profile: tests/test_testbed_links.py."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from analysis import testbed
 from conftest import REPO
 from common.errors import UserError
+from dtrain.data import cache_root
 
 
 def _why_not() -> str | None:
@@ -191,3 +194,98 @@ def test_ctrl_c_stops_the_job(bed, tmp_path):
             p.kill()
             p.wait()
     _no_processes_left(bed)
+
+
+# ---- private filesystems (run --private-fs) ----------------------------------------------------------------------
+
+def test_private_mounts_give_each_node_its_own_copy_and_cover_tmp_last():
+    names = testbed.Names("dtb")
+    targets = [Path("/work/repo/runs"), Path("/tmp"), Path("/root/.cache/dtrain"),
+               Path("/tmp/elsewhere/run"), Path("/work/repo/runs/")]
+    mounts = testbed.private_mounts(names, 1, targets)
+    disk = Path("/tmp/dtb-node1")
+    # /tmp/elsewhere/run is private with /tmp; the repeated runs/ once; /tmp, which holds the node's disk, last.
+    assert mounts == [(disk / "work/repo/runs", Path("/work/repo/runs")),
+                      (disk / "root/.cache/dtrain", Path("/root/.cache/dtrain")),
+                      (disk / "tmp", Path("/tmp"))]
+    assert testbed.private_mounts(names, 2, targets)[0][0] == Path("/tmp/dtb-node2/work/repo/runs")
+    with pytest.raises(UserError, match="--private-path /"):
+        testbed.private_mounts(names, 1, [Path("/")])
+
+
+def test_private_paths_are_the_run_dirs_the_cache_and_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert testbed.private_paths(["results"]) == [tmp_path / "runs", tmp_path / "xdg" / "dtrain", Path("/tmp"),
+                                                 tmp_path / "results"]
+
+
+def test_agent_command_mounts_before_torchrun():
+    names = testbed.Names("dtb")
+    mounts = [(Path("/tmp/dtb-node1/a b"), Path("/a b")), (Path("/tmp/dtb-node1/tmp"),
+                                                                           Path("/tmp"))]
+    cmd = testbed.agent_command(names, 1, 2, 1, 29600, "rid", ["-m", "x"], mounts)
+    assert cmd[:6] == ["ip", "netns", "exec", "dtb-n1", "sh", "-c"]
+    assert cmd[6] == "mount --bind '/tmp/dtb-node1/a b' '/a b' && mount --bind /tmp/dtb-node1/tmp /tmp && exec \"$@\""
+    assert cmd[7:10] == ["sh", sys.executable, "-m"] and cmd[10] == "torch.distributed.run" and cmd[-2:] == ["-m", "x"]
+    assert testbed.agent_command(names, 1, 2, 1, 29600, "rid", ["-m", "x"])[4] == sys.executable  # no mounts: as is
+
+
+def test_private_path_needs_private_fs(capsys):
+    with pytest.raises(SystemExit) as e:
+        testbed.main(["run", "--private-path", "/x", "--", "-m", "x"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--private-path needs --private-fs" in err
+
+
+# Each rank leaves a mark in /tmp, in runs/ and in dtrain's cache, waits for the other, then reports which marks it
+# sees: with private filesystems, only its own.
+FS_SCRIPT = """
+import json, os, sys
+from pathlib import Path
+import torch.distributed as dist
+from dtrain.data import cache_root
+dist.init_process_group("gloo")
+rank, tag, report = dist.get_rank(), sys.argv[1], Path(sys.argv[2])
+places = [Path("/tmp") / tag, Path.cwd() / "runs" / tag, cache_root() / tag]
+for p in places:
+    p.mkdir(parents=True, exist_ok=True)
+    (p / f"rank{rank}").write_text("")
+dist.barrier()
+seen = {str(p): sorted(f.name for f in p.iterdir()) for p in places}
+report.mkdir(parents=True, exist_ok=True)
+(report / f"rank{rank}.json").write_text(json.dumps(seen))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _mounts() -> str:
+    return open("/proc/self/mountinfo").read()
+
+
+@needs_netns
+def test_private_fs_gives_node_1_its_own_run_dirs_cache_and_tmp(bed, tmp_path):
+    testbed.up(bed, [testbed.Link(10**9)] * 2)
+    tag = f"private-fs-{bed.prefix}"
+    before = _mounts()
+    cmd = [sys.executable, "-m", "analysis.testbed", "--name", bed.prefix, "run", "--private-fs", "--log-dir",
+           str(tmp_path / "logs"), "--", "--no-python", sys.executable, "-c", FS_SCRIPT, tag, str(tmp_path / "seen")]
+    try:
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        disk = bed.disk(1)
+        node1_seen = disk / str(tmp_path / "seen").lstrip("/")  # node 1's /tmp is disk/tmp on the host
+        seen = [json.loads((tmp_path / "seen" / "rank0.json").read_text()),
+                json.loads((node1_seen / "rank1.json").read_text())]
+        places = [f"/tmp/{tag}", str(REPO / "runs" / tag), str(cache_root() / tag)]
+        assert seen[0] == {p: ["rank0"] for p in places}
+        assert seen[1] == {p: ["rank1"] for p in places}
+        for p in places:  # node 0 wrote on the host; node 1 on its own disk
+            assert sorted(os.listdir(p)) == ["rank0"]
+            assert sorted(os.listdir(disk / p.lstrip("/"))) == ["rank1"]
+        assert _mounts() == before  # node 1's mounts never reached the host
+    finally:
+        for p in (f"/tmp/{tag}", REPO / "runs" / tag, cache_root() / tag):
+            shutil.rmtree(p, ignore_errors=True)
+    assert str(bed.disk(1)) in testbed.down(bed) and not bed.disk(1).exists()
