@@ -42,9 +42,26 @@ class ModelConfig:
     norm: str = "post"  # "post" (the paper: LayerNorm(x + Sublayer(x))) or "pre"
 
 
+# data.corpus: Multi30k (found or downloaded), any parallel corpus named file by file (`data.files`), or WMT14 as
+# the paper trained on it (prepared by `python -m dtrain.corpus download NAME --to DIR`; see docs/data.md).
+CORPORA = ("multi30k", "files", "wmt14-en-de", "wmt14-en-fr")
+WMT14_LANGS = {"wmt14-en-de": {"en", "de"}, "wmt14-en-fr": {"en", "fr"}}
+
+
+@dataclass(frozen=True)
+class CorpusFiles:
+    """`data.files`: each split a [source file, target file] pair (plain or .gz, a sentence a line, line i of one
+    translating line i of the other); relative paths are taken from the working directory."""
+
+    train: tuple[str, str]
+    val: tuple[str, str]
+    test: tuple[str, str] | None = None  # needed when eval.split is test
+
+
 @dataclass(frozen=True)
 class DataConfig:
     corpus: str = "multi30k"
+    files: CorpusFiles | None = None  # data.corpus: files only
     dir: str | None = None  # a directory holding the corpus files; searched first
     src: str = "en"
     tgt: str = "de"
@@ -53,6 +70,12 @@ class DataConfig:
     max_len: int = 128  # training pairs longer than this (subword tokens) are dropped
     train_limit: int | None = None  # use only the first n training pairs (smoke tests)
     cache_dir: str | None = None  # default: $XDG_CACHE_HOME/dtrain or ~/.cache/dtrain
+    # files and wmt14-*: the BPE model is trained on this many training pairs, sampled (SentencePiece holds its
+    # input in memory, so the whole of WMT14 EN-FR would not fit)
+    bpe_sample: int = 1_000_000
+    # files and wmt14-*: drop training pairs as Moses' clean-corpus-n.perl does (1-250 subword tokens a side, length
+    # ratio at most 1.5); null: on for wmt14-*, off for files
+    clean: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +105,9 @@ class TrainConfig:
     # every rank > 0 also writes its bucket records (<run>/buckets.rank<r>.jsonl, the run directory shared): the
     # simulator then sees when the slowest rank had each bucket ready, not only rank 0
     record_ranks: bool = False
+    # debugging: every rank writes the training pairs it draws, <run>/samples.rank<r>.jsonl ({"step", "epoch",
+    # "pairs": [pair indices]} per micro-batch), to check the data order (each pair once per epoch across resumes)
+    record_samples: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,7 +178,23 @@ def _validate(cfg: RunConfig, src: Source) -> None:
     check(m.d_model % m.h == 0, "model.h", f"must divide model.d_model ({m.d_model} % {m.h} != 0)")
     check(0.0 <= m.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {m.dropout}")
     check(m.norm in ("post", "pre"), "model.norm", f"must be 'post' or 'pre', got '{m.norm}'")
-    check(d.corpus == "multi30k", "data.corpus", f"must be 'multi30k' (the only corpus so far), got '{d.corpus}'")
+    check(d.corpus in CORPORA, "data.corpus", f"must be one of {', '.join(CORPORA)}, got '{d.corpus}'")
+    check(d.corpus != "files" or d.files is not None, "data.files",
+          "is needed with data.corpus: files ({train: [SRC, TGT], val: [SRC, TGT], test: [SRC, TGT]})")
+    check(d.corpus == "files" or d.files is None, "data.files",
+          f"is only read with data.corpus: files, not '{d.corpus}'")
+    if d.files is not None:
+        for split in ("train", "val", "test"):
+            pair = getattr(d.files, split)
+            check(pair is None or all(p.strip() for p in pair), f"data.files.{split}", "names an empty file path")
+        check(d.files.test is not None or not (cfg.eval.at_end and cfg.eval.split == "test"), "data.files.test",
+              "is needed to score the test split at the end (eval.at_end with eval.split: test)")
+    check(d.src != d.tgt, "data.tgt", f"must differ from data.src ('{d.src}')")
+    if d.corpus in WMT14_LANGS:
+        check({d.src, d.tgt} == WMT14_LANGS[d.corpus], "data.src",
+              f"{d.corpus} is {'/'.join(sorted(WMT14_LANGS[d.corpus]))}: data.src and data.tgt must be those, "
+              f"got {d.src}-{d.tgt}")
+    check(d.bpe_sample > 0, "data.bpe_sample", f"must be positive, got {d.bpe_sample}")
     check(d.vocab_size >= 16, "data.vocab_size", f"must be at least 16, got {d.vocab_size}")
     check(d.max_tokens > 0, "data.max_tokens", f"must be positive, got {d.max_tokens}")
     check(d.max_len > 1, "data.max_len", f"must be greater than 1, got {d.max_len}")

@@ -2,7 +2,8 @@
 
 Pipeline position: files → (`read_parallel`) sentence pairs → (`dtrain.tokenizer`) ids → (`TokenBatcher`) batches of
 about `max_tokens` padded tokens → (`collate`) tensors for the model. The batch order is a pure function of
-(seed, epoch, step), so a resumed run sees exactly the batches an uninterrupted one would.
+(seed, epoch, global batches consumed), so a resumed run sees exactly the batches an uninterrupted one would, and a
+run resumed on another number of ranks continues the same epoch order.
 """
 
 from __future__ import annotations
@@ -238,9 +239,11 @@ class TokenBatcher:
     """Batches of about `max_tokens` padded tokens, drawn from length-sorted buckets and shuffled per epoch.
 
     Epoch e: shuffle the pairs with seed (seed, e), stable-sort by length (ties stay shuffled, so batches differ
-    between epochs), pack, shuffle the batch order. Step k of epoch e gives rank r the batch k · world + r: ranks
-    get disjoint batches, and every rank runs the same number of steps (the last world − 1 batches at most are
-    dropped, a different few each epoch).
+    between epochs), pack, shuffle the batch order. That global order of the epoch's batches depends on the seed and
+    the data only, never on the world size. Ranks take turns along it: with g batches of the epoch consumed, rank r
+    takes batch g + r and together they consume `world` more. Ranks get disjoint batches, every rank runs the same
+    number of steps, and the epoch ends when fewer than `world` batches are left (those few are dropped, a different
+    few each epoch). Step k of an unchanged world size is batch k · world + r.
     """
 
     def __init__(self, lengths: list[int], max_tokens: int, seed: int, rank: int = 0, world_size: int = 1,
@@ -278,11 +281,13 @@ class TokenBatcher:
 
 
 class BatchStream:
-    """An endless stream of this rank's training batches; its position (epoch, step) is checkpointed."""
+    """An endless stream of this rank's training batches. Its position is (epoch, global batches consumed in the
+    epoch), which a run of another world size continues from (see `TokenBatcher`)."""
 
     def __init__(self, pairs: Pairs, batcher: TokenBatcher):
         self.pairs, self.batcher = pairs, batcher
-        self.epoch, self.step = 0, 0
+        self.epoch, self.consumed = 0, 0
+        self.last: list[int] = []  # the pair indices of the batch `next` returned last
         if batcher.steps_per_epoch(0) == 0:
             raise UserError(
                 f"too little training data for {batcher.world_size} ranks: {len(pairs)} pairs make "
@@ -290,14 +295,22 @@ class BatchStream:
             )
 
     def next(self) -> Batch:
-        if self.step >= self.batcher.steps_per_epoch(self.epoch):
-            self.epoch, self.step = self.epoch + 1, 0
-        batch = collate(self.pairs, self.batcher.rank_batch(self.epoch, self.step))
-        self.step += 1
-        return batch
+        world = self.batcher.world_size
+        if self.consumed + world > len(self.batcher.epoch_batches(self.epoch)):
+            self.epoch, self.consumed = self.epoch + 1, 0
+        self.last = self.batcher.epoch_batches(self.epoch)[self.consumed + self.batcher.rank]
+        self.consumed += world
+        return collate(self.pairs, self.last)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step}
+        # "step": this world size's steps into the epoch (what `checkpoint inspect` shows); "consumed" is the position.
+        return {"epoch": self.epoch, "step": self.consumed // self.batcher.world_size, "consumed": self.consumed}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+    def load_state_dict(self, state: dict, world_size: int | None = None) -> None:
+        """`world_size`: the ranks that wrote `state`, for a state without "consumed" (written by earlier versions,
+        which counted this rank's steps)."""
+        self.epoch = int(state["epoch"])
+        if "consumed" in state:
+            self.consumed = int(state["consumed"])
+        else:
+            self.consumed = int(state["step"]) * (world_size or self.batcher.world_size)

@@ -6,6 +6,13 @@
     python -m dtrain.train --profile profiles/base.yaml --set train.max_steps=10 --dry-run
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         -m dtrain.train --profile profiles/base.yaml                   # a GPU cluster: NCCL, one process per GPU
+
+Preemption: SIGTERM or SIGUSR1 reaching any rank (torchrun's agent forwards the SIGTERM it receives to every worker,
+and the SIGUSR1 too when TORCHELASTIC_SIGNALS_TO_HANDLE names it, as scripts/slurm/train.sbatch sets) stops every
+rank after the same step: the step in progress finishes, a checkpoint of it is written, and each rank exits with
+status 75 (`dtrain.trainer.PREEMPTED_EXIT`, EX_TEMPFAIL). `--resume` continues bit-identically, on the same number
+of ranks or on another one (the data order is re-sharded; see `dtrain.data.TokenBatcher`). A signal that comes after
+the last step (during the final validation and evaluation) does not stop the job.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from common.errors import UserError, exit_on_user_error
 from dtrain import config as config_mod
 from dtrain.faults import parse as parse_fault
 from dtrain.log import prepare_run_dir
-from dtrain.trainer import Trainer
+from dtrain.trainer import PREEMPTED_EXIT, StopRequest, Trainer
 
 
 def parse_args(argv=None):
@@ -51,6 +58,7 @@ def default_run_dir(name: str, restarted: bool) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    stop = StopRequest().install()  # from here on SIGTERM/SIGUSR1 end the job at the end of a step, with a checkpoint
     with exit_on_user_error("dtrain.train"):
         cfg = config_mod.load(args.profile, args.overrides)
         faults = [parse_fault(spec) for spec in args.fault]
@@ -81,10 +89,12 @@ def main(argv=None) -> int:
                 return run_dir
 
             run_dir = ddist.main_decides(name_and_check)
-            trainer = Trainer(cfg, Path(run_dir), device, backend, faults)
+            trainer = Trainer(cfg, Path(run_dir), device, backend, faults, stop)
             if resume:
                 trainer.resume()
             summary = trainer.fit()
+            if summary.get("preempted"):
+                return PREEMPTED_EXIT
             if ddist.is_main():
                 print("done: " + ", ".join(f"{k}={v}" for k, v in summary.items()) + f"; run directory {run_dir}",
                       flush=True)

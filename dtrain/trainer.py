@@ -1,12 +1,18 @@
 """The training loop: micro-batches → forward → backward → gradient sync (one seam) → Adam step, with records,
 validation, checkpoints and the final evaluation. It never branches on which sync strategy runs.
+
+Preemption: SIGTERM or SIGUSR1 on any rank (`StopRequest`) stops the job at the end of the step in progress, with a
+checkpoint; every rank learns of it through one small all-reduce per step, so all stop after the same step even when
+only some were signalled. `dtrain.train` then exits with `PREEMPTED_EXIT`.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import re
 import shutil
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -20,6 +26,7 @@ from collectives import attach, nccl
 from collectives import dist as ddist
 from collectives.timing import ms_between, stamp
 from common.errors import JobFailure, UserError
+from common.jsonl import append_jsonl, read_jsonl, rewrite_jsonl
 from common.rundir import StepRecord, ValRecord
 from dtrain import checkpoint
 from dtrain.config import RunConfig
@@ -31,7 +38,7 @@ from dtrain.loss import LabelSmoothing
 from dtrain.model import Transformer, count_parameters, sdpa_backend
 from dtrain.profiler import StepProfiler
 from dtrain.schedule import make_scheduler
-from dtrain.startup import load_corpus, resume_checkpoint
+from dtrain.startup import load_corpus, resume_state
 from dtrain.telemetry import Telemetry
 from dtrain.tokenizer import PAD
 
@@ -50,9 +57,41 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+# The exit status of a rank stopped by a signal after saving its checkpoint: EX_TEMPFAIL of BSD's sysexits.h
+# ("temporary failure ... the user is invited to retry"); resume the run with --resume.
+PREEMPTED_EXIT = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """Set by SIGTERM or SIGUSR1: the job should checkpoint and exit at the end of the current step. The handler only
+    records the signal (a Python handler runs between bytecodes of the main thread, so never inside a collective);
+    a repeated signal changes nothing, since torchrun's agent and a scheduler's process-group kill may both deliver
+    one, and the agent escalates to SIGKILL on its own when the workers take too long."""
+
+    def __init__(self):
+        self.signal: str | None = None
+
+    def install(self) -> StopRequest:
+        for s in STOP_SIGNALS:
+            signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+
+
+def samples_file(rank: int) -> str:
+    return f"samples.rank{rank}.jsonl"
+
+
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: Path, device: torch.device, backend: str, faults: list[Fault] = ()):
+    def __init__(self, cfg: RunConfig, run_dir: Path, device: torch.device, backend: str, faults: list[Fault] = (),
+                 stop: StopRequest | None = None):
         self.cfg, self.run_dir, self.device, self.backend = cfg, Path(run_dir), device, backend
+        self.stop = stop  # None: no handler installed, and no per-step stop all-reduce
+        self.samples: list[dict] = []  # train.record_samples: this step's micro-batches, written after it
         self.rank, self.world = ddist.rank(), ddist.world_size()
         self.faults = FaultInjector(list(faults), self.rank)
         self.phase = "start-up"  # named in the error if a collective fails or times out
@@ -90,18 +129,21 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------------------------
 
     def state(self) -> dict | None:
-        """The checkpoint: every rank's RNG state is gathered to rank 0, which alone holds the rest."""
+        """The checkpoint: every rank's RNG state and its state of the sync strategy (PowerSGD's error feedback) are
+        gathered to rank 0, which alone holds the rest."""
         self.sync.wait_params()  # a sharded strategy's updated parameters, all-gathered
         optimizer = self.sync.optimizer_state(self.optimizer)  # a collective for a sharded strategy
-        rngs = [None] * self.world if self.main else None
+        mine = (rng_state(), self.sync.state_dict())
+        per_rank = [None] * self.world if self.main else None
         if self.world > 1:
-            dist.gather_object(rng_state(), rngs, dst=0)
+            dist.gather_object(mine, per_rank, dst=0)
         else:
-            rngs = [rng_state()]
+            per_rank = [mine]
         if not self.main:
             return None
         return {"step": self.step, "model": self.model.state_dict(), "optimizer": optimizer,
-                "scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "rng": rngs,
+                "scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(),
+                "rng": [r for r, _ in per_rank], "sync": [s for _, s in per_rank],
                 "model_hash": self.cfg.model_hash(), "config_hash": self.cfg.config_hash(), "world_size": self.world,
                 "config": self.cfg.to_dict()}
 
@@ -120,8 +162,9 @@ class Trainer:
             raise JobFailure(problem)
 
     def resume(self) -> None:
-        """Continue from the latest complete checkpoint; rank 0 chooses it so every rank agrees."""
-        path = resume_checkpoint(self.run_dir)
+        """Continue from the latest complete checkpoint; rank 0 chooses and reads it, and sends every rank the state
+        (with its own entries of the per-rank lists), so no other rank needs the file on its disk."""
+        path, state = resume_state(self.run_dir)
         if path is None:
             if self.main:
                 print(f"no complete checkpoint in {self.run_dir}; starting from step 0", flush=True)
@@ -130,23 +173,46 @@ class Trainer:
         # under its name) is an error naming the file, like an unreadable one, not skipped like a torn write: the
         # file is exactly what was written, and falling back would drop the step records past the older checkpoint
         # and later overwrite the file, so a person should look at it first.
-        state = checkpoint.load(path, keys=checkpoint.TRAINING_KEYS)
         if state.get("model_hash") != self.cfg.model_hash():
             raise UserError(f"{path}: checkpoint is of a different model shape than the profile "
                             f"(model hash {state.get('model_hash')} vs {self.cfg.model_hash()})")
-        if state["world_size"] != self.world:
-            raise UserError(f"{path}: written by {state['world_size']} ranks, this job has {self.world}; "
-                            "the data order would not continue exactly")
         self.model.load_state_dict(state["model"])
-        self.sync.load_optimizer_state(self.optimizer, state["optimizer"])
+        self.sync.load_optimizer_state(self.optimizer, state["optimizer"])  # whole-model: any world size
         self.scheduler.load_state_dict(state["scheduler"])
-        self.stream.load_state_dict(state["data"])
-        set_rng_state(state["rng"][self.rank])
+        # The position counts global batches, so the remaining batches of the epoch are dealt out to this job's ranks.
+        written_by = int(state["world_size"])
+        self.stream.load_state_dict(state["data"], written_by)
+        rngs, syncs = state["rng"], state.get("sync") or []
+        if self.rank < len(rngs):
+            set_rng_state(rngs[self.rank])
+        else:  # a rank the checkpoint has no state for (a larger job): a fresh seed of its own, as at a start
+            torch.manual_seed(self.cfg.seed * 1000 + self.rank)
+            random.seed(self.cfg.seed * 1000 + self.rank)
+        if self.rank < len(syncs):
+            self.sync.load_state_dict(syncs[self.rank])
+        elif syncs:  # what every rank holds alike (PowerSGD's iteration and Q factors), without rank 0's own error
+            self.sync.load_state_dict(syncs[0], own=False)
         self.step = state["step"]
         self.recomputed = self.writer.truncate_after(self.step)
+        self._truncate_samples()
         if self.main:
+            resharded = "" if written_by == self.world else (
+                f"; written by {written_by} ranks, the data re-sharded over {self.world} from batch "
+                f"{self.stream.consumed} of epoch {self.stream.epoch}")
             print(f"resumed from {path} at step {self.step} ({self.recomputed} recorded steps past it will be "
-                  "computed again)", flush=True)
+                  f"computed again{resharded})", flush=True)
+
+    def _truncate_samples(self) -> None:
+        """Drop sample records past the resumed step: each rank from its own file, rank 0 also from the files of
+        ranks this job no longer has (where the run directory is shared)."""
+        paths = [self.run_dir / samples_file(self.rank)]
+        if self.main:
+            gone = (re.fullmatch(r"samples\.rank(\d+)\.jsonl", p.name) for p in self.run_dir.glob(samples_file("*")))
+            paths += [self.run_dir / m.group(0) for m in gone if m and int(m.group(1)) >= self.world]
+        for path in paths:
+            if path.exists():
+                rewrite_jsonl(path, [r for r in read_jsonl(path) if isinstance(r.get("step"), int)
+                                     and r["step"] <= self.step])
 
     # -- the step ---------------------------------------------------------------------------------------------
 
@@ -195,6 +261,8 @@ class Trainer:
             t0 = time.perf_counter()
             batch = self.stream.next().to(self.device)
             t1 = time.perf_counter()
+            if t.record_samples:
+                self.samples.append({"step": self.step + 1, "epoch": self.stream.epoch, "pairs": self.stream.last})
             # All but the last micro-batch accumulate locally; the last one communicates.
             last = micro == t.accum_steps - 1
             self.phase = "backward (gradient all-reduce)" if last else "forward/backward"
@@ -274,8 +342,27 @@ class Trainer:
         self.telemetry.sample_into(rec.telemetry)
         self.writer.step(rec)
         self.writer.buckets(self.step, self.sync.step_records())
+        if self.samples:
+            append_jsonl(self.run_dir / samples_file(self.rank), self.samples)
+            self.samples = []
         self.profiler.step()
         return rec
+
+    def stop_agreed(self) -> str | None:
+        """After a step: whether any rank was asked to stop (the signal's name, or "signal" when only another rank
+        knows which). One all-reduce of one number per step, only while a handler is installed; every rank calls it
+        after the same step, so all agree on the step they stop after."""
+        if self.stop is None:
+            return None
+        mine = self.stop.signal
+        if self.world > 1:
+            flag = torch.tensor([1.0 if mine else 0.0], device=self.device)
+            self.phase = "stop-request all-reduce"
+            self._guarded(dist.all_reduce, flag, dist.ReduceOp.MAX)
+            if flag.item() > 0:
+                return mine or "signal"
+            return None
+        return mine
 
     def fit(self) -> dict:
         with sdpa_backend(self.cfg.train.sdpa_backend, self.device):
@@ -292,7 +379,7 @@ class Trainer:
         bar = tqdm(total=None if t.max_minutes else t.max_steps, initial=self.step, disable=not self.main, desc=desc,
                    unit="step", dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 60.0)
         window = [0.0, 0, 0.0]  # since the last log line: loss x tokens, tokens, seconds
-        val = None
+        val, stopped = None, None
         while self.step < t.max_steps:
             rec = self.recorded_step()
             if rec.skipped:
@@ -312,12 +399,21 @@ class Trainer:
                 self.phase = "validation"
                 val = self._guarded(self.validate)
                 self.writer.eval(val)
-            if self.step % t.ckpt_every == 0:
+            stopped = self.stop_agreed()
+            if self.step % t.ckpt_every == 0 or stopped:
                 self.phase = "checkpoint"
                 self._guarded(self.save)
+            if stopped:
+                break
         bar.close()
         self.profiler.stop()
         self.telemetry.stop()
+        if stopped:
+            if self.main:
+                print(f"stopped by {stopped} after step {self.step}: checkpoint saved; exiting with status "
+                      f"{PREEMPTED_EXIT} (continue with --resume)", flush=True)
+            return {"steps": self.step, "steps_this_run": self.step - start_step, "recomputed": self.recomputed,
+                    "preempted": stopped}
         return self._wrap_up(start_step, time.perf_counter() - t_start, val)
 
     def _log_window(self, bar, window: list, rec: StepRecord, t_start: float) -> bool:
@@ -373,12 +469,9 @@ class Trainer:
                 f"stopped or died: {first[:200]}") from None
 
     def _average(self) -> None:
-        """Average the last k complete checkpoints into <run>/averaged.pt and evaluate with it."""
-        if self.main:
-            paths = checkpoint.complete_checkpoints(self.run_dir)[-self.cfg.train.average_last :]
-            checkpoint.save_averaged(self.run_dir, checkpoint.average(paths), paths)
-        ddist.barrier()
-        self.model.load_state_dict(checkpoint.load(self.run_dir / checkpoint.AVERAGED)["model"])
+        """Average the last k complete checkpoints into <run>/averaged.pt (rank 0, from its disk) and evaluate with
+        it on every rank (sent through the process group)."""
+        self.model.load_state_dict(checkpoint.average_on_main(self.run_dir, self.cfg.train.average_last))
 
     def final_eval(self) -> dict:
         record = score_split(self.model, self.tokenizer, self.cfg, self.cfg.eval, self.device)

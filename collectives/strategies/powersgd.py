@@ -89,7 +89,7 @@ class PowerSGDSync(DDPSync):
     def _place(self, idx: int, layout: BucketLayout, buffer: torch.Tensor) -> None:
         """Move the pending state of the bucket's parameters into the hook's memory, if it holds all of them."""
         pending, state = self._pending, self._powersgd
-        like = dict(device=buffer.device, dtype=buffer.dtype)
+        like = {"device": buffer.device, "dtype": buffer.dtype}
         if layout.names and all(n in pending["error"] for n in layout.names):
             state.error_dict[idx] = torch.cat([pending["error"].pop(n).reshape(-1).to(**like) for n in layout.names])
         if layout.q_names and all(n in pending["q"] for n in layout.q_names):
