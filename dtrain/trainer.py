@@ -450,7 +450,8 @@ class Trainer:
         if t.average_last > 1:
             self._average()
         if cfg.eval.at_end and self.sync.communicates:
-            summary.update(self.final_eval())
+            self.phase = "final evaluation"
+            summary.update(self._guarded(self.final_eval))
         return summary
 
     def _guarded(self, fn, *args):
