@@ -18,12 +18,14 @@ from collectives import dist as ddist
 from common.errors import UserError, exit_on_user_error
 from dtrain import checkpoint
 from dtrain import config as config_mod
+from dtrain import corpus as corpora
 from dtrain.bleu import corpus_bleu
 from dtrain.config import EvalConfig, RunConfig
 from dtrain.data import multi30k_split
 from dtrain.decode import translate
 from dtrain.log import RunWriter
 from dtrain.model import Transformer, sdpa_backend
+from dtrain.paper_bleu import tokenized_bleu
 from dtrain.startup import locate_corpus
 from dtrain.tokenizer import Tokenizer
 
@@ -33,8 +35,11 @@ def score_split(model: Transformer, tokenizer: Tokenizer, cfg: RunConfig, ecfg: 
 
     Returns the score record on rank 0 (hypotheses included under "hypotheses"), None elsewhere.
     """
-    directory = locate_corpus(cfg)  # found on rank 0, so a missing corpus is the same error on every rank
-    src, ref = multi30k_split(directory, ecfg.split, cfg.data.src, cfg.data.tgt)
+    if cfg.data.corpus == "multi30k":
+        directory = locate_corpus(cfg)  # found on rank 0, so a missing corpus is the same error on every rank
+        src, ref = multi30k_split(directory, ecfg.split, cfg.data.src, cfg.data.tgt)
+    else:
+        src, ref = corpora.split_text(cfg.data, ecfg.split)
     rank, world = ddist.rank(), ddist.world_size()
     mine = list(range(rank, len(src), world))
     progress = None
@@ -58,6 +63,8 @@ def score_split(model: Transformer, tokenizer: Tokenizer, cfg: RunConfig, ecfg: 
             ordered[i] = h
     record = {"split": ecfg.split, "beam": ecfg.beam, "length_penalty": ecfg.length_penalty,
               "sentences": len(src), "decode_s": round(time.perf_counter() - t0, 1), **corpus_bleu(ordered, ref)}
+    if cfg.data.corpus.startswith("wmt14-"):  # the paper's tokenized BLEU beside sacreBLEU's (docs/data.md)
+        record["tokenized_bleu"] = tokenized_bleu(ordered, ref, cfg.data.tgt)
     record["hypotheses"] = ordered
     return record
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from collectives import dist as ddist
 from common.errors import UserError
 from dtrain import checkpoint
+from dtrain import corpus as corpora
 from dtrain.config import RunConfig
 from dtrain.data import MULTI30K_SPLITS, Pairs, cache_root, multi30k_dir, multi30k_split
 from dtrain.tokenizer import Tokenizer, train_or_load
@@ -154,6 +155,8 @@ def resume_state(run_dir: Path) -> tuple[Path | None, dict | None]:
 
 def load_corpus(cfg: RunConfig) -> Corpus:
     """The training and validation pairs, encoded with the BPE model trained on the whole training split."""
+    if cfg.data.corpus != "multi30k":  # files, wmt14-*: BPE on a sample, a memory-mapped token cache
+        return Corpus(*corpora.load(cfg.data, cfg.seed))
     d = cfg.data
     data_dir = locate_corpus(cfg)
     train_src, train_tgt = multi30k_split(data_dir, "train", d.src, d.tgt)
