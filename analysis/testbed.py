@@ -313,19 +313,23 @@ def prepare_disk(mounts: list[tuple[Path, Path]]) -> None:
 
 
 def agent_command(names: Names, i: int, nodes: int, nproc: int, port: int, run_id: str, args: list[str],
-                  mounts: list[tuple[Path, Path]] = ()) -> list[str]:
+                  mounts: list[tuple[Path, Path]] = (), min_nodes: int | None = None) -> list[str]:
     """The torchrun agent of node i, inside its namespace. c10d ranks agents by their address, and node 0's is
     the lowest (10.77.0.1 sorts first, also as a string), so global rank 0 is always on node 0.
 
     With `mounts`, the agent first bind-mounts each (source, target) pair. `ip netns exec` runs its command in a mount
     namespace of its own whose mounts are slaves of the host's (iproute2, lib/namespace.c: netns_switch), so these
-    mounts are seen by the agent and its workers only, never by the host or the other nodes, and vanish with them."""
+    mounts are seen by the agent and its workers only, never by the host or the other nodes, and vanish with them.
+
+    With `min_nodes` the job is elastic (torchrun's `--nnodes=MIN:MAX`): after a node is lost, the others meet again
+    at the rendezvous and go on with fewer once `min_nodes` are there."""
     prefix = ["ip", "netns", "exec", names.node(i)]
     if mounts:
         binds = [f"mount --bind {shlex.quote(str(s))} {shlex.quote(str(t))}" for s, t in mounts]
         prefix += ["sh", "-c", " && ".join([*binds, 'exec "$@"']), "sh"]
     return [*prefix, sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={nodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+            f"--nnodes={nodes}" if min_nodes is None else f"--nnodes={min_nodes}:{nodes}",
+            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={names.address(0)}:{port}", f"--rdzv-id={run_id}",
             f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={names.address(i)}",
             *(["--local-ranks-filter=0"] if i == 0 else []), *args]
@@ -343,9 +347,12 @@ def agent_env(nodes: int, nproc: int) -> dict[str, str]:
 
 
 def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int = DEFAULT_PORT,
-        log_dir: str | None = None, grace_s: float = 5.0, private: list[Path] | None = None) -> int:
+        log_dir: str | None = None, grace_s: float = 5.0, private: list[Path] | None = None,
+        min_nodes: int | None = None) -> int:
     """Launch the job; stream node 0's rank 0, log the other nodes to files; return the job's exit code.
-    `private`: paths that nodes 1.. see on their own disks (`private_paths`); None: every node sees the host's."""
+    `private`: paths that nodes 1.. see on their own disks (`private_paths`); None: every node sees the host's.
+    `min_nodes`: an elastic job (`agent_command`), whose exit code is node 0's: losing another node is the job's
+    business (`drop`), not a failure."""
     require_tools()
     _, up_nodes = names.existing()
     if not up_nodes:
@@ -355,6 +362,8 @@ def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int 
         raise UserError(f"--nodes {nodes} but testbed '{names.prefix}' has {len(up_nodes)} node(s)")
     if nproc < 1:
         raise UserError(f"--nproc-per-node must be at least 1, got {nproc}")
+    if min_nodes is not None and not 1 <= min_nodes <= nodes:
+        raise UserError(f"--min-nodes must be between 1 and the job's {nodes} node(s), got {min_nodes}")
     if not args:
         raise UserError("nothing to run: give the module and its arguments after '--', e.g. -- -m collectives.bench")
     logs = Path(log_dir or tempfile.mkdtemp(prefix=f"{names.prefix}-run-"))
@@ -379,9 +388,11 @@ def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int 
                 out = open(logs / f"node{i}.log", "w")
                 files.append(out)
             # Its own session per agent: Ctrl-C reaches only us, and we stop each agent's tree deliberately.
-            procs.append(subprocess.Popen(agent_command(names, i, nodes, nproc, port, run_id, args, mounts[i]), env=env,
-                                          stdout=out, stderr=subprocess.STDOUT if out else None,
+            command = agent_command(names, i, nodes, nproc, port, run_id, args, mounts[i], min_nodes)
+            procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                           start_new_session=True))
+        if min_nodes is not None:
+            return _supervise_elastic(procs, logs)
         return _supervise(procs, logs, grace_s)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted, stopping the job", file=sys.stderr, flush=True)
@@ -417,6 +428,35 @@ def _supervise(procs: list[subprocess.Popen], logs: Path, grace_s: float) -> int
         return 0
     code = bad[0][1] if codes[0] in (None, 0) else codes[0]
     return 128 - code if code < 0 else code  # killed by signal N: the shell's 128 + N
+
+
+def _supervise_elastic(procs: list[subprocess.Popen], logs: Path) -> int:
+    """An elastic job ends when node 0's agent does (it hosts the rendezvous); the other nodes may come and go."""
+    code = procs[0].wait()
+    for i, p in enumerate(procs[1:], start=1):
+        c = p.poll()
+        if c not in (None, 0):
+            print(f"{PROG}: node {i} exited with {c} during the job (log: {logs / f'node{i}.log'})",
+                  file=sys.stderr, flush=True)
+    return 128 - code if code < 0 else code
+
+
+def drop(names: Names, node: int) -> int:
+    """Take node `node` away from whatever runs on it, as a machine that fails would: every process in its
+    namespace is killed at once (no SIGTERM: nothing gets to say goodbye). Returns how many were killed."""
+    _, up_nodes = names.existing()
+    if node not in up_nodes:
+        raise UserError(f"testbed '{names.prefix}' has no node {node} (nodes: {', '.join(map(str, up_nodes))})")
+    if node == 0:
+        raise UserError("node 0 hosts the rendezvous; drop another node")
+    out = subprocess.run(["ip", "netns", "pids", names.node(node)], capture_output=True, text=True, check=True)
+    pids = [int(p) for p in out.stdout.split()]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(pids)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -511,6 +551,11 @@ def main(argv: list[str] | None = None) -> int:
                             f"(kept in {DISKS}/<name>-node<i>/ until 'down')")
     p_run.add_argument("--private-path", action="append", default=[], metavar="PATH",
                        help="with --private-fs: one more path that nodes 1.. see on their own disks (repeatable)")
+    p_run.add_argument("--min-nodes", type=int, metavar="N",
+                       help="an elastic job (torchrun --nnodes=N:nodes) that goes on with at least N nodes; give "
+                            "torchrun's --max-restarts after '--', before the module")
+    p_drop = sub.add_parser("drop", help="take a node away: kill every process on it at once (elastic jobs)")
+    p_drop.add_argument("node", type=int)
     args = ap.parse_args(argv)
     if job and args.cmd != "run":
         ap.error("arguments after '--' are only for 'run'")
@@ -537,6 +582,8 @@ def _command(args, job: list[str]) -> int:
               else f"testbed '{names.prefix}': nothing to remove")
     elif args.cmd == "status":
         print_status(names)
+    elif args.cmd == "drop":
+        print(f"testbed '{names.prefix}': node {args.node}: {drop(names, args.node)} process(es) killed")
     elif args.cmd == "probe":
         bps = probe(names, args.src, args.dst, args.seconds)
         print(f"node {args.src} -> node {args.dst}: {bps / 1e6:.1f} MB/s ({bps * 8 / 1e9:.3f} Gbit/s), "
@@ -546,7 +593,8 @@ def _command(args, job: list[str]) -> int:
             raise UserError("--private-path needs --private-fs")
         private = private_paths(args.private_path) if args.private_fs else None
         with _signals_as_interrupt():
-            return run(names, args.nodes, args.nproc_per_node, job, args.port, args.log_dir, private=private)
+            return run(names, args.nodes, args.nproc_per_node, job, args.port, args.log_dir, private=private,
+                       min_nodes=args.min_nodes)
     return 0
 
 

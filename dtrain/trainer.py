@@ -343,6 +343,7 @@ class Trainer:
         self.writer.step(rec)
         self.writer.buckets(self.step, self.sync.step_records())
         if self.samples:
+            self.run_dir.mkdir(parents=True, exist_ok=True)  # a node without a shared disk: its own copy of the run
             append_jsonl(self.run_dir / samples_file(self.rank), self.samples)
             self.samples = []
         self.profiler.step()

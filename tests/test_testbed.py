@@ -289,3 +289,53 @@ def test_private_fs_gives_node_1_its_own_run_dirs_cache_and_tmp(bed, tmp_path):
         for p in (f"/tmp/{tag}", REPO / "runs" / tag, cache_root() / tag):
             shutil.rmtree(p, ignore_errors=True)
     assert str(bed.disk(1)) in testbed.down(bed) and not bed.disk(1).exists()
+
+
+def test_an_elastic_agent_asks_for_a_range_of_nodes():
+    names = testbed.Names("dtb")
+    cmd = testbed.agent_command(names, 1, 2, 1, 29600, "rid", ["--max-restarts=3", "-m", "x"], min_nodes=1)
+    assert "--nnodes=1:2" in cmd and "--nnodes=2" not in cmd
+    assert cmd[-3:] == ["--max-restarts=3", "-m", "x"]  # torchrun's own options pass through before the module
+
+
+@needs_netns
+def test_drop_refuses_node_0_and_unknown_nodes(bed):
+    testbed.up(bed, [testbed.Link(10**9)] * 2)
+    with pytest.raises(UserError, match="node 0 hosts the rendezvous"):
+        testbed.drop(bed, 0)
+    with pytest.raises(UserError, match="no node 5"):
+        testbed.drop(bed, 5)
+    assert testbed.drop(bed, 1) == 0  # nothing runs there
+
+
+@pytest.mark.slow
+@needs_netns
+def test_an_elastic_job_goes_on_when_a_node_is_taken_away(bed, tmp_path):
+    """2 nodes, private disks, --min-nodes 1: node 1 is dropped mid-run; node 0's agent meets the rendezvous again
+    alone, and its worker resumes from the last checkpoint on 1 rank and finishes every step."""
+    testbed.up(bed, [testbed.Link(10**9)] * 2)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "analysis.testbed", "--name", bed.prefix, "run", "--private-fs", "--min-nodes", "1",
+           "--log-dir", str(tmp_path / "logs"), "--", "--max-restarts=3", "-m", "dtrain.train",
+           "--profile", "profiles/smoke.yaml", "--set", "train.max_steps=40", "--set", "train.ckpt_every=5",
+           "--set", "eval.at_end=false", "--set", "train.average_last=1", "--fault", "slow@rank=0,ms=250",
+           "--run-dir", str(run)]
+    job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and job.poll() is None:
+            steps = run / "steps.jsonl"
+            if steps.exists() and len(steps.read_text().splitlines()) >= 12:
+                break
+            time.sleep(0.5)
+        assert job.poll() is None, job.communicate()[0][-3000:]  # still running: its node 1 is there to drop
+        assert testbed.drop(bed, 1) >= 1
+        out, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out[-3000:]
+    assert "the data re-sharded over 1" in out and "done: steps=40" in out, out[-3000:]
+    assert [json.loads(line)["step"] for line in (run / "steps.jsonl").read_text().splitlines()] == list(range(1, 41))
+    header = json.loads((run / "run.json").read_text())
+    assert header["world_size"] == 1  # the attempt that finished ran on node 0 alone
