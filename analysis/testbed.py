@@ -282,8 +282,11 @@ def probe(names: Names, src: int = 0, dst: int = 1, seconds: float = 2.0, port: 
 def private_paths(extra: list[str] = ()) -> list[Path]:
     """What `run --private-fs` makes node-local: the default run directories (`runs/` under the working directory),
     dtrain's cache (BPE models, a downloaded corpus), /tmp, and any `--private-path`. The repository and the data
-    folders stay visible: code and data may be on every node."""
-    return [Path(p).absolute() for p in (Path.cwd() / "runs", cache_root(), "/tmp", *extra)]
+    folders stay visible: code and data may be on every node. A path that holds the working directory or this
+    Python (a checkout or a virtual environment under /tmp) is left shared: covered, the nodes could not run."""
+    code = [Path.cwd().absolute(), Path(sys.prefix).absolute(), Path(sys.executable).absolute().parent]
+    paths = [Path(p).absolute() for p in (Path.cwd() / "runs", cache_root(), "/tmp", *extra)]
+    return [p for p in paths if not any(p == c or p in c.parents for c in code)]
 
 
 def private_mounts(names: Names, i: int, targets: list[Path]) -> list[tuple[Path, Path]]:
