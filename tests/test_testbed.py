@@ -214,10 +214,18 @@ def test_private_mounts_give_each_node_its_own_copy_and_cover_tmp_last():
 
 
 def test_private_paths_are_the_run_dirs_the_cache_and_tmp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert testbed.private_paths(["results"]) == [tmp_path / "runs", tmp_path / "xdg" / "dtrain", Path("/tmp"),
-                                                 tmp_path / "results"]
+    monkeypatch.setattr(sys, "prefix", "/opt/venv")
+    monkeypatch.setattr(sys, "executable", "/opt/venv/bin/python")
+    monkeypatch.setattr(Path, "cwd", classmethod(lambda cls: cls("/srv/checkout")))
+    assert testbed.private_paths(["results"]) == [Path("/srv/checkout/runs"), tmp_path / "xdg" / "dtrain",
+                                                 Path("/tmp"), Path("/srv/checkout/results")]
+    # A checkout under /tmp (or a virtual environment there) keeps /tmp shared: covered, the nodes could not run.
+    monkeypatch.setattr(Path, "cwd", classmethod(lambda cls: tmp_path))
+    assert testbed.private_paths() == [tmp_path / "runs", tmp_path / "xdg" / "dtrain"]
+    monkeypatch.setattr(Path, "cwd", classmethod(lambda cls: cls("/srv/checkout")))
+    monkeypatch.setattr(sys, "executable", "/tmp/venv/bin/python")
+    assert Path("/tmp") not in testbed.private_paths()
 
 
 def test_agent_command_mounts_before_torchrun():
