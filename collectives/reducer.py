@@ -202,9 +202,12 @@ class Reducer:
         self._next = len(self.buckets)
         for st in self.buckets:
             t0 = time.perf_counter()
-            st.work.wait()  # on CUDA: the current stream waits for the bucket; the host goes on
+            self._wait(st)
             st.wait_s = time.perf_counter() - t0
         self.armed = False
+
+    def _wait(self, st: _BucketState) -> None:
+        st.work.wait()  # on CUDA: the current stream waits for the bucket; the host goes on
 
     def step_start(self) -> Stamp | None:
         """Time zero of the step's records: the start of backward, else the first bucket ready, else wait()."""

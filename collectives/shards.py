@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -139,23 +138,16 @@ class ShardedReducer(Reducer):
         sh.shard.grad = total  # (s,)
         sh.scatter = []
 
+    def _wait(self, st: _BucketState) -> None:
+        self.shards[st.bucket.index].reduced.wait()  # the waiter thread's sum
+
     def finish(self) -> None:
-        """Launch what is left, wait for every bucket's exchange and sum. The local gradients are then consumed:
-        they are zeroed for the next step's accumulation."""
-        if not self.armed:
-            self.prepare(True)
-        self.wait_t = stamp(self.device)
-        for st in self.buckets[self._next:]:
-            self._launch(st)
-        self._next = len(self.buckets)
-        for st in self.buckets:
-            t0 = time.perf_counter()
-            self.shards[st.bucket.index].reduced.wait()
-            st.wait_s = time.perf_counter() - t0
+        """`Reducer.finish`, then: the local gradients are consumed, so they are zeroed for the next step's
+        accumulation, and the next forward all-gathers the updated shards."""
+        super().finish()
         self._check()
         for st in self.buckets:
             st.buffer.zero_()
-        self.armed = False
         self.gather_pending = True
 
     # -- the next forward: all-gather ------------------------------------------------------------------------

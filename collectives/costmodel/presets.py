@@ -86,19 +86,21 @@ _NVLS1 = ("NVLS graph on one node: 8 channels (one head per GPU, search.cc); eac
 _NVLSN = ("NVLS graph across nodes: 8 channels; bwIntra the first inter-list speed whose 9 channel loads fit the "
           "NVSwitch link, bwInter raised up to the NIC's speed (search.cc)")
 
+# DGX H100 and H200 share the NVLink4 fabric, hence NCCL's sm90 graph: only the GPU and the sources differ.
+_DGX_SM90 = dict(cc=90, intra="nvlink", channels=12, bw_per_channel=30.0, cpu="intel", nvswitch=True, nvls_channels=8,
+                 nvls_bw_intra=40.0, nvls_bw_inter=60.0)
+
 # Single-node presets. NVLink per-link bandwidth is NCCL's (src/graph/topo.h: sm60 18.0, sm70 20.0, sm80 20.0,
 # sm90 20.6, sm100 40.1 GB/s). Ring channel counts are our reading of NCCL 2.30's ring search (search.cc): the
 # highest speed from its speed list whose channels fit the GPU's NVLink bandwidth, then channel duplication
 # (ncclTopoDupChannels: bw >= 25 GB/s halves the per-channel bandwidth and doubles the channels).
 _SINGLE_NODE = {
-    "h100x8": dict(gpu="H100", cc=90, intra="nvlink", channels=12, bw_per_channel=30.0, cpu="intel", nvswitch=True,
-                   nvls_channels=8, nvls_bw_intra=40.0, nvls_bw_inter=60.0,
+    "h100x8": dict(_DGX_SM90, gpu="H100",
                    source="DGX H100: 18 NVLink4 x 20.6 GB/s = 370.8 GB/s to NVSwitch; sm90 search: 6 channels x 60 "
                           "GB/s, duplicated to 12 x 30",
                    notes=(_NCCL, _SM90, "18 NVLink4 links per GPU to NVSwitch: NVIDIA DGX H100 user guide",
                           f"{_NVLS1}: 370.8/9 -> 40 GB/s (sm90 intra list), bwInter 60")),
-    "h200x8": dict(gpu="H200", cc=90, intra="nvlink", channels=12, bw_per_channel=30.0, cpu="intel", nvswitch=True,
-                   nvls_channels=8, nvls_bw_intra=40.0, nvls_bw_inter=60.0,
+    "h200x8": dict(_DGX_SM90, gpu="H200",
                    source="DGX H200: the same 18 NVLink4 x 20.6 GB/s as DGX H100; sm90 search: 6 x 60, duplicated "
                           "to 12 x 30",
                    notes=(_NCCL, _SM90, "18 NVLink4 links per GPU to NVSwitch: NVIDIA DGX H200 datasheet",
