@@ -13,7 +13,7 @@ Needs root and iproute2 (`ip`, `tc`). The links and the testbed profile (`--prof
     python -m analysis.testbed down
 
 The nodes share the host's filesystem unless `run --private-fs`: then every node but node 0 (the machine the job is
-launched from) sees its own run directories, caches and /tmp, as a separate machine would (see `private_mounts`).
+launched from) sees its own run directories, caches and /tmp, as a separate machine would (see `analysis.testbed_disks`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from analysis.testbed_disks import prepare_disk, private_mounts, private_paths
 from analysis.testbed_links import Link, format_rate, links_from, load_profile
 from common.errors import UserError, exit_on_user_error
-from dtrain.data import cache_root
 
 PROG = "analysis.testbed"
 SUBNET = "10.77.0"  # a private /24 used only inside the testbed's namespaces, so it can never clash with the host
@@ -279,42 +279,6 @@ def probe(names: Names, src: int = 0, dst: int = 1, seconds: float = 2.0, port: 
 
 # ---- run: one torchrun agent per node ----------------------------------------------------------------------------
 
-def private_paths(extra: list[str] = ()) -> list[Path]:
-    """What `run --private-fs` makes node-local: the default run directories (`runs/` under the working directory),
-    dtrain's cache (BPE models, a downloaded corpus), /tmp, and any `--private-path`. The repository and the data
-    folders stay visible: code and data may be on every node. A path that holds the working directory or this
-    Python (a checkout or a virtual environment under /tmp) is left shared: covered, the nodes could not run."""
-    code = [Path.cwd().absolute(), Path(sys.prefix).absolute(), Path(sys.executable).absolute().parent]
-    paths = [Path(p).absolute() for p in (Path.cwd() / "runs", cache_root(), "/tmp", *extra)]
-    return [p for p in paths if not any(p == c or p in c.parents for c in code)]
-
-
-def private_mounts(names: Names, i: int, targets: list[Path]) -> list[tuple[Path, Path]]:
-    """(source, target) bind mounts that give node i its own copy of each target: disk(i)/target over target.
-
-    A target inside another is already private with it and is left out. A target holding the node's disk (/tmp holds
-    /tmp/<prefix>-node<i>) is mounted last: once it is covered, the other sources are no longer reachable by path."""
-    disk = names.disk(i)
-    targets = [Path(os.path.normpath(t)) for t in targets]
-    if any(t == Path("/") for t in targets):
-        raise UserError("--private-path /: the whole filesystem cannot be node-local (the code and data must stay)")
-    kept = []
-    for t in targets:
-        if t not in kept and not any(o != t and o in t.parents for o in targets):
-            kept.append(t)
-    kept.sort(key=lambda t: t in disk.parents)  # stable: the order given, ancestors of the disk last
-    return [(disk / t.relative_to("/"), t) for t in kept]
-
-
-def prepare_disk(mounts: list[tuple[Path, Path]]) -> None:
-    """Create the mount points on the host (empty folders, if missing) and the node's empty private folders."""
-    for source, target in mounts:
-        target.mkdir(parents=True, exist_ok=True)
-        source.mkdir(parents=True, exist_ok=True)
-        if target == Path("/tmp"):
-            source.chmod(0o1777)  # like /tmp: anyone may create, only the owner may delete
-
-
 def agent_command(names: Names, i: int, nodes: int, nproc: int, port: int, run_id: str, args: list[str],
                   mounts: list[tuple[Path, Path]] = (), min_nodes: int | None = None) -> list[str]:
     """The torchrun agent of node i, inside its namespace. c10d ranks agents by their address, and node 0's is
@@ -375,7 +339,7 @@ def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int 
     env = agent_env(nodes, nproc)
     print(f"{PROG}: {nodes} node(s) x {nproc} rank(s), rendezvous {names.address(0)}:{port}, "
           f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, logs of nodes 1.. in {logs}", file=sys.stderr, flush=True)
-    mounts = {i: private_mounts(names, i, private) if private is not None and i > 0 else [] for i in range(nodes)}
+    mounts = {i: private_mounts(names.disk(i), private) if private is not None and i > 0 else [] for i in range(nodes)}
     for i in range(1, nodes):
         if mounts[i]:
             prepare_disk(mounts[i])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis import testbed
+from analysis import testbed, testbed_disks
 from conftest import REPO
 from common.errors import UserError
 from dtrain.data import cache_root
@@ -202,15 +202,15 @@ def test_private_mounts_give_each_node_its_own_copy_and_cover_tmp_last():
     names = testbed.Names("dtb")
     targets = [Path("/work/repo/runs"), Path("/tmp"), Path("/root/.cache/dtrain"),
                Path("/tmp/elsewhere/run"), Path("/work/repo/runs/")]
-    mounts = testbed.private_mounts(names, 1, targets)
+    mounts = testbed_disks.private_mounts(names.disk(1), targets)
     disk = Path("/tmp/dtb-node1")
     # /tmp/elsewhere/run is private with /tmp; the repeated runs/ once; /tmp, which holds the node's disk, last.
     assert mounts == [(disk / "work/repo/runs", Path("/work/repo/runs")),
                       (disk / "root/.cache/dtrain", Path("/root/.cache/dtrain")),
                       (disk / "tmp", Path("/tmp"))]
-    assert testbed.private_mounts(names, 2, targets)[0][0] == Path("/tmp/dtb-node2/work/repo/runs")
+    assert testbed_disks.private_mounts(names.disk(2), targets)[0][0] == Path("/tmp/dtb-node2/work/repo/runs")
     with pytest.raises(UserError, match="--private-path /"):
-        testbed.private_mounts(names, 1, [Path("/")])
+        testbed_disks.private_mounts(names.disk(1), [Path("/")])
 
 
 def test_private_paths_are_the_run_dirs_the_cache_and_tmp(tmp_path, monkeypatch):
@@ -218,14 +218,14 @@ def test_private_paths_are_the_run_dirs_the_cache_and_tmp(tmp_path, monkeypatch)
     monkeypatch.setattr(sys, "prefix", "/opt/venv")
     monkeypatch.setattr(sys, "executable", "/opt/venv/bin/python")
     monkeypatch.setattr(Path, "cwd", classmethod(lambda cls: cls("/srv/checkout")))
-    assert testbed.private_paths(["results"]) == [Path("/srv/checkout/runs"), tmp_path / "xdg" / "dtrain",
+    assert testbed_disks.private_paths(["results"]) == [Path("/srv/checkout/runs"), tmp_path / "xdg" / "dtrain",
                                                  Path("/tmp"), Path("/srv/checkout/results")]
     # A checkout under /tmp (or a virtual environment there) keeps /tmp shared: covered, the nodes could not run.
     monkeypatch.setattr(Path, "cwd", classmethod(lambda cls: tmp_path))
-    assert testbed.private_paths() == [tmp_path / "runs", tmp_path / "xdg" / "dtrain"]
+    assert testbed_disks.private_paths() == [tmp_path / "runs", tmp_path / "xdg" / "dtrain"]
     monkeypatch.setattr(Path, "cwd", classmethod(lambda cls: cls("/srv/checkout")))
     monkeypatch.setattr(sys, "executable", "/tmp/venv/bin/python")
-    assert Path("/tmp") not in testbed.private_paths()
+    assert Path("/tmp") not in testbed_disks.private_paths()
 
 
 def test_agent_command_mounts_before_torchrun():
@@ -291,7 +291,7 @@ def test_private_fs_gives_node_1_its_own_run_dirs_cache_and_tmp(bed, tmp_path):
         places = [f"/tmp/{tag}", str(REPO / "runs" / tag), str(cache_root() / tag)]
         # /tmp stays shared when it holds the checkout or the virtual environment (a CI clone under /tmp)
         private = [p for p in places if any(Path(p).parent == t or t in Path(p).parents
-                                            for t in testbed.private_paths())]
+                                            for t in testbed_disks.private_paths())]
         assert str(REPO / "runs" / tag) in private and str(cache_root() / tag) in private
         for p in places:
             if p in private:  # node 0 wrote on the host; node 1 on its own disk
