@@ -21,6 +21,9 @@ PHASE_NAMES = {"data_ms": "data", "forward_ms": "forward", "backward_ms": "backw
                "comm_exposed_ms": "exposed communication", "optimizer_ms": "optimizer", "other_ms": "other"}
 PROTO_STYLES = {"LL": (0, (1, 1)), "LL128": "--", "Simple": "-."}
 HEADROOM = "no communication: headroom"
+# Where in a candidate's row of the tuning figure each mark sits (rows are 1 apart), so that a prediction, a median
+# and a paired interval at nearly the same time stay apart.
+TUNING_ROW = {"predicted": -0.22, "measured": 0.0, "paired": 0.22}
 
 
 def _figure(width: float = 7.0, height: float = 4.2) -> Figure:
@@ -222,4 +225,51 @@ def pareto(table: pd.DataFrame, title: str = "") -> Figure:
     handles, labels = fig.axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="outside right center")
     fig.suptitle(title or "What communication savings cost in quality", fontsize=10)
+    return fig
+
+
+def tuning(table: pd.DataFrame, title: str = "", reference: str = "winner") -> Figure:
+    """An auto-tuning search, one row per candidate (top: the first row of `table`): its predicted step time (open
+    diamond, MODELED), its measured median (dot), and the paired comparison with a reference put on the time axis
+    (the reference's median plus the median paired difference, a bar over its 95% interval), each at its TUNING_ROW
+    offset. The reference's row (`reference` names it: the winner, or the leader of a search cut short) is
+    highlighted and its median drawn as a dotted line; candidates pruned by the prediction have grey names.
+    Columns: candidate, reference (bool), pruned (bool), predicted_ms, measured_ms, paired_ms, paired_low,
+    paired_high.
+    """
+    fig = _figure(7.5, max(2.8, 0.4 * len(table) + 1.6))
+    ax = fig.add_subplot()
+    y = pd.Series(range(len(table)), index=table.index, dtype=float)
+    for i in table.index[table["reference"]]:
+        ax.axhspan(y[i] - 0.45, y[i] + 0.45, color="gold", alpha=0.35, linewidth=0, label=reference,
+                   gid="reference")
+        if pd.notna(table.at[i, "measured_ms"]):
+            ax.axvline(table.at[i, "measured_ms"], color="black", linestyle=":", linewidth=1,
+                       label=f"{reference}'s measured median", gid="reference_ms")
+    predicted = table["predicted_ms"].notna()  # the tuner may have made no prediction for a candidate
+    ax.scatter(table.loc[predicted, "predicted_ms"], y[predicted] + TUNING_ROW["predicted"], marker="D",
+               facecolors="none", edgecolors="tab:gray", zorder=3, label="predicted (MODELED)", gid="predicted")
+    measured = table["measured_ms"].notna()
+    if measured.any():
+        ax.scatter(table.loc[measured, "measured_ms"], y[measured] + TUNING_ROW["measured"], color="tab:blue",
+                   zorder=4, label="measured median", gid="measured")
+    paired = table["paired_ms"].notna()
+    if paired.any():
+        # Around the reference, not around the candidate's own median: the paired difference is what decided.
+        row = y[paired] + TUNING_ROW["paired"]
+        ax.hlines(row, table.loc[paired, "paired_low"], table.loc[paired, "paired_high"], color="tab:red",
+                  linewidth=2, label=f"{reference} + paired difference, 95% interval", gid="paired")
+        ax.scatter(table.loc[paired, "paired_ms"], row, marker="|", s=80, color="tab:red", zorder=4,
+                   gid="paired_median")
+    ax.set_yticks(list(y))
+    ax.set_yticklabels(table["candidate"], fontsize=8)
+    for label, ref, pruned in zip(ax.get_yticklabels(), table["reference"], table["pruned"]):
+        label.set_fontweight("bold" if ref else "normal")
+        label.set_color("tab:gray" if pruned else "black")
+    ax.set_ylim(len(table) - 0.5, -0.5)  # the first row (fastest measured) on top
+    ax.set_xlabel("step time (ms)")
+    ax.set_ylabel("candidate")
+    ax.set_title(title or "Auto-tuning search: predicted and measured step time", fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig

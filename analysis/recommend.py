@@ -25,7 +25,7 @@ from analysis.runs import load_run
 from collectives.costmodel import ALGOS, PROTOS, FittedModel, NcclModel, load_model
 from common.errors import ArgumentParser, UserError, exit_on_user_error
 from common.files import check_writable, write_atomic
-from common.schema import read_overlay
+from common.schema import deep_merge, read_overlay
 from common.units import human
 from dtrain import config as config_mod
 from dtrain.config import drop_unused_knobs
@@ -200,20 +200,12 @@ def format_recommend(rec: dict) -> str:
     return "\n".join(lines)
 
 
-def _merge(dst: dict, src: dict) -> None:
-    for k, v in src.items():
-        if isinstance(v, dict) and isinstance(dst.get(k), dict):
-            _merge(dst[k], v)
-        else:
-            dst[k] = v
-
-
 def overlay_yaml(profile_path: str, rec: dict, argv: list[str]) -> str:
     """The profile with the recommendation merged in: a complete profile, ready for `--profile`. Its comment head
     says the caps and choices are modeled, and that a forced NCCL choice must pass the benchmark's #wrong check
     before it is trusted."""
     raw, src = read_overlay(profile_path)  # the profile resolved over its includes: the output stands alone
-    _merge(raw, rec["overlay"])
+    deep_merge(raw, rec["overlay"])
     drop_unused_knobs(raw, src)  # knobs of the profile's strategy that the recommended one would not read
     raw["name"] = f"{raw.get('name', Path(profile_path).stem)}-rec-{rec['topology'].replace(':', 'x')}"
     nccl = " and NCCL choices" if "collectives" in rec["overlay"] else ""

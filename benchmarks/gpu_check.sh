@@ -16,6 +16,7 @@
 #    with the tied embedding's gradient split and with the sharded strategy (parameters compared with ddp's), then
 #    the bench with NCCL_PROTO forced to LL, LL128, Simple (socket transport: the network path's bandwidth, not
 #    NVLink's).
+# 6. sync.strategy: auto over per-class NCCL protocols and bucket caps (tuning.csv: predicted and measured).
 # Each part has its own time limit and the script goes on after a failed part; the exit status counts the failures.
 set -uf  # -f: the part patterns below are not file globs
 OUT_DIR=${1:-runs/gpu-check}
@@ -95,6 +96,15 @@ part tied-split-vs-ddp 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2ran
 part train-2rank-sharded 100 two_ranks 29617 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
     --set sync.strategy=sharded --set sync.bucket_cap_mb=2 --run-dir "$OUT_DIR/train-2rank-sharded"
 part sharded-vs-ddp 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-ddp" "$OUT_DIR/train-2rank-sharded"
+# sync.strategy: auto on NCCL: the in-job timing of the NCCL group, the prediction, and the paired race on real
+# CUDA steps, over per-class NCCL protocols (per_group) and bucket caps; tuning.csv holds the search.
+AUTO_SPACE="{bucketed-2: {strategy: bucketed, bucket_cap_mb: 2}, ddp-25: {strategy: ddp, bucket_cap_mb: 25},
+    proj-LL: {strategy: per_class, classes.projection.protocol: LL},
+    proj-LL128: {strategy: per_class, classes.projection.protocol: LL128},
+    proj-Simple: {strategy: per_class, classes.projection.protocol: Simple}}"
+part train-2rank-auto 150 two_ranks 29618 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+    --set sync.strategy=auto --set collectives.mode=per_group --set "sync.tune.candidates=$AUTO_SPACE" \
+    --set sync.tune.top_k=5 --set sync.tune.budget_steps=50 --run-dir "$OUT_DIR/train-2rank-auto"
 port=29620
 for proto in LL LL128 Simple; do
     port=$((port + 1))

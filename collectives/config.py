@@ -44,6 +44,15 @@ def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check:
     check(s.powersgd_rank > 0, "sync.powersgd_rank", f"must be positive, got {s.powersgd_rank}")
     check(s.powersgd_start_iter >= 2, "sync.powersgd_start_iter",
           f"must be at least 2 (DDP rebuilds its buckets after iteration 1), got {s.powersgd_start_iter}")
+    t = s.tune
+    for key, ok, need in (("budget_steps", t.budget_steps > 0, "positive"), ("top_k", t.top_k > 0, "positive"),
+                          ("probe_steps", t.probe_steps > 0, "positive"),
+                          ("warmup_rounds", t.warmup_rounds >= 0, "0 or more"),
+                          ("min_rounds", t.min_rounds >= 2, "at least 2 (a paired difference needs two rounds)"),
+                          ("loss_tolerance", t.loss_tolerance >= 0, "0 or more"),
+                          ("retune_drift", t.retune_drift is None or t.retune_drift > 0, "positive or null"),
+                          ("retune_window", t.retune_window >= 3, "at least 3")):
+        check(ok, f"sync.tune.{key}", f"must be {need}, got {getattr(t, key)}")
     for path, msg in config_problems(s):
         check(False, path, msg)
     # Strategy names are checked against the registry at attach time, and here early.

@@ -57,14 +57,36 @@ class HookConfig:
 
 
 @dataclass(frozen=True)
+class TuneConfig:
+    """`sync.tune`: how `sync.strategy: auto` searches (the engine's tuner, `dtrain.autotune`, runs it). Budgets count
+    training steps: each measured round runs one step of every candidate still in the race."""
+
+    # name -> the candidate's `sync` keys (dotted below `sync`, e.g. {strategy: bucketed, bucket_cap_mb: 0.5,
+    # classes.embedding.tied_split: true}); empty: the default space (dtrain.autotune.DEFAULT_SPACE)
+    candidates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    budget_steps: int = 60  # training steps the search may spend, the probe's included
+    top_k: int = 4  # candidates measured: the best by the prediction (the others are dropped unmeasured)
+    probe_steps: int = 3  # steps of the no-communication probe whose compute times feed the prediction
+    warmup_rounds: int = 2  # first rounds not counted (DDP rebuilds its buckets after its first step)
+    # counted rounds before a candidate may be dropped: from 6 on, the interval of a paired median (the smallest to
+    # the largest difference at 6) covers the true one with >= 95% probability
+    min_rounds: int = 6
+    lossy: bool = False  # also candidates whose averaged gradient is not the exact mean (bf16/fp16 wire, PowerSGD)
+    loss_tolerance: float = 0.01  # a lossy candidate is dropped when its loss is this much higher (relative)
+    retune_drift: float | None = None  # search again when the median step drifts this much (relative) after a search
+    retune_window: int = 20  # steps per median that `retune_drift` compares (the first window is the baseline)
+
+
+@dataclass(frozen=True)
 class SyncConfig:
-    strategy: str = "ddp"  # ddp, per_tensor, flat, bucketed, per_class, powersgd, noop (see collectives/strategies)
+    strategy: str = "ddp"  # ddp, per_tensor, flat, bucketed, per_class, sharded, powersgd, noop, auto (strategies/)
     bucket_cap_mb: float | None = None  # None: DDP's default (25 MiB, with a 1 MiB first bucket); 25 for the others
     first_bucket_mb: float | None = None  # ddp, bucketed: cap of the bucket ready first; None: as bucket_cap_mb
     hook: HookConfig | str | None = None  # ddp: a DDP comm hook by name, or {name, wraps, state} (collectives.hooks)
     classes: dict[str, ClassSettings] = field(default_factory=dict)  # tensor class name -> its rule and settings
     powersgd_rank: int = 1  # powersgd: matrix approximation rank
     powersgd_start_iter: int = 2  # powersgd: plain all-reduce before this iteration (error feedback needs >= 2)
+    tune: TuneConfig = field(default_factory=TuneConfig)  # auto: how the job searches its configuration
 
     def __post_init__(self):
         # The strict loader gives ClassSettings; code (tests, the cost model's what-if plans) may give a class as a

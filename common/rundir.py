@@ -7,6 +7,8 @@
     <run>/buckets.rank<r>.jsonl   the same from rank r > 0 (`train.record_ranks`), each on its own clock
     <run>/eval.jsonl       a `ValRecord` every `train.val_every` steps; the BLEU score with its signature at the end
     <run>/launch.json      how `analysis.sweep` launched the run, and how it ended
+    <run>/tuning.csv       `sync.strategy: auto`: one row per candidate of the search (TUNING_COLUMNS)
+    <run>/tuned.json       ... the winner and its sync keys, which a resumed run takes
 
 Records are written from the dataclasses below, one JSON object a line, in a fixed key order. They are read back
 as the JSON objects themselves (dicts): runs written before a field existed lack it, so a reader relies only on
@@ -31,6 +33,11 @@ STEPS = "steps.jsonl"
 BUCKETS = "buckets.jsonl"
 EVALS = "eval.jsonl"
 LAUNCH = "launch.json"
+TUNING = "tuning.csv"
+TUNED = "tuned.json"
+TUNING_COLUMNS = ("candidate", "sync", "lossless", "predicted_ms", "predicted_rank", "measured_ms", "diff_ms",
+                  "diff_low", "diff_high", "rounds", "steps", "status", "reason")
+TUNING_FINAL = ("winner", "dropped: predicted", "dropped: measured", "kept: budget")  # a candidate's last status
 
 
 def rank_buckets_file(rank: int) -> str:

@@ -235,6 +235,16 @@ def build(cls, raw, path: str, src: Source):
     return cls(**kwargs)
 
 
+def deep_merge(dst: dict, top: dict) -> None:
+    """`top` merged into `dst` in place: mappings key by key, any other value replacing `dst`'s (no line records: for
+    mappings made in code; profiles overlay through `read_overlay`)."""
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            deep_merge(dst[k], v)
+        else:
+            dst[k] = v
+
+
 def apply_overrides(raw: dict, src: Source, overrides) -> Source:
     """`--set` assignments applied to `raw`; the keys they set no longer point at a file line, and the source's
     name says so."""

@@ -12,6 +12,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -19,7 +20,7 @@ from collectives.config import validate as validate_comm
 from collectives.settings import CollectivesConfig, DistConfig, SyncConfig
 from collectives.strategies import unused_keys
 from common.errors import UserError
-from common.schema import Source, apply_overrides, build, read_overlay
+from common.schema import Source, apply_overrides, build, deep_merge, read_overlay
 
 # The paper's Table 3 models, plus small presets that train on two CPU cores.
 MODEL_PRESETS = {
@@ -29,6 +30,8 @@ MODEL_PRESETS = {
     "tiny": dict(N=2, d_model=64, d_ff=128, h=4, dropout=0.1),
 }
 SDPA_BACKENDS = ("auto", "math", "flash", "efficient", "cudnn")
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # torch.compile's `mode`, or off
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")  # torch.compile backends that train
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,11 @@ class TrainConfig:
     # debugging: every rank writes the training pairs it draws, <run>/samples.rank<r>.jsonl ({"step", "epoch",
     # "pairs": [pair indices]} per micro-batch), to check the data order (each pair once per epoch across resumes)
     record_samples: bool = False
+    # torch.compile of the model before the sync strategy wraps it: "off", or the mode ("default",
+    # "reduce-overhead": CUDA graphs, "max-autotune"); `compile_backend` is torch.compile's backend ("inductor";
+    # "aot_eager" traces forward and backward the same way but runs them eagerly, with no C compiler needed)
+    compile: str = "off"
+    compile_backend: str = "inductor"
 
 
 @dataclass(frozen=True)
@@ -217,6 +225,9 @@ def _validate(cfg: RunConfig, src: Source) -> None:
     check(t.threads is None or t.threads > 0, "train.threads", "must be positive or null")
     check(t.sdpa_backend in SDPA_BACKENDS, "train.sdpa_backend",
           f"must be one of {', '.join(SDPA_BACKENDS)}, got '{t.sdpa_backend}'")
+    check(t.compile in COMPILE_MODES, "train.compile", f"must be one of {', '.join(COMPILE_MODES)}, got {t.compile!r}")
+    check(t.compile_backend in COMPILE_BACKENDS, "train.compile_backend",
+          f"must be one of {', '.join(COMPILE_BACKENDS)}, got {t.compile_backend!r}")
     e = cfg.eval
     check(e.split in ("val", "test"), "eval.split", f"must be 'val' or 'test', got '{e.split}'")
     check(e.beam > 0, "eval.beam", "must be positive")
@@ -232,7 +243,45 @@ def from_dict(raw: dict, source: str | Source = "<dict>", lines: dict[str, int] 
     _apply_preset(raw, src)
     cfg = build(RunConfig, raw, "", src)
     _validate(cfg, src)
+    if cfg.sync.strategy == "auto":  # each candidate of the search is a profile of its own: checked now
+        for name, keys in cfg.sync.tune.candidates.items():
+            candidate_config(cfg, name, keys, src)
     return cfg
+
+
+def _nested(keys: dict[str, Any]) -> dict:
+    """Dotted keys -> the nested mapping of a profile's `sync` section (nested mappings are taken as they are)."""
+    out: dict = {}
+    for key, value in keys.items():
+        *parents, last = str(key).split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return out
+
+
+def candidate_config(cfg: RunConfig, name: str, keys: dict[str, Any], src: Source | None = None) -> RunConfig:
+    """The profile of one candidate of `sync.strategy: auto` (`dtrain.autotune`): `sync` replaced by the candidate's
+    keys over the profile's class rules. A bad key is a one-line error naming `sync.tune.candidates.<name>` (and
+    its file and line, given the profile's `src`)."""
+    where = f"sync.tune.candidates.{name}"
+    at = f"{src.where(where)}: " if src is not None else ""
+    if _NAME.fullmatch(name) is None:  # it names the candidate's folder, <run>/tune/<name>
+        raise UserError(f"{at}'{where}': a candidate's name must be letters, digits and - _ . = + (one path "
+                        "component, not starting with '.')")
+    if not isinstance(keys, dict) or "strategy" not in keys or keys["strategy"] == "auto" or "tune" in keys:
+        raise UserError(f"{at}'{where}' must name a strategy other than auto (and no 'tune'), got {keys}")
+    raw = cfg.to_dict()
+    rules = ("match", "min_numel", "max_numel")
+    classes = {c: {k: v for k, v in spec.items() if k in rules} for c, spec in raw["sync"]["classes"].items()}
+    sync = {"classes": classes}
+    deep_merge(sync, _nested(keys))
+    raw["sync"] = sync
+    try:
+        return from_dict(raw, Source(where))
+    except UserError as e:
+        raise UserError(f"{at}{where}: {str(e).removeprefix(where + ': ')}") from None
 
 
 def load(path: str | Path, overrides: list[str] = ()) -> RunConfig:

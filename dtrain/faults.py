@@ -3,7 +3,8 @@
     crash@step=S,rank=R     rank R exits hard at the start of step S (first attempt only, so a restart recovers)
     hang@step=S,rank=R      rank R stops participating at step S (its peers must time out, not hang)
     nan@step=S,rank=R       rank R's gradient of one parameter is NaN at step S (before synchronization)
-    slow@rank=R,ms=M        rank R sleeps M ms in every step (a straggler)
+    slow@rank=R,ms=M        rank R sleeps M ms in every step (a straggler); with from=S, from step S on (one that
+                            turns slow during the run)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from common.errors import UserError
 
 _KINDS = {"crash": {"step", "rank"}, "hang": {"step", "rank"}, "nan": {"step", "rank"}, "slow": {"rank", "ms"}}
+_OPTIONAL = {"slow": {"from"}}
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class Fault:
     rank: int
     step: int | None = None
     ms: int | None = None
+    start: int = 1  # slow: the first step it sleeps in (`from`)
 
 
 def parse(spec: str) -> Fault:
@@ -42,8 +45,12 @@ def parse(spec: str) -> Fault:
         if key in fields:
             raise UserError(f"--fault '{spec}': '{key}' is given twice")
         fields[key] = int(value)
-    if set(fields) != _KINDS[kind]:
-        raise UserError(f"--fault '{spec}': {kind} takes exactly {', '.join(sorted(_KINDS[kind]))}")
+    optional = _OPTIONAL.get(kind, set())
+    if not _KINDS[kind] <= set(fields) <= _KINDS[kind] | optional:
+        takes = ", ".join(sorted(_KINDS[kind])) + (f" (and optionally {', '.join(sorted(optional))})" if optional else "")
+        raise UserError(f"--fault '{spec}': {kind} takes exactly {takes}")
+    if "from" in fields:
+        fields["start"] = fields.pop("from")
     if kind != "slow" and fields["step"] < 1:
         raise UserError(f"--fault '{spec}': step counts from 1")
     return Fault(kind, **fields)
@@ -69,7 +76,7 @@ class FaultInjector:
             while True:
                 time.sleep(3600)
         for f in self.faults:
-            if f.kind == "slow":
+            if f.kind == "slow" and step >= f.start:
                 time.sleep(f.ms / 1000)
 
     def poison(self, step: int, model: torch.nn.Module):

@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 -m dtrain.train --profile profiles/multi30k-cpu.yaml --run-dir runs/m30k
     torchrun --nproc_per_node=2 -m dtrain.train --profile profiles/multi30k-cpu.yaml --run-dir runs/m30k --resume
     python -m dtrain.train --profile profiles/base.yaml --set train.max_steps=10 --dry-run
+    python -m dtrain.train --profile profiles/wmt14-en-de-base.yaml --dry-run --topology h100x8-ib:2  # + the plan
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         -m dtrain.train --profile profiles/base.yaml                   # a GPU cluster: NCCL, one process per GPU
 
@@ -23,9 +24,11 @@ import sys
 import time
 from pathlib import Path
 
+from collectives import costmodel as cm
 from collectives import dist as ddist
 from collectives import nccl
 from common.errors import UserError, exit_on_user_error
+from dtrain import autotune, runplan
 from dtrain import config as config_mod
 from dtrain.faults import parse as parse_fault
 from dtrain.log import prepare_run_dir
@@ -40,7 +43,10 @@ def parse_args(argv=None):
                     help="override a profile value by dotted key (repeatable), e.g. --set train.max_steps=100")
     ap.add_argument("--run-dir", help="where the run writes (default: runs/<name>-<time>)")
     ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --run-dir")
-    ap.add_argument("--dry-run", action="store_true", help="validate the profile, print the resolved config, exit")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="validate the profile, print the resolved config and the run's plan, exit")
+    ap.add_argument("--topology", help="--dry-run: plan for this cluster shape, a collectives.costmodel preset "
+                                       "(h100x8 for 8 GPUs, h100x8-ib:2 for 2x8); MODELED")
     ap.add_argument("--fault", action="append", default=[], metavar="SPEC",
                     help="inject a fault (tests, demos): crash@step=S,rank=R | hang@step=S,rank=R | "
                          "nan@step=S,rank=R | slow@rank=R,ms=M")
@@ -63,9 +69,16 @@ def main(argv=None) -> int:
         cfg = config_mod.load(args.profile, args.overrides)
         faults = [parse_fault(spec) for spec in args.fault]
         if args.dry_run:
+            topo = cm.topology(args.topology) if args.topology else None  # a bad preset: before any output
             print(config_mod.dump(cfg), end="")
             print(nccl.groups_text(cfg), end="")  # what each process group would get from NCCL
+            print("\n".join(["# " + line for line in runplan.plan_lines(cfg, topo)]))
+            if args.topology:
+                print("# the MODELED step time (FLOP-estimated compute + this communication) and the whole run: "
+                      + runplan.simulator_command(args.profile, args.overrides, args.topology))
             return 0
+        if args.topology:
+            raise UserError("--topology is read by --dry-run only (the plan); a training run uses the machine it is on")
         if args.resume and not args.run_dir:
             raise UserError("--resume needs --run-dir (the run to continue)")
         # Under `torchrun --max-restarts`, a restarted attempt continues from the latest complete checkpoint.
@@ -89,10 +102,13 @@ def main(argv=None) -> int:
                 return run_dir
 
             run_dir = ddist.main_decides(name_and_check)
-            trainer = Trainer(cfg, Path(run_dir), device, backend, faults, stop)
-            if resume:
-                trainer.resume()
-            summary = trainer.fit()
+            if cfg.sync.strategy == "auto":  # searched, trained by the winner (on resume: the one recorded)
+                summary = autotune.fit(cfg, Path(run_dir), device, backend, faults, stop, resume)
+            else:
+                trainer = Trainer(cfg, Path(run_dir), device, backend, faults, stop)
+                if resume:
+                    trainer.resume()
+                summary = trainer.fit()
             if summary.get("preempted"):
                 return PREEMPTED_EXIT
             if ddist.is_main():

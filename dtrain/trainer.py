@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from collectives import dist as ddist
 from collectives.timing import ms_between, stamp
 from common.errors import JobFailure, UserError
 from common.jsonl import append_jsonl, read_jsonl, rewrite_jsonl
-from common.rundir import StepRecord, ValRecord
+from common.rundir import StepRecord, ValRecord, rank_buckets_file
 from dtrain import checkpoint
 from dtrain.config import RunConfig
 from dtrain.data import BatchStream, TokenBatcher, collate
@@ -60,6 +61,7 @@ def set_rng_state(state: dict) -> None:
 # The exit status of a rank stopped by a signal after saving its checkpoint: EX_TEMPFAIL of BSD's sysexits.h
 # ("temporary failure ... the user is invited to retry"); resume the run with --resume.
 PREEMPTED_EXIT = 75
+RETUNE = "retune"  # why fit() stopped: the tuner's watch asked for a new search
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -113,6 +115,11 @@ class Trainer:
         self.model = Transformer.from_config(cfg.model, vocab, PAD).to(device)
         torch.manual_seed(cfg.seed * 1000 + self.rank)
         random.seed(cfg.seed * 1000 + self.rank)
+        if cfg.train.compile != "off":
+            # In place (nn.Module.compile), keeping parameter names and state-dict keys; before the strategy wraps the
+            # model, so every strategy calls the compiled forward through `handle.module` (docs/profiles.md).
+            self.model.compile(mode=None if cfg.train.compile == "default" else cfg.train.compile,
+                               backend=cfg.train.compile_backend)
         self.sync = attach(self.model, cfg.sync)
         # GPU utilization, memory and power in rank 0's step records (off without a GPU); DTRAIN_PROFILE=START:COUNT
         # traces that window of steps on every rank into <run>/profile/.
@@ -124,6 +131,10 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, cfg.model.d_model, o.warmup, o.lr_factor)
         self.criterion = LabelSmoothing(vocab, PAD, o.label_smoothing)
         self.step = 0
+        self.facts: dict = {}  # more facts of the job for run.json (the tuner's search)
+        # Called with each step's record by fit(); True stops the run after that step with a checkpoint, and fit()
+        # returns {"retune": True} (the tuner's drift check: every rank must answer alike).
+        self.watch: Callable[[StepRecord], bool] | None = None
         self.recomputed = 0  # steps recorded by an interrupted attempt and computed again after resuming
 
     # -- checkpoints ------------------------------------------------------------------------------------------
@@ -161,10 +172,11 @@ class Trainer:
         if problem is not None:
             raise JobFailure(problem)
 
-    def resume(self) -> None:
-        """Continue from the latest complete checkpoint; rank 0 chooses and reads it, and sends every rank the state
-        (with its own entries of the per-rank lists), so no other rank needs the file on its disk."""
-        path, state = resume_state(self.run_dir)
+    def resume(self, source: Path | None = None) -> None:
+        """Continue from the latest complete checkpoint (of `source`, a run directory; default this run's own);
+        rank 0 chooses and reads it, and sends every rank the state (with its own entries of the per-rank lists),
+        so no other rank needs the file on its disk."""
+        path, state = resume_state(source or self.run_dir)
         if path is None:
             if self.main:
                 print(f"no complete checkpoint in {self.run_dir}; starting from step 0", flush=True)
@@ -216,51 +228,53 @@ class Trainer:
 
     # -- the step ---------------------------------------------------------------------------------------------
 
-    def _sync_device(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def train_step(self) -> StepRecord:
         """One optimizer step over `accum_steps` micro-batches; returns the step record."""
         self.model.train()
+        t_step = time.perf_counter()  # a straggler's sleep (fault slow) is part of its step, as slow compute would be
         self.faults.step_start(self.step + 1)
         poison = self.faults.poison(self.step + 1, self.model)
-        t_step = time.perf_counter()
-        times, backward_spans, loss_sum, ntokens = self._forward_backward()
+        data_s, spans, loss_sum, ntokens = self._forward_backward()
         if poison is not None:
             poison.remove()
         self.phase = "gradient synchronization (wait)"
         w0 = stamp(self.device)
         self.sync.wait()
         w1 = stamp(self.device)  # on CUDA: the current stream has waited for every bucket by here
-        self._sync_device()
-        t5 = time.perf_counter()
         self.phase = "optimizer step"
         lr = self.scheduler.get_last_lr()[0]
-        grad_norm, finite = self._optimizer_step()
+        o0 = stamp(self.device)
+        grad_norm, finite, loss_sum = self._optimizer_step(loss_sum)
+        o1 = stamp(self.device)
+        # The end of the step: on CUDA the first read of an event waits for the optimizer's kernels, then every
+        # interval comes from the events without further synchronization.
+        optimizer_ms = ms_between(o0, o1)
         t6 = time.perf_counter()
         self.step += 1
         self.bad_steps = 0 if finite else self.bad_steps + 1
-        ms = lambda s: round(s * 1000, 3)  # noqa: E731
-        backward_ms = sum(ms_between(a, b) for a, b in backward_spans)
+        span_ms = lambda kind: round(sum(ms_between(a, b) for a, b in spans[kind]), 3)  # noqa: E731
         return StepRecord(self.step, self.stream.epoch, loss=loss_sum / max(ntokens, 1), tokens=ntokens, lr=lr,
-                          grad_norm=grad_norm, skipped=not finite, data_ms=ms(times["data"]),
-                          forward_ms=ms(times["forward"]), backward_ms=round(backward_ms, 3),
-                          comm_exposed_ms=round(ms_between(w0, w1), 3), optimizer_ms=ms(t6 - t5),
-                          step_ms=ms(t6 - t_step), time=round(time.time(), 3))
+                          grad_norm=grad_norm, skipped=not finite, data_ms=round(data_s * 1000, 3),
+                          forward_ms=span_ms("forward"), backward_ms=span_ms("backward"),
+                          comm_exposed_ms=round(ms_between(w0, w1), 3), optimizer_ms=round(optimizer_ms, 3),
+                          step_ms=round((t6 - t_step) * 1000, 3), time=round(time.time(), 3))
 
-    def _forward_backward(self) -> tuple[dict, list, float, int]:
-        """The step's micro-batches: (data and forward seconds, (start, end) backward stamps per micro-batch, summed
-        loss, target tokens). All but the last accumulate locally; the last one's backward communicates."""
+    def _forward_backward(self) -> tuple[float, dict, torch.Tensor, int]:
+        """The step's micro-batches: (data seconds, {"forward"|"backward": (start, end) stamps per micro-batch},
+        summed loss as a float64 0-dim tensor on the device, target tokens). All but the last accumulate locally;
+        the last one's backward communicates. Nothing here waits for the device: the stamps are read, and the loss
+        copied to the host, once at the end of the step."""
         t = self.cfg.train
-        times = dict(data=0.0, forward=0.0)
-        backward_spans = []  # read after the step (on CUDA, from events)
-        loss_sum, ntokens = 0.0, 0
+        data_s = 0.0
+        spans = {"forward": [], "backward": []}  # read after the step (on CUDA, from events)
+        # float64: the sum of the float32 per-micro-batch losses as exact as the host's float sum it replaces
+        loss_sum, ntokens = torch.zeros((), dtype=torch.float64, device=self.device), 0
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if t.amp == "bf16" else nullcontext()
         for micro in range(t.accum_steps):
             t0 = time.perf_counter()
             batch = self.stream.next().to(self.device)
             t1 = time.perf_counter()
+            f0 = stamp(self.device)
             if t.record_samples:
                 self.samples.append({"step": self.step + 1, "epoch": self.stream.epoch, "pairs": self.stream.last})
             # All but the last micro-batch accumulate locally; the last one communicates.
@@ -270,28 +284,28 @@ class Trainer:
                 with amp:
                     logits = self.sync.module(batch.src, batch.tgt_in)  # (B, T, vocab)
                     loss = self.criterion(logits, batch.tgt_out)  # summed over target tokens
-                self._sync_device()
-                t2 = time.perf_counter()
-                b0 = stamp(self.device)
+                f1 = b0 = stamp(self.device)
                 (loss / (batch.ntokens * t.accum_steps)).backward()
                 b1 = stamp(self.device)  # on CUDA: behind the backward kernels, not behind the collectives
-                if not last:
-                    self._sync_device()
                 # No device sync before wait(): it would also wait for the collectives and hide them in backward.
-            times["data"] += t1 - t0
-            times["forward"] += t2 - t1
-            backward_spans.append((b0, b1))
-            loss_sum += loss.item()
-            ntokens += batch.ntokens
-        return times, backward_spans, loss_sum, ntokens
+            data_s += t1 - t0
+            spans["forward"].append((f0, f1))
+            spans["backward"].append((b0, b1))
+            loss_sum += loss.detach().to(torch.float64)
+            ntokens += batch.ntokens  # counted on the host when the batch was collated
+        return data_s, spans, loss_sum, ntokens
 
-    def _optimizer_step(self) -> tuple[float, bool]:
-        """Clip by the global norm and step, unless a gradient is not finite: (the norm, whether it stepped)."""
+    def _optimizer_step(self, loss_sum: torch.Tensor) -> tuple[float, bool, float]:
+        """Clip by the global norm and step, unless a gradient is not finite: (the norm, whether it stepped, the
+        step's summed loss as a host float)."""
         # Of the synchronized gradients: equal on every rank. With clipping, the same float32 value however the
         # strategy splits the gradient over ranks, since it scales the update.
         grad_norm = self.sync.grad_norm(exact=self.cfg.optim.clip_norm is not None)
+        # The step's one copy to the host before the update, which must know whether to skip: the norm and the
+        # summed loss together (float64 holds the float32 norm exactly).
+        loss_sum, norm = torch.stack([loss_sum, grad_norm.to(loss_sum.device, torch.float64)]).tolist()
         # A non-finite gradient reached every rank through the all-reduce, so all ranks skip this step alike.
-        finite = bool(torch.isfinite(grad_norm))
+        finite = math.isfinite(norm)
         if finite:
             if self.cfg.optim.clip_norm:
                 # Takes the parameters and scales their .grad (given bare gradient tensors it scales nothing).
@@ -303,8 +317,7 @@ class Trainer:
         # starts, which costs this loop only the records and the next batch, and under analysis.interleave keeps the
         # all-gather inside this configuration's own step instead of hiding it behind the others'.
         self.optimizer.zero_grad(set_to_none=True)
-        self._sync_device()
-        return float(grad_norm), finite
+        return norm, finite, loss_sum
 
     @torch.no_grad()
     def validate(self) -> ValRecord:
@@ -313,14 +326,15 @@ class Trainer:
         self.model.eval()
         batcher = TokenBatcher(self.val_pairs.lengths(), self.cfg.data.max_tokens, 0, self.rank, self.world,
                                shuffle=False)
-        nll, ntokens = 0.0, 0
+        # Summed on the device in float64 (as exact as a host float sum) and read once; tokens counted by collate.
+        nll, ntokens = torch.zeros((), dtype=torch.float64, device=self.device), 0
         for indices in batcher.shard():
             b = collate(self.val_pairs, indices).to(self.device)
             logp = torch.log_softmax(self.model(b.src, b.tgt_in).float(), dim=-1)
             mask = b.tgt_out != PAD
-            nll -= logp.gather(-1, b.tgt_out[..., None]).squeeze(-1)[mask].sum().item()
-            ntokens += int(mask.sum())
-        nll, ntokens = ddist.all_reduce_sum([nll, ntokens], self.device)
+            nll -= logp.gather(-1, b.tgt_out[..., None]).squeeze(-1)[mask].sum().to(torch.float64)
+            ntokens += b.ntokens  # (b.tgt_out != PAD).sum(), on the host
+        nll, ntokens = ddist.all_reduce_sum([nll.item(), ntokens], self.device)
         return ValRecord(self.step, nll / ntokens, math.exp(nll / ntokens))
 
     # -- the run ----------------------------------------------------------------------------------------------
@@ -333,7 +347,7 @@ class Trainer:
             self.cfg, backend=self.backend, world_size=self.world, device=str(self.device),
             parameters=count_parameters(self.model), vocab=self.tokenizer.vocab_size,
             train_pairs=len(self.train_pairs), data_dir=str(self.data_dir), sync=self.sync.stats(),
-            torch_threads=torch.get_num_threads(), nccl=nccl.run_record(),
+            torch_threads=torch.get_num_threads(), nccl=nccl.run_record(), **self.facts,
         )
 
     def recorded_step(self) -> StepRecord:
@@ -401,6 +415,8 @@ class Trainer:
                 val = self._guarded(self.validate)
                 self.writer.eval(val)
             stopped = self.stop_agreed()
+            if not stopped and self.watch is not None and self.watch(rec):
+                stopped = RETUNE
             if self.step % t.ckpt_every == 0 or stopped:
                 self.phase = "checkpoint"
                 self._guarded(self.save)
@@ -409,6 +425,9 @@ class Trainer:
         bar.close()
         self.profiler.stop()
         self.telemetry.stop()
+        if stopped == RETUNE:  # the caller searches again from the checkpoint just saved
+            return {"steps": self.step, "steps_this_run": self.step - start_step, "recomputed": self.recomputed,
+                    "retune": True}
         if stopped:
             if self.main:
                 print(f"stopped by {stopped} after step {self.step}: checkpoint saved; exiting with status "
@@ -469,6 +488,17 @@ class Trainer:
                 f"rank {self.rank}: {self.phase} at step {self.step + 1} failed after "
                 f"{time.perf_counter() - t0:.1f} s (dist.timeout_s = {self.cfg.dist.timeout_s:g}); a peer may have "
                 f"stopped or died: {first[:200]}") from None
+
+    def relocate(self, run_dir: Path) -> None:
+        """Continue this run in `run_dir`, its per-step records so far appended to that directory's (the tuner's
+        winner moves from its candidate folder to the run's own). Each rank moves the files it writes; the
+        candidate folder keeps its copy."""
+        old, self.run_dir = self.run_dir, Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for src in old.glob("*.jsonl"):
+            if self.main or src.name in (rank_buckets_file(self.rank), samples_file(self.rank)):
+                append_jsonl(self.run_dir / src.name, read_jsonl(src))
+        self.writer = RunWriter(self.run_dir, self.main, self.rank, self.cfg.train.record_ranks)
 
     def _average(self) -> None:
         """Average the last k complete checkpoints into <run>/averaged.pt (rank 0, from its disk) and evaluate with

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from collectives import attach
 from collectives.reducer import allreduce_each
-from collectives.strategies import available, get
+from collectives.strategies import attachable, get
 from common.errors import UserError, exit_on_user_error
 from common.schema import apply_override
 from dtrain import config
@@ -168,10 +168,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     with exit_on_user_error("dtrain.verify"):
-        names = available() if args.strategies == "all" else [s for s in args.strategies.split(",") if s]
+        names = attachable() if args.strategies == "all" else [s for s in args.strategies.split(",") if s]
         for s in names:
-            if s not in available():
-                raise UserError(f"--strategies: unknown strategy '{s}' (available: {', '.join(available())})")
+            if s not in attachable():
+                raise UserError(f"--strategies: unknown strategy '{s}' (available: {', '.join(attachable())})")
         if args.nproc < 1 or args.accum < 1 or args.steps < 1:
             raise UserError("--nproc, --accum and --steps must be positive")
         results = run(args.nproc, names, [args.accum], args.steps, args.bucket_mb, args.overrides)[str(args.accum)]

@@ -107,7 +107,7 @@ def test_pack_keys_and_oversized_tensors():
 def test_registry_errors():
     with pytest.raises(ValueError, match="already registered"):
         strategies.register("bucketed")(type("Again", (BucketingStrategy,), {}))
-    with pytest.raises(UserError, match=r"unknown strategy 'bucketd'.*available: bucketed, ddp, flat"):
+    with pytest.raises(UserError, match=r"unknown strategy 'bucketd'.*available: auto, bucketed, ddp, flat"):
         strategies.get("bucketd")
     with pytest.raises(UserError, match="strategy 'bucketed' has no argument 'bucket_mb'"):
         strategies.get("bucketed").from_args(bucket_mb=4)

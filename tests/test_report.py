@@ -1,5 +1,6 @@
-"""analysis.report from small recorded runs (tests/data/runs/smoke: trimmed records of real 2-rank smoke runs and a
-loopback benchmark): the files, the series each figure holds, the captions, and figures skipped when data is missing.
+"""analysis.report (its tables, `report_tables`, and sections, `report_sections`) from small recorded runs
+(tests/data/runs/smoke: trimmed records of real 2-rank smoke runs and a loopback benchmark): the files, the series each
+figure holds, the captions, and figures skipped when data is missing.
 """
 
 import json
@@ -10,7 +11,7 @@ import pandas as pd
 import pytest
 from matplotlib.colors import to_rgba
 
-from analysis import plots, report
+from analysis import plots, report, report_sections, report_tables
 from collectives import costmodel as cm
 from analysis.runs import find_runs, load_run, load_runs
 
@@ -131,14 +132,14 @@ def test_allreduce_time_against_size_per_strategy_over_the_model_of_the_same_net
 
 def test_allreduce_size_model_follows_the_topology(tmp_path):
     runs = [load_run(RUNS / "smoke-per_class-bucket_cap_mb=1")]
-    preset = report.section_allreduce_size(runs, [], "h100x8")  # no benchmark beside: the preset, said so
+    preset = report_sections.section_allreduce_size(runs, [], "h100x8")  # no benchmark beside: the preset, said so
     assert "not the network these runs measured" in preset.caption
     m = preset.table[preset.table["kind"] == "modeled"]
     model = cm.NcclModel(cm.topology("h100x8"))
     np.testing.assert_allclose(m["time_ms"], [model.allreduce_ms(n) for n in m["bytes"]])
-    fitted = report.section_allreduce_size(runs, [], f"fit:{RUNS / 'bench.json'}")  # a fit given: that one
+    fitted = report_sections.section_allreduce_size(runs, [], f"fit:{RUNS / 'bench.json'}")  # a fit given: that one
     assert "(--topology)" in fitted.caption
-    bare = report.section_allreduce_size(runs, [], None)
+    bare = report_sections.section_allreduce_size(runs, [], None)
     assert (bare.table["kind"] == "measured").all() and "No modeled curve" in bare.caption
     assert not any(ln.get_gid() for ln in bare.figure.axes[0].get_lines())
 
@@ -153,7 +154,7 @@ def test_breakdown_stacks_the_phases_and_marks_headroom(built):
     total = s.table[list(plots.PHASE_NAMES)].sum(axis=1)
     assert (total >= s.table["step_ms"] - 1e-6).all()  # "other" closes the gap to the mean step
     run = load_runs([RUNS])[0]
-    row, steps = report.breakdown_table([run], 3).iloc[0], run.steady_frame(3)
+    row, steps = report_tables.breakdown_table([run], 3).iloc[0], run.steady_frame(3)
     assert row["forward_ms"] == pytest.approx(steps["forward_ms"].mean())  # means: the stack adds up to the step
     assert row["step_ms"] == pytest.approx(steps["step_ms"].mean())
     noop = list(s.table["label"]).index("noop")
@@ -195,7 +196,7 @@ def test_pareto_front_is_marked(tmp_path):
             if e["kind"] == "bleu":
                 e["bleu"] = float((7 * i) % 5 + i / 10)  # not monotone in the order of the runs
         (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
-    s = report.section_pareto(load_runs([runs]), warmup=3, target=None)
+    s = report_sections.section_pareto(load_runs([runs]), warmup=3, target=None)
     t = s.table
     for x, front in (("ms_per_ktok", "on_front_step"), ("to_target_s", "on_front_wall")):
         on = t[t[front]]
@@ -210,7 +211,7 @@ def test_pareto_front_is_marked(tmp_path):
     assert len(points) == len(t) and len({tuple(c.get_facecolor()[0]) for c in points}) == len(t)
     assert set(t["label"]) <= {txt.get_text() for txt in s.figure.legends[0].get_texts()}
     run = next(r for r in load_runs([runs]) if r.communicates and r.bleu is not None)
-    (q, _), m = report.quality_table([run], 3, None), run.steady_frame(3)
+    (q, _), m = report_tables.quality_table([run], 3, None), run.steady_frame(3)
     assert q["ms_per_ktok"].iloc[0] == pytest.approx((m["step_ms"] / m["tokens"] * 1000).median())
     assert q["tokens_per_step"].iloc[0] == pytest.approx(m["tokens"].mean())
 
@@ -218,12 +219,12 @@ def test_pareto_front_is_marked(tmp_path):
 def test_pareto_front_and_time_to_target_by_hand():
     x = pd.Series([1.0, 2.0, 3.0, 2.0])
     y = pd.Series([10.0, 12.0, 11.0, 9.0])
-    assert list(report.pareto_front(x, y)) == [True, True, False, False]
+    assert list(report_tables.pareto_front(x, y)) == [True, True, False, False]
     run = load_run(next(p for p in RUNS.iterdir() if (p / "eval.jsonl").exists()))
     first = run.val.iloc[0]
     want = run.step_frame.loc[run.step_frame["step"] <= first["step"], "step_ms"].sum() / 1000
-    assert report.time_to_target(run, first["val_nll"]) == pytest.approx(want)
-    assert np.isnan(report.time_to_target(run, 0.0))
+    assert report_tables.time_to_target(run, first["val_nll"]) == pytest.approx(want)
+    assert np.isnan(report_tables.time_to_target(run, 0.0))
 
 
 def test_missing_data_skips_figures_with_a_note(tmp_path):

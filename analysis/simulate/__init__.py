@@ -25,7 +25,7 @@ from analysis.simulate.costs import default_lanes, host_ms
 from analysis.simulate.paper import flop_step, flop_timeline, paper_profile
 from analysis.simulate.predict import Prediction, predict, requested_nccl, sweep
 from analysis.simulate.reference import ReferenceStep, ready_curve, reference_step
-from analysis.simulate.timeline import GLOO_LANES, ReadyCurve, Timeline, play_timeline, through
+from collectives.timeline import GLOO_LANES, ReadyCurve, Timeline, play_timeline, through
 
 __all__ = ["GLOO_LANES", "Calibration", "EveryStep", "Prediction", "Ranking", "ReadyCurve", "ReferenceStep",
            "Timeline", "calibrate", "default_lanes", "every_step", "flop_step", "flop_timeline", "host_ms",

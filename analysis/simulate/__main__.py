@@ -5,6 +5,7 @@ against measured runs, or the paper's base configuration projected on a preset. 
     python -m analysis.simulate --run runs/m30k --topology fit:bench.json --measured runs/flat runs/b5 runs/b25
     python -m analysis.simulate --run runs/m30k --topology fit:bench.json --median   # medians of steady steps
     python -m analysis.simulate --paper                  # the paper's base configuration projected on 8 P100
+    python -m analysis.simulate --plan --profile profiles/wmt14-en-de-base.yaml --topology h100x8-ib:2  # a run's plan
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from analysis.simulate.check import (
     speed_probe,
 )
 from analysis.simulate.costs import default_lanes
-from analysis.simulate.paper import PAPER_STEP_S, paper_profile
-from analysis.simulate.predict import Prediction, sweep
+from analysis.simulate.paper import PAPER_STEP_S, flop_timeline, paper_profile
+from analysis.simulate.predict import Prediction, predict, sweep
 from analysis.simulate.reference import ready_curve, reference_step
-from analysis.simulate.timeline import GLOO_LANES
 from collectives import costmodel as cm
+from collectives.timeline import GLOO_LANES
 from common.errors import ArgumentParser, UserError, exit_on_user_error
+from dtrain import config as config_mod
+from dtrain.runplan import plan_lines
 
 PROG = "analysis.simulate"
 DEFAULT_STRATEGIES = ("per_tensor", "flat", "bucketed", "per_class", "ddp", "noop")
@@ -125,7 +128,14 @@ def parser() -> ArgumentParser:
     ap.add_argument("--every-step", action="store_true",
                     help="with --measured: repeat the check with each steady step as the profiled step and summarize")
     ap.add_argument("--paper", action="store_true", help="project the paper's base configuration (8 P100)")
-    ap.add_argument("--mfu", type=float, default=0.3, help="--paper: assumed fraction of the GPU's fp32 peak")
+    ap.add_argument("--plan", action="store_true",
+                    help="the plan of --profile's run on --topology (a preset): tokens, steps, checkpoints and the "
+                         "MODELED step and run time (FLOP-estimated compute, the profile's strategy on the cost model)")
+    ap.add_argument("--profile", help="--plan: the profile")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="--plan: override a profile value, as dtrain.train's --set (repeatable)")
+    ap.add_argument("--mfu", type=float, default=0.3,
+                    help="--paper, --plan: assumed fraction of the GPU's peak (fp32, or bf16 under train.amp)")
     ap.add_argument("--json", action="store_true")
     return ap
 
@@ -167,6 +177,23 @@ def _paper(args, strategies: list[str], caps: list[float]) -> tuple[list[Predict
     return rows, header
 
 
+def _plan(args) -> list[str]:
+    """The plan of a profile's run on a preset (`dtrain.runplan`), with the simulator's step: the FLOP-estimated
+    compute of `data.max_tokens` x `train.accum_steps` tokens per GPU (the cap: an upper bound) and the profile's
+    strategy's buckets played on the preset's cost model."""
+    if not (args.profile and args.topology) or args.run or args.paper:
+        raise UserError("--plan takes --profile and --topology (a preset such as h100x8 or h100x8-ib:2), not --run "
+                        "or --paper")
+    cfg = config_mod.load(args.profile, args.overrides)
+    topo = cm.topology(args.topology)
+    ref, curve, calib, notes = flop_timeline(cfg, topo, mfu=args.mfu)
+    p = predict(cfg, ref, curve, cm.NcclModel(topo), calib, cfg.sync.strategy)
+    source = (f"analysis.simulate: compute {ref.forward_ms + ref.backward_ms:.1f} + optimizer {ref.optimizer_ms:.1f}"
+              f" ms from FLOPs, {cfg.sync.strategy} in {p.buckets} bucket(s), {p.comm_ms:.1f} ms of all-reduce of "
+              f"which {p.exposed_ms:.1f} ms exposed")
+    return ["MODELED (no measurement)", *plan_lines(cfg, topo, p.step_ms, source), *notes]
+
+
 def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Prediction], list[str], EveryStep | None]:
     """A recorded run's reference step played with every strategy and cap, and the measured runs beside: rows,
     header, and with --every-step the check repeated over its steady steps."""
@@ -201,6 +228,9 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
 
 
 def _main(args) -> None:
+    if args.plan:
+        print("\n".join("# " + line for line in _plan(args)))
+        return
     strategies, caps = _check(args)
     robust = None
     if args.paper:

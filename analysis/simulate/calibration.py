@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from analysis.simulate.costs import host_ms
 from analysis.simulate.reference import ReferenceStep
-from analysis.simulate.timeline import Timeline, play_timeline
+from collectives.timeline import Timeline, play_timeline
 
 
 @dataclass

@@ -6,7 +6,6 @@ reference step.
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 
@@ -15,20 +14,13 @@ from analysis.runs import Run
 from analysis.simulate.calibration import Calibration, calibrate
 from analysis.simulate.predict import Prediction, predict
 from analysis.simulate.reference import ReferenceStep, ready_curve, reference_step
-from analysis.simulate.timeline import ReadyCurve
 from collectives import strategies
+from collectives.timeline import ReadyCurve
 from common.errors import UserError
+from common.stats import median_ci, paired_median
 
 PREDICTED_TIE = 0.005  # relative
 MIN_PAIRED = 10  # common steps for a paired comparison
-
-
-def median_ci(values: list[float], z: float = 1.96) -> tuple[float, float]:
-    """A distribution-free ~95% confidence interval of the median: the order statistics n/2 ± z·√n/2."""
-    v = sorted(values)
-    n = len(v)
-    half = z * math.sqrt(n) / 2
-    return v[max(0, math.floor(n / 2 - half))], v[min(n - 1, math.ceil(n / 2 + half) - 1)]
 
 
 def run_level(values: list[float]) -> tuple[float, tuple[float, float]]:
@@ -122,8 +114,8 @@ def paired(a: Prediction, b: Prediction) -> tuple[float, float, float] | None:
     common = a.samples.keys() & b.samples.keys()
     if len(common) < MIN_PAIRED:
         return None
-    diffs = [a.samples[k] - b.samples[k] for k in common]
-    return (statistics.median(diffs), *median_ci(diffs))
+    keys = sorted(common)
+    return paired_median([a.samples[k] for k in keys], [b.samples[k] for k in keys])
 
 
 def ranking(rows: list[Prediction], adjusted: bool = False) -> Ranking:

@@ -7,8 +7,8 @@ benchmark (`FittedModel`).
 
 from __future__ import annotations
 
-from analysis.simulate.timeline import GLOO_LANES, Timeline
 from collectives import costmodel as cm
+from collectives.timeline import GLOO_LANES, Timeline
 
 
 def host_ms(model, sizes: list[int], tl: Timeline) -> float | None:

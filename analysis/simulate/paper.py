@@ -8,8 +8,8 @@ from __future__ import annotations
 from analysis.plans import ready_params
 from analysis.simulate.calibration import Calibration
 from analysis.simulate.reference import ReferenceStep
-from analysis.simulate.timeline import ReadyCurve
 from collectives import costmodel as cm
+from collectives.timeline import ReadyCurve
 from common.errors import UserError
 from dtrain import config as config_mod
 

@@ -10,8 +10,8 @@ from analysis.plans import bucket_plan, ready_params
 from analysis.simulate.calibration import Calibration
 from analysis.simulate.costs import host_ms
 from analysis.simulate.reference import ReferenceStep
-from analysis.simulate.timeline import ReadyCurve, forward_stall, play_timeline, through
 from collectives import nccl, strategies
+from collectives.timeline import ReadyCurve, gather_stall, play_timeline, through
 from common.errors import UserError
 
 
@@ -63,7 +63,8 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
             cost=None, nccl_of=None) -> Prediction:
     """Predicted step of `cfg`'s model under `strategy` (bucket cap, per-class overrides), played on the reference
     step. `cost(nbytes, algo, proto) -> ms` replaces the model's cost of one all-reduce; `nccl_of(bucket)` gives
-    the (algo, proto) a bucket is forced to (default: what the profile requests)."""
+    the (algo, proto) a bucket is forced to (default: what the profile requests). A split tied embedding
+    (`tied_split`) is played as its plain plan (docs/simulator.md says why)."""
     if strategy == "powersgd":
         raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
     compute = ref.compute_ms
@@ -96,19 +97,10 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
 def _sharded_extra_ms(cfg, ref: ReferenceStep, model, plan, dur: list[float], calib: Calibration, world: int
                       ) -> float:
     """What a sharded step adds to (or saves from) the reference step's compute: the next forward waiting for the
-    all-gathers, their host cost on a CPU machine, and the optimizer updating 1/world of the parameters.
-
-    The forward needs the buckets in the reverse of their ready order (it runs the layers backward computed last
-    first), after compute proportional to the elements before them; the tied embedding's lookups cost next to
-    nothing, so its bucket weighs nothing there and is needed at once."""
-    order = list(range(len(plan)))[::-1]
-    weight = [0.0 if plan[i].tensor_class == "embedding" else float(plan[i].numel) for i in order]
+    all-gathers (`collectives.timeline.gather_stall`), their host cost on a CPU machine, and the optimizer updating
+    1/world of the parameters."""
     forward = ref.forward_ms / ref.accum_steps  # the gathers delay only the first micro-batch's forward
-    total, need, acc = sum(weight) or 1.0, [], 0.0
-    for w in weight:
-        need.append(forward * acc / total)
-        acc += w
-    extra = forward_stall(need, [dur[i] for i in order], forward)
+    extra = gather_stall(plan, dur, forward)
     host = getattr(model, "host_us", None)
     if calib.host_base_ms is not None and host is not None and host(0) is not None:
         extra += sum(host(b.nbytes) / 2 for b in plan) / 1000.0  # half an all-reduce's bytes each, all in forward

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from analysis.plans import bucket_plan, ready_params
 from analysis.runs import Run, slowest_rank_records, typical_step
-from analysis.simulate.timeline import ReadyCurve, through
+from collectives.timeline import ReadyCurve, through
 from common.errors import UserError
 
 

@@ -1,9 +1,10 @@
-"""Registry of gradient synchronization strategies: `register(name)`, `available()`, `build(name, ...)`, and
+"""Registry of gradient synchronization strategies: `register(name)`, `available()`, `attachable()`, `build(name, ...)`, and
 `plan_for(sync, params)`, the one bucket plan of a sync section that training, the cost model and the simulator use.
 
 A registered class is either a `GradSync` subclass (ddp, powersgd, noop: they synchronize by themselves) or a
 `BucketingStrategy` (per_tensor, flat, bucketed, per_class: a pure plan that `PlannedSync` executes with the reducer;
-sharded: one that `ShardedSync` executes with the sharded reducer).
+sharded: one that `ShardedSync` executes with the sharded reducer). `auto` is neither: the engine's tuner picks one of
+the others by measurement.
 Each declares the `sync` keys it reads (`sync_keys`); `unused_keys(sync)` names those a profile sets in vain, which
 `collectives.config.validate` refuses.
 """
@@ -16,6 +17,7 @@ from typing import NamedTuple
 from collectives import tensor_classes
 from collectives.plan import Bucket, BucketingStrategy, plan_params
 from collectives.settings import ClassSettings, SyncConfig
+from collectives.sync import GradSync
 from common.errors import UserError
 
 _REGISTRY: dict[str, type] = {}
@@ -44,6 +46,11 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def attachable() -> list[str]:
+    """The strategies `attach` builds (all but `auto`, which the engine's tuner resolves to one of these)."""
+    return [n for n in available() if issubclass(_REGISTRY[n], (BucketingStrategy, GradSync))]
+
+
 def get(name: str) -> type:
     if name not in _REGISTRY:
         raise UserError(f"unknown strategy '{name}' for 'sync.strategy' (available: {', '.join(available())})")
@@ -52,6 +59,9 @@ def get(name: str) -> type:
 
 def build(name: str, model, cfg, process_group=None):
     cls = get(name)
+    if name not in attachable():
+        raise UserError(f"strategy '{name}' is chosen by the engine's tuner, not attached (train with "
+                        "python -m dtrain.train, or attach the configuration it picked: <run>/config.yaml)")
     if issubclass(cls, BucketingStrategy):
         return (cls.handle or PlannedSync)(model, cfg, process_group, cls.from_sync(cfg))
     return cls(model, cfg, process_group)
@@ -116,4 +126,4 @@ def plan_for(sync, named_params) -> Plan:
 # Importing the modules registers their strategies; PlannedSync runs the plans (ShardedSync the sharded one's).
 from collectives.strategies import bucketed, ddp, flat, noop, per_class, per_tensor, powersgd  # noqa: E402,F401
 from collectives.strategies.planned import PlannedSync  # noqa: E402
-from collectives.strategies import sharded  # noqa: E402,F401
+from collectives.strategies import auto, sharded  # noqa: E402,F401

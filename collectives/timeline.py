@@ -1,5 +1,5 @@
-"""The simulator's engine: the collectives of one backward played onto a timeline, and the gradient-ready curve
-they are launched from.
+"""The collectives of one backward played onto a timeline, and the gradient-ready curve they are launched from: the
+engine of the step simulator (`analysis.simulate`) and of the tuner's predictions (`dtrain.autotune`).
 
 Everything here is modeled. Times are ms from the start of the synchronized backward; buckets are in index (launch)
 order.
@@ -123,6 +123,20 @@ def forward_stall(need_ms: list[float], durations_ms: list[float], forward_ms: f
         clock = max(clock + (need - computed), link)
         computed = need
     return clock + (forward_ms - computed) - forward_ms
+
+
+def gather_stall(plan, durations_ms: list[float], forward_ms: float) -> float:
+    """`forward_stall` of a sharded strategy's all-gathers of `plan` (buckets in ready order, their gathers taking
+    `durations_ms`): the forward needs them in the reverse of their ready order (it runs first the layers backward
+    computed last), each after compute proportional to the elements before it; the tied embedding's lookups cost
+    next to nothing, so its bucket weighs nothing there and is needed at once."""
+    order = list(range(len(plan)))[::-1]
+    weight = [0.0 if plan[i].tensor_class == "embedding" else float(plan[i].numel) for i in order]
+    total, need, acc = sum(weight) or 1.0, [], 0.0
+    for w in weight:
+        need.append(forward_ms * acc / total)
+        acc += w
+    return forward_stall(need, [durations_ms[i] for i in order], forward_ms)
 
 
 class ReadyCurve:

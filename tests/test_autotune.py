@@ -1,0 +1,147 @@
+"""`sync.strategy: auto` (dtrain.autotune): candidates, predictions, the paired dropping rule, and a 2-rank job that
+tunes itself, equals an untuned run of its winner and resumes without searching again."""
+
+import json
+
+import pytest
+import torch
+
+from collectives.costmodel.fit import FittedModel, Regime
+from common.errors import UserError
+from common.rundir import TUNING_COLUMNS
+from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun
+from dtrain import autotune, tune_model
+from dtrain import config as config_mod
+from dtrain.model import Transformer
+
+SMOKE = str(REPO / "profiles" / "smoke.yaml")
+
+
+def auto_cfg(*overrides):
+    return config_mod.load(SMOKE, ["sync.strategy=auto", *overrides])
+
+
+def test_the_default_space_builds_and_only_lossless_candidates_are_searched_by_default():
+    cands = autotune.candidates(auto_cfg())
+    assert [c.name for c in cands] == list(autotune.DEFAULT_SPACE)
+    assert all(c.lossless for c in cands)
+    split = next(c for c in cands if c.name == "bucketed-0.5-split")
+    assert split.cfg.sync.strategy == "bucketed" and split.cfg.sync.classes["embedding"].tied_split
+    assert split.cfg.sync.bucket_cap_mb == 0.5
+
+    space = "{fp32: {strategy: per_class}, bf16: {strategy: per_class, classes.embedding.wire_dtype: bf16}}"
+    assert [c.name for c in autotune.candidates(auto_cfg(f"sync.tune.candidates={space}"))] == ["fp32"]
+    both = autotune.candidates(auto_cfg(f"sync.tune.candidates={space}", "sync.tune.lossy=true"))
+    assert [(c.name, c.lossless) for c in both] == [("fp32", True), ("bf16", False)]
+
+
+@pytest.mark.parametrize("space, words", [
+    ("{x: {strategy: ddp, bucket_cap: 2}}", ["sync.tune.candidates.x", "bucket_cap"]),
+    ("{x: {bucket_cap_mb: 2}}", ["sync.tune.candidates.x", "strategy"]),
+    ("{x: {strategy: auto}}", ["sync.tune.candidates.x", "auto"]),
+    ("{x: {strategy: ddp, powersgd_rank: 2}}", ["sync.powersgd_rank", "not used by strategy 'ddp'"]),
+    ("{../up: {strategy: ddp}}", ["sync.tune.candidates.../up", "one path component"]),
+])
+def test_a_bad_candidate_is_one_line_naming_it(space, words):
+    with pytest.raises(UserError) as e:
+        autotune.candidates(auto_cfg(f"sync.tune.candidates={space}"))
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_auto_takes_no_other_sync_key_and_attach_refuses_it():
+    with pytest.raises(UserError, match="sync.bucket_cap_mb.*not used by strategy 'auto'"):
+        auto_cfg("sync.bucket_cap_mb=2")
+    from collectives import attach
+    with pytest.raises(UserError, match="chosen by the engine's tuner"):
+        attach(torch.nn.Linear(2, 2), auto_cfg().sync)
+
+
+def test_the_prediction_charges_the_exposed_tail_on_a_slow_network():
+    cfg = config_mod.load(REPO / "profiles" / "multi30k-cpu.yaml", ["sync.strategy=auto"])  # ~10 MB of gradients
+    with torch.device("meta"):
+        model = Transformer.from_config(cfg.model, cfg.data.vocab_size)
+    probe = tune_model.Probe(forward_ms=40.0, backward_ms=80.0, optimizer_ms=10.0, step_ms=140.0)
+    slow = FittedModel({"x": [Regime(float("inf"), 100.0, 0.01)]}, "allreduce", 2)  # 10 MB/s after 100 µs
+    fast = FittedModel({"x": [Regime(float("inf"), 1.0, 100.0)]}, "allreduce", 2)
+    pred = {c.name: tune_model.predict_ms(c.cfg.sync, model, probe, slow, 2, "gloo")
+            for c in autotune.candidates(cfg)}
+    assert pred["ddp-25"] > pred["ddp-2"] > probe.step_ms  # one big bucket waits for the end of backward
+    assert pred["bucketed-0.5"] < pred["bucketed-8"]
+    on_fast = tune_model.predict_ms(autotune.candidates(cfg)[0].cfg.sync, model, probe, fast, 2, "gloo")
+    assert probe.step_ms <= on_fast < pred["ddp-2"]
+    powersgd = config_mod.load(REPO / "profiles" / "multi30k-cpu.yaml", ["sync.strategy=powersgd"])
+    assert tune_model.predict_ms(powersgd.sync, model, probe, slow, 2, "gloo") is None
+
+
+def test_a_candidate_is_dropped_only_when_the_paired_interval_excludes_zero():
+    tuner = autotune.Tuner(auto_cfg("sync.tune.min_rounds=6"), REPO / "unused", torch.device("cpu"), "gloo")
+    lead, close, slow = tuner.cands[:3]
+    drift = [500, 620, 540, 700, 520, 610]  # the machine's speed moves all three alike
+    lead.times = dict(enumerate(drift))
+    close.times = {r: t + (4 if r % 2 else -3) for r, t in enumerate(drift)}  # as fast, within noise
+    slow.times = {r: t + 25 + r for r, t in enumerate(drift)}  # always slower, by less than the drift
+    kept = tuner._drop([lead, close, slow])
+    assert kept == [lead, close]
+    assert slow.status == "dropped: measured" and slow.diff[1] > 0 and "slower than the leader" in slow.reason
+    # fewer rounds than min_rounds: nobody is dropped yet
+    for c in (lead, close, slow):
+        c.times = dict(list(c.times.items())[:5])
+    assert tuner._drop([lead, close, slow]) == [lead, close, slow]
+
+
+@pytest.mark.slow
+def test_an_auto_job_survives_a_crash_equals_its_winner_untuned_and_resumes_without_searching(tmp_path):
+    space = "{ddp-25: {strategy: ddp, bucket_cap_mb: 25}, bucketed-1: {strategy: bucketed, bucket_cap_mb: 1}}"
+    tune = ("--set", "sync.strategy=auto", "--set", f"sync.tune.candidates={space}", "--set",
+            "sync.tune.budget_steps=12", "--set", "sync.tune.warmup_rounds=1", "--set", "sync.tune.min_rounds=3",
+            "--set", "sync.tune.probe_steps=2", "--set", "train.val_every=0", *NO_EVAL)
+    run = tmp_path / "auto"
+    # Rank 1 crashes in the search's third round; torchrun restarts the job, which searches again from step 0.
+    r = torchrun("--run-dir", str(run), "--set", "train.max_steps=8", "--set", "train.ckpt_every=8", *tune,
+                 "--fault", "crash@step=3,rank=1", extra=("--max-restarts=1",))
+    assert "[fault] crash at step 3" in r.stderr and r.stdout.count(" wins after ") == 1
+    tuned = json.loads((run / "tuned.json").read_text())
+    rows = (run / "tuning.csv").read_text().splitlines()
+    assert rows[0].split(",") == list(TUNING_COLUMNS) and len(rows) == 3
+    assert f"tuning: {tuned['winner']} wins" in r.stdout
+    header = json.loads((run / "run.json").read_text())
+    assert header["tuning"]["winner"] == tuned["winner"] and header["tuning"]["steps_spent"] <= 12
+    win_rounds = header["tuning"]["rounds"]
+    assert [s["step"] for s in records(run / "steps.jsonl")] == list(range(1, 9))  # tuning steps are the run's
+    assert config_mod.load(run / "config.yaml").sync.strategy == tuned["sync"]["strategy"]
+    assert win_rounds >= 1
+
+    # The same 8 steps of the winner, untuned: the same parameters and optimizer state.
+    plain = tmp_path / "plain"
+    keys = [f"sync.{k}={v}" for k, v in tuned["sync"].items()]
+    torchrun("--run-dir", str(plain), "--set", "train.max_steps=8", "--set", "train.ckpt_every=8",
+             "--set", "train.val_every=0", *NO_EVAL, *[a for k in keys for a in ("--set", k)])
+    diff = checkpoint_diff(run / "checkpoints" / "step-0000008.pt", plain / "checkpoints" / "step-0000008.pt")
+    assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
+
+    # Resumed: the recorded winner trains on, nothing is searched again.
+    csv_before = (run / "tuning.csv").read_text()
+    r = torchrun("--run-dir", str(run), "--resume", "--set", "train.max_steps=10", "--set", "train.ckpt_every=8",
+                 *tune)
+    assert "tuning:" not in r.stdout and (run / "tuning.csv").read_text() == csv_before
+    assert [s["step"] for s in records(run / "steps.jsonl")][-1] == 10
+
+
+@pytest.mark.slow
+def test_a_drifting_step_time_starts_a_new_search_from_a_checkpoint(tmp_path):
+    """Rank 0 turns slow from step 12 (+400 ms a step): the window of steps 11-13 drifts past 50% of the baseline,
+    the run checkpoints step 13 and searches again from it, and the records stay one step per line, 1 to 20."""
+    space = "{ddp-25: {strategy: ddp, bucket_cap_mb: 25}, bucketed-1: {strategy: bucketed, bucket_cap_mb: 1}}"
+    run = tmp_path / "auto"
+    r = torchrun("--run-dir", str(run), "--set", "train.max_steps=20", "--set", "train.ckpt_every=100",
+                 "--set", "sync.strategy=auto", "--set", f"sync.tune.candidates={space}",
+                 "--set", "sync.tune.budget_steps=10", "--set", "sync.tune.warmup_rounds=1",
+                 "--set", "sync.tune.min_rounds=3", "--set", "sync.tune.probe_steps=2",
+                 "--set", "sync.tune.retune_drift=0.5", "--set", "sync.tune.retune_window=3",
+                 "--set", "train.val_every=0", *NO_EVAL, "--fault", "slow@rank=0,ms=400,from=12")
+    assert "step 13: the median step moved" in r.stdout and r.stdout.count("wins after") == 2, r.stdout[-3000:]
+    tuned = json.loads((run / "tuned.json").read_text())
+    assert tuned["search"] == 1 and tuned["from_step"] == 13
+    assert (run / "tuning.0.csv").exists() and (run / "tuning.csv").exists() and (run / "tune-1").is_dir()
+    assert [s["step"] for s in records(run / "steps.jsonl")] == list(range(1, 21))
+    assert (run / "checkpoints" / "step-0000013.pt").exists()

@@ -1,0 +1,80 @@
+"""`train.compile`: the model compiled in place before the sync strategy wraps it trains as the eager one does, behind
+every strategy; and a bad value is a one-line error naming the key.
+
+One process, a one-rank gloo group (as a plain `python -m dtrain.train` runs), profiles/smoke.yaml without dropout
+(compiled dropout draws other random numbers than eager dropout, so only a dropout-free model can be compared step
+for step). Inductor compiles C++ on CPU (it needs a C compiler, which this machine has) and takes seconds per graph,
+so the strategy matrix uses the `aot_eager` backend: the same capture of forward and backward into graphs, which is
+what changes when gradient hooks fire, run eagerly; the inductor comparison is marked slow (minutes on two cores).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collectives import dist as ddist
+from common.errors import UserError
+from dtrain import config as config_mod
+from dtrain.trainer import Trainer
+
+STEPS = 2
+BASE = ["model.dropout=0.0", "eval.at_end=false", "train.average_last=1"]
+
+
+@pytest.fixture(scope="module")
+def one_rank(multi30k_dir):
+    if not dist.is_initialized():
+        ddist.init(config_mod.RunConfig().dist)
+    yield
+
+
+def losses(tmp_path, name, *overrides) -> list[tuple[float, float, bool]]:
+    """(loss, grad_norm, skipped) of the first STEPS steps of the smoke profile with `overrides`."""
+    cfg = config_mod.load("profiles/smoke.yaml", [*BASE, *overrides])
+    trainer = Trainer(cfg, tmp_path / name, ddist.init(cfg.dist)[0], "gloo")
+    # compiled in place: the module strategies wrap calls the compiled forward, and keeps its parameter names
+    assert (trainer.model._compiled_call_impl is not None) == (cfg.train.compile != "off")
+    assert all("_orig_mod" not in n for n in trainer.model.state_dict())
+    out = []
+    for _ in range(STEPS):
+        rec = trainer.train_step()
+        out.append((rec.loss, rec.grad_norm, rec.skipped))
+    return out
+
+
+def assert_close(a, b, rel):
+    for (la, na, sa), (lb, nb, sb) in zip(a, b, strict=True):
+        assert not sa and not sb
+        assert math.isclose(la, lb, rel_tol=rel), (a, b)
+        assert math.isclose(na, nb, rel_tol=10 * rel), (a, b)
+
+
+@pytest.mark.slow
+def test_inductor_matches_eager(tmp_path, one_rank):
+    eager = losses(tmp_path, "eager")
+    torch._dynamo.reset()
+    compiled = losses(tmp_path, "inductor", "train.compile=default")
+    # Inductor fuses and reorders float32 reductions: equal to rounding, not bit for bit.
+    assert_close(compiled, eager, 1e-4)
+    assert eager[1][0] != eager[0][0]  # the second step saw the first update
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "per_tensor", "flat", "bucketed", "per_class", "sharded", "powersgd",
+                                      "noop"])
+def test_every_strategy_trains_the_compiled_model(tmp_path, one_rank, strategy):
+    eager = losses(tmp_path, "eager", f"sync.strategy={strategy}")
+    compiled = losses(tmp_path, "compiled", f"sync.strategy={strategy}", "train.compile=default",
+                      "train.compile_backend=aot_eager")
+    assert_close(compiled, eager, 1e-5)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("train.compile=fast", "'train.compile' must be one of off, default, reduce-overhead, max-autotune, got 'fast'"),
+    ("train.compile_backend=tvm", "'train.compile_backend' must be one of inductor, aot_eager"),
+])
+def test_bad_compile_value_names_the_key(override, expected):
+    with pytest.raises(UserError) as e:
+        config_mod.load("profiles/smoke.yaml", [override])
+    assert expected in str(e.value) and "\n" not in str(e.value)
