@@ -1,6 +1,9 @@
 """Shared fixtures: the Multi30k directory (from $DTRAIN_DATA_DIR, as in CI) and a tiny model."""
 
+import contextlib
+import io
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +12,7 @@ import pytest
 import torch
 
 from common.jsonl import read_jsonl
+from dtrain import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,6 +46,13 @@ def torchrun(*args, nproc=2, check=True, extra=(), timeout=300):
     return r
 
 
+def free_port() -> int:
+    """A TCP port free right now, for a rendezvous started without torchrun's agent."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def records(path):
     return read_jsonl(path)
 
@@ -58,6 +69,13 @@ def straight_run(tmp_path_factory):
 
 
 def checkpoint_diff(a, b) -> str:
-    r = subprocess.run([sys.executable, "-m", "dtrain.checkpoint", "diff", str(a), str(b)],
-                       capture_output=True, text=True, cwd=REPO)
-    return r.stdout + r.stderr
+    """What `python -m dtrain.checkpoint diff A B` prints (runs or checkpoint files), from its `main` in this process:
+    the same code and output without a second interpreter importing torch for every comparison (the command line
+    itself is run by tests/test_reliability.py)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            checkpoint.main(["diff", str(a), str(b)])
+        except SystemExit:  # a one-line error, already printed
+            pass
+    return out.getvalue()

@@ -27,17 +27,23 @@ def max_rel(a: dict, b: dict) -> float:
     return max(((a[n] - b[n]).abs().max() / b[n].abs().max()).item() for n in b)
 
 
+@pytest.fixture(scope="module")
+def per_class_run(tmp_path_factory):
+    """attach(strategy='per_class') for 20 steps: the reference of the comparisons below."""
+    return plain_loop(tmp_path_factory.mktemp("per_class"), "--strategy", "per_class")
+
+
 @pytest.mark.slow
-def test_plain_loop_keeps_every_rank_equal(tmp_path):
-    _, out = plain_loop(tmp_path, "--strategy", "per_class", steps=5)
+def test_plain_loop_keeps_every_rank_equal(per_class_run):
+    _, out = per_class_run  # plain_loop checked the line "parameters equal on every rank: True"
     assert "per_class: last loss" in out
 
 
 @pytest.mark.slow
-def test_own_ddp_with_the_per_class_hook_matches_the_per_class_strategy(tmp_path):
+def test_own_ddp_with_the_per_class_hook_matches_the_per_class_strategy(tmp_path, per_class_run):
     """20 steps: the loop's own DDP + `per_class_hook`, and attach's `ddp` strategy running the same hook
     (`sync.hook: per_class`), end with the parameters of attach(strategy='per_class'), run the same way."""
-    reference, _ = plain_loop(tmp_path, "--strategy", "per_class")
+    reference, _ = per_class_run
     own, out = plain_loop(tmp_path, "--own-ddp")
     assert "own DDP + per_class hook" in out
     via_attach, out = plain_loop(tmp_path, "--strategy", "ddp", "--hook", "per_class")

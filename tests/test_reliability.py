@@ -1,5 +1,6 @@
 """Faults on 2 gloo ranks: crash and restart, a hung peer, NaN gradients, corrupt checkpoints, bad input."""
 
+import math
 import os
 import re
 import shutil
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun
+from conftest import NO_EVAL, REPO, checkpoint_diff, free_port, records, torchrun
 from dtrain.faults import Fault, parse
 
 
@@ -23,22 +24,38 @@ def test_fault_specs_parse_and_reject():
 
 @pytest.mark.slow
 def test_crash_and_restart_matches_uninterrupted_run(tmp_path, straight_run):
+    """Rank 1 dies at step 13; torchrun restarts both from the step-10 checkpoint, and step 20 is the uninterrupted
+    run's step 20 (the schedule and the data order depend on the step, not on train.max_steps)."""
     run = tmp_path / "crashed"
-    r = torchrun("--run-dir", str(run), "--fault", "crash@step=25,rank=1", "--set", "train.max_steps=30", *NO_EVAL,
+    r = torchrun("--run-dir", str(run), "--fault", "crash@step=13,rank=1", "--set", "train.max_steps=20", *NO_EVAL,
                  extra=["--max-restarts=1"])
-    assert "[fault] crash at step 25" in r.stderr
-    assert re.search(r"resumed from .*step-0000020.pt at step 20 \(4 recorded steps", r.stdout), r.stdout
-    assert "recomputed=4" in r.stdout
-    assert [s["step"] for s in records(run / "steps.jsonl")] == list(range(1, 31))
-    diff = checkpoint_diff(straight_run, run)
+    assert "[fault] crash at step 13" in r.stderr
+    assert re.search(r"resumed from .*step-0000010.pt at step 10 \(2 recorded steps", r.stdout), r.stdout
+    assert "recomputed=2" in r.stdout
+    assert [s["step"] for s in records(run / "steps.jsonl")] == list(range(1, 21))
+    diff = checkpoint_diff(straight_run / "checkpoints" / "step-0000020.pt", run)
     assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
 
 
 @pytest.mark.slow
 def test_hung_peer_fails_within_the_timeout(tmp_path):
-    timeout = 6
-    r = torchrun("--run-dir", str(tmp_path / "hang"), "--fault", "hang@step=5,rank=1",
-                 "--set", f"dist.timeout_s={timeout}", *NO_EVAL, check=False, timeout=120)
+    """Rank 1 stops taking part at step 5: rank 0's all-reduce gives up after dist.timeout_s, with one line naming the
+    phase. The two ranks get torchrun's environment but not its agent, which would then wait out its own grace
+    period (30 s, torch.distributed.elastic's shutdown) for the hung rank: its SIGTERM handler only asks for a stop."""
+    timeout, port = 6, free_port()
+    cmd = [sys.executable, "-m", "dtrain.train", "--profile", "profiles/smoke.yaml",
+           "--run-dir", str(tmp_path / "hang"), "--fault", "hang@step=5,rank=1", "--set", f"dist.timeout_s={timeout}",
+           *NO_EVAL]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2"}
+    rank1 = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**env, "RANK": "1", "LOCAL_RANK": "1"})
+    try:
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env={**env, "RANK": "0", "LOCAL_RANK": "0"})
+    finally:
+        rank1.kill()  # hung for good, as intended
+        rank1.wait()
     assert r.returncode != 0
     m = re.search(r"rank 0: (.*) at step 5 failed after ([\d.]+) s \(dist.timeout_s = 6\)", r.stderr)
     assert m, r.stderr[-3000:]
@@ -48,27 +65,30 @@ def test_hung_peer_fails_within_the_timeout(tmp_path):
 
 @pytest.mark.slow
 def test_nan_gradient_skips_the_step_on_every_rank(tmp_path):
+    """One run: a NaN on rank 0 at step 5 is skipped and training goes on; NaNs on rank 1 at steps 8 and 9 are two in a
+    row, one more than train.max_bad_steps allows, and stop the run at step 9."""
     run = tmp_path / "nan"
-    torchrun("--run-dir", str(run), "--fault", "nan@step=5,rank=0", "--set", "train.max_steps=10", *NO_EVAL)
-    steps = records(run / "steps.jsonl")
-    assert [s["step"] for s in steps if s["skipped"]] == [5]
-    assert len(steps) == 10 and steps[-1]["grad_norm"] == steps[-1]["grad_norm"]  # finite again after
-    r = torchrun("--run-dir", str(tmp_path / "nan2"), "--fault", "nan@step=5,rank=1",
-                 "--set", "train.max_bad_steps=0", *NO_EVAL, check=False)
+    r = torchrun("--run-dir", str(run), "--fault", "nan@step=5,rank=0", "--fault", "nan@step=8,rank=1",
+                 "--fault", "nan@step=9,rank=1", "--set", "train.max_bad_steps=1", *NO_EVAL, check=False)
     assert r.returncode != 0
-    assert "stopping at step 5: 1 consecutive steps with non-finite gradients" in r.stderr
+    assert "stopping at step 9: 2 consecutive steps with non-finite gradients (train.max_bad_steps = 1)" in r.stderr, \
+        r.stderr[-3000:]
+    steps = records(run / "steps.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, 10))
+    assert [s["step"] for s in steps if s["skipped"]] == [5, 8, 9]
+    assert all(math.isfinite(s["grad_norm"]) for s in steps[5:7])  # steps 6 and 7: finite again after step 5
 
 
 @pytest.mark.slow
-def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, straight_run):
     run = tmp_path / "corrupt"
-    torchrun("--run-dir", str(run), "--set", "train.max_steps=20", *NO_EVAL)
-    latest = run / "checkpoints" / "step-0000020.pt"
+    shutil.copytree(straight_run, run)  # 30 steps, checkpoints at 10, 20 and 30
+    latest = run / "checkpoints" / "step-0000030.pt"
     latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])  # truncated on disk
-    r = torchrun("--run-dir", str(run), "--resume", "--set", "train.max_steps=25", *NO_EVAL)
+    r = torchrun("--run-dir", str(run), "--resume", "--set", "train.max_steps=30", *NO_EVAL)
     assert "skipping checkpoint" in r.stderr and "checksum mismatch" in r.stderr
-    assert "at step 10" in r.stdout
-    assert [s["step"] for s in records(run / "steps.jsonl")] == list(range(1, 26))
+    assert "at step 20" in r.stdout
+    assert [s["step"] for s in records(run / "steps.jsonl")] == list(range(1, 31))
 
 
 def run_train(*args, env=None):
@@ -181,10 +201,16 @@ def test_powersgd_resume_continues_exactly(tmp_path):
     layout and rebuilds it after the first step."""
     import torch
 
-    powersgd = ("--set", "sync.strategy=powersgd", *NO_EVAL)
+    # A checkpoint every 5 steps, all kept: the split run is a copy of the straight one cut back to its step-15
+    # checkpoint, which is what 15 steps of its own would have written.
+    powersgd = ("--set", "sync.strategy=powersgd", "--set", "train.ckpt_every=5", "--set", "train.keep_ckpts=6",
+                *NO_EVAL)
     straight, split = tmp_path / "straight", tmp_path / "split"
     torchrun("--run-dir", str(straight), "--set", "train.max_steps=30", *powersgd)
-    torchrun("--run-dir", str(split), "--set", "train.max_steps=15", *powersgd)
+    shutil.copytree(straight, split)
+    for later in (20, 25, 30):
+        for f in (split / "checkpoints").glob(f"step-{later:07d}.pt*"):
+            f.unlink()
     state = torch.load(split / "checkpoints" / "step-0000015.pt", weights_only=True)
     ranks = state["sync"]
     assert len(ranks) == 2 and all(r["iter"] == 15 for r in ranks)

@@ -333,7 +333,7 @@ def test_an_elastic_job_goes_on_when_a_node_is_taken_away(bed, tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "analysis.testbed", "--name", bed.prefix, "run", "--private-fs", "--min-nodes", "1",
            "--log-dir", str(tmp_path / "logs"), "--", "--max-restarts=3", "-m", "dtrain.train",
-           "--profile", "profiles/smoke.yaml", "--set", "train.max_steps=40", "--set", "train.ckpt_every=5",
+           "--profile", "profiles/smoke.yaml", "--set", "train.max_steps=20", "--set", "train.ckpt_every=5",
            "--set", "eval.at_end=false", "--set", "train.average_last=1", "--fault", "slow@rank=0,ms=250",
            "--run-dir", str(run)]
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -351,7 +351,7 @@ def test_an_elastic_job_goes_on_when_a_node_is_taken_away(bed, tmp_path):
         if job.poll() is None:
             job.kill()
     assert job.returncode == 0, out[-3000:]
-    assert "the data re-sharded over 1" in out and "done: steps=40" in out, out[-3000:]
-    assert [json.loads(line)["step"] for line in (run / "steps.jsonl").read_text().splitlines()] == list(range(1, 41))
+    assert "the data re-sharded over 1" in out and "done: steps=20" in out, out[-3000:]
+    assert [json.loads(line)["step"] for line in (run / "steps.jsonl").read_text().splitlines()] == list(range(1, 21))
     header = json.loads((run / "run.json").read_text())
     assert header["world_size"] == 1  # the attempt that finished ran on node 0 alone
