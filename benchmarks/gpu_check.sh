@@ -12,6 +12,7 @@
 #    settings (per_group) and the log check against the bucket plan (nccl_check.txt), then bucketed; GPU telemetry
 #    in the step records, bucket timelines from CUDA events.
 # 4. CUDA training steps on one rank, checkpoint averaging, beam search and sacreBLEU on test 2016.
+# 4b. The same one-rank steps with torch.compile (train.compile: default): tokens/s and GPU utilization.
 # 5. `collectives.bench` over the two ranks with NCCL's pick (NCCL_DEBUG=INFO), two-rank ddp training and the same
 #    with the tied embedding's gradient split and with the sharded strategy (parameters compared with ddp's), then
 #    the bench with NCCL_PROTO forced to LL, LL128, Simple (socket transport: the network path's bandwidth, not
@@ -78,6 +79,12 @@ part train-2rank-bucketed 100 two_ranks 29615 -m dtrain.train --profile profiles
     --set sync.strategy=bucketed $NOEVAL --run-dir "$OUT_DIR/train-2rank-bucketed"
 part train-1rank 120 python3 -m dtrain.train --profile profiles/base.yaml $TRAIN --set train.max_steps="$STEPS" \
     --set train.ckpt_every=100 --set train.average_last=2 --set eval.batch_size=256 --run-dir "$OUT_DIR/train-1rank"
+
+# The same steps with the model compiled (train.compile): tokens/s and GPU utilization of both in their step records
+# (telemetry), against train-1rank's; no final evaluation, the comparison is the step.
+part train-1rank-compiled 150 python3 -m dtrain.train --profile profiles/base.yaml $TRAIN --set train.max_steps="$STEPS" \
+    --set train.compile=default --set train.ckpt_every=100000 --set eval.at_end=false \
+    --run-dir "$OUT_DIR/train-1rank-compiled"
 
 BENCH="-m collectives.bench -b 8 -e ${GPU_CHECK_MAXBYTES:-256M} -f 4 -n 10"
 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV,TUNING NCCL_DEBUG_FILE="$OUT_DIR/bench-nccl.%h.%p.log" \

@@ -52,13 +52,16 @@ from dtrain.trainer import Trainer, rng_state, set_rng_state
 TUNE_DIR = "tune"  # <run>/tune/<candidate>/: each replica's records during the search
 
 # The search space when a profile names none: the strategies that send buckets, at caps around the sizes of the
-# base model's tensors, with the tied embedding's split and the sharded strategy's forward overlap.
+# base model's tensors, a small first bucket, a per-class cap, the tied embedding's split and the sharded strategy's
+# forward overlap.
 DEFAULT_SPACE: dict[str, dict[str, Any]] = {
     "ddp-25": {"strategy": "ddp", "bucket_cap_mb": 25},  # stock DDP's defaults
     "ddp-2": {"strategy": "ddp", "bucket_cap_mb": 2},
     "bucketed-0.5": {"strategy": "bucketed", "bucket_cap_mb": 0.5},
     "bucketed-2": {"strategy": "bucketed", "bucket_cap_mb": 2},
     "bucketed-8": {"strategy": "bucketed", "bucket_cap_mb": 8},
+    "bucketed-8-first1": {"strategy": "bucketed", "bucket_cap_mb": 8, "first_bucket_mb": 1},
+    "per_class-2-embedding16": {"strategy": "per_class", "bucket_cap_mb": 2, "classes.embedding.bucket_cap_mb": 16},
     "bucketed-0.5-split": {"strategy": "bucketed", "bucket_cap_mb": 0.5, "classes.embedding.tied_split": True},
     "bucketed-2-split": {"strategy": "bucketed", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
     "sharded-0.5": {"strategy": "sharded", "bucket_cap_mb": 0.5},
@@ -121,6 +124,19 @@ def candidates(cfg: RunConfig) -> list[Candidate]:
     return out
 
 
+def prune(cands: list[Candidate], top_k: int) -> list[Candidate]:
+    """The candidates to measure: the `top_k` best predicted, and every one without a prediction (PowerSGD: no
+    bucket plan to play); the others are marked dropped. Ranks are given in predicted order."""
+    predicted = sorted((c for c in cands if c.predicted_ms is not None), key=lambda c: c.predicted_ms)
+    for i, c in enumerate(predicted):
+        c.predicted_rank = i + 1
+    for c in predicted[top_k:]:
+        c.status = "dropped: predicted"
+        c.reason = (f"predicted {c.predicted_ms:.0f} ms, rank {c.predicted_rank} of {len(predicted)}; only the top "
+                    f"{top_k} are measured")
+    return predicted[:top_k] + [c for c in cands if c.predicted_ms is None]
+
+
 class Tuner:
     """The search of one job (see the module's docstring). `run()` returns the winner's trainer, in `run_dir`."""
 
@@ -154,14 +170,7 @@ class Tuner:
 
         ddist.main_decides(prepare)
         self._predict(tune_dir / "probe")
-        racing = sorted(self.cands, key=lambda c: (c.predicted_ms is None, c.predicted_ms or 0.0))
-        for i, c in enumerate(racing):
-            c.predicted_rank = i + 1 if c.predicted_ms is not None else None
-        for c in racing[self.t.top_k:]:
-            c.status = "dropped: predicted"
-            c.reason = (f"predicted {c.predicted_ms:.0f} ms, rank {c.predicted_rank} of {len(racing)}; only the "
-                        f"top {self.t.top_k} are measured")
-        racing = racing[:self.t.top_k]
+        racing = prune(self.cands, self.t.top_k)
         trainers = {}
         for c in tqdm(racing, desc="tune: building", unit="candidate", disable=not self.main):
             trainers[c.name] = Trainer(c.cfg, tune_dir / c.name, self.device, self.backend, self.faults, self.stop)

@@ -73,6 +73,17 @@ def test_the_prediction_charges_the_exposed_tail_on_a_slow_network():
     assert tune_model.predict_ms(powersgd.sync, model, probe, slow, 2, "gloo") is None
 
 
+def test_pruning_keeps_the_best_predicted_and_every_unpredicted_candidate():
+    cands = autotune.candidates(auto_cfg())[:5]
+    for c, ms in zip(cands, (300.0, None, 100.0, 200.0, 400.0)):
+        c.predicted_ms = ms
+    racing = autotune.prune(cands, top_k=2)
+    assert [c.name for c in racing] == [cands[2].name, cands[3].name, cands[1].name]
+    assert [c.predicted_rank for c in cands] == [3, None, 1, 2, 4]
+    dropped = [c for c in cands if c.status == "dropped: predicted"]
+    assert dropped == [cands[0], cands[4]] and "rank 4 of 4; only the top 2" in cands[4].reason
+
+
 def test_a_candidate_is_dropped_only_when_the_paired_interval_excludes_zero():
     tuner = autotune.Tuner(auto_cfg("sync.tune.min_rounds=6"), REPO / "unused", torch.device("cpu"), "gloo")
     lead, close, slow = tuner.cands[:3]

@@ -25,9 +25,12 @@ BASE = ["model.dropout=0.0", "eval.at_end=false", "train.average_last=1"]
 
 @pytest.fixture(scope="module")
 def one_rank(multi30k_dir):
-    if not dist.is_initialized():
-        ddist.init(config_mod.RunConfig().dist)
+    """A one-rank gloo group for this module's tests, gone after them: later tests start their own."""
+    owned = not dist.is_initialized()
+    ddist.init(config_mod.RunConfig().dist)
     yield
+    if owned:
+        dist.destroy_process_group()
 
 
 def losses(tmp_path, name, *overrides) -> list[tuple[float, float, bool]]:

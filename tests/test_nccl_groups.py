@@ -2,7 +2,9 @@
 factory records it at creation and at the barrier), its restoration, the identical-settings check, the job
 environment of global and tuner modes, and gloo, where everything is recorded as requested, not applied."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -158,7 +160,7 @@ def test_gloo_records_requested_not_applied_and_sets_nothing():
         "files": {}}]  # what an NCCL run would apply
 
 
-def _two_rank_gloo(rank, init_file, out):
+def _two_rank_gloo(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         cfg = config.load("profiles/per_group.yaml")
@@ -170,16 +172,16 @@ def _two_rank_gloo(rank, init_file, out):
             t = torch.ones(3) * (rank + 1)
             dist.all_reduce(t, group=pg)
             assert t.tolist() == [3.0, 3.0, 3.0]
-        out[rank] = nccl.run_record()
+        # A file per rank, not a multiprocessing.Manager: its server process is forked from a parent that may run
+        # threads by now (other tests' compile workers), which a fork does not survive reliably.
+        (Path(out_dir) / f"record-{rank}.json").write_text(json.dumps(nccl.run_record()))
     finally:
         dist.destroy_process_group()
 
 
 def test_two_gloo_ranks_create_the_class_groups_and_record_them(tmp_path):
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_two_rank_gloo, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
-        records = dict(out)
+    mp.spawn(_two_rank_gloo, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    records = {rank: json.loads((tmp_path / f"record-{rank}.json").read_text()) for rank in (0, 1)}
     for rank in (0, 1):
         r = records[rank]
         assert r["status"] == "requested, not applied (backend gloo)"

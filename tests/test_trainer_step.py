@@ -18,11 +18,13 @@ from dtrain.trainer import Trainer
 
 @pytest.fixture
 def trainer(tmp_path, multi30k_dir):
-    if not dist.is_initialized():
-        ddist.init(config_mod.RunConfig().dist)
+    """A trainer on a one-rank gloo group, gone after the test: later tests start their own."""
+    owned = not dist.is_initialized()
     cfg = config_mod.load("profiles/smoke.yaml", ["train.accum_steps=2", "eval.at_end=false",
                                                   "train.average_last=1"])
-    return Trainer(cfg, tmp_path / "run", ddist.init(cfg.dist)[0], "gloo")
+    yield Trainer(cfg, tmp_path / "run", ddist.init(cfg.dist)[0], "gloo")
+    if owned:
+        dist.destroy_process_group()
 
 
 def test_micro_batch_loop_reads_nothing_from_the_device(trainer, monkeypatch):
