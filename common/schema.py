@@ -265,10 +265,16 @@ def apply_override(raw: dict, assignment: str) -> None:
         value = yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError:
         value = text
+    set_dotted(raw, key, value, f"--set '{assignment}'")
+
+
+def set_dotted(raw: dict, key: str, value, where: str) -> None:
+    """`raw[a][b] = value` for the dotted key `a.b`, making the sections on the way; `where` names the assignment in
+    the one-line error when a part of the way is not a section."""
     parts = key.split(".")
     node = raw
     for p in parts[:-1]:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
-            raise UserError(f"--set '{assignment}': '{p}' is not a section")
+            raise UserError(f"{where}: '{p}' is not a section")
     node[parts[-1]] = value

@@ -38,7 +38,7 @@ from typing import Any
 from tqdm import tqdm
 
 from collectives import dist as ddist
-from collectives import strategies
+from collectives import hooks, strategies
 from common.errors import UserError
 from common.files import replace_atomically
 from common.rundir import TUNED, TUNING, TUNING_COLUMNS
@@ -104,10 +104,13 @@ def _text(v) -> str:
 
 
 def is_lossless(sync) -> bool:
-    """Whether every rank's averaged gradient is the exact mean: fp32 on the wire, no compression."""
-    hook = getattr(sync.hook, "name", sync.hook) or ""
-    return (strategies.get(sync.strategy).lossless and all(c.wire_dtype == "fp32" for c in sync.classes.values())
-            and not any(w in str(hook) for w in ("compress", "powersgd")))
+    """Whether every rank's averaged gradient is the exact mean: the strategy's own answer, fp32 on the wire, and
+    for a DDP comm hook what `collectives.hooks.resolve` says of it (the per-class hook: its classes' wire dtypes)."""
+    fp32 = all(c.wire_dtype == "fp32" for c in sync.classes.values())
+    hook = hooks.resolve(sync.hook) if "hook" in strategies.get(sync.strategy).sync_keys else None
+    if hook is not None and not hook.per_class:
+        return hook.lossless
+    return strategies.get(sync.strategy).lossless and fp32
 
 
 def candidates(cfg: RunConfig) -> list[Candidate]:
@@ -226,6 +229,8 @@ class Tuner:
                     c.times[self.rounds], c.losses[self.rounds] = sums[2 * i] / world, sums[2 * i + 1] / world
             self.rounds += 1
             alive = self._drop(alive)
+            for name in set(trainers) - {c.name for c in alive}:
+                del trainers[name]  # a dropped replica's memory goes now, not at the end of the search
             if alive[0].times:  # past the warm-up rounds
                 leader = min(alive, key=lambda c: c.measured_ms)
                 bar.set_postfix_str(f"{len(alive)} left, leader {leader.name}")
@@ -284,7 +289,7 @@ class Tuner:
     def _finish(self, winner: Candidate, tr: Trainer) -> None:
         tuning = {"winner": winner.name, "sync": winner.keys, "steps_spent": self.spent, "rounds": self.rounds,
                   "budget_steps": self.t.budget_steps, "search": self.search, "from_step": tr.step - winner.steps}
-        tr.facts["tuning"] = {k: v for k, v in tuning.items() if k != "sync"}
+        tr.facts["tuning"] = run_facts(tuning)
         if self.train_after:
             tr.relocate(self.run_dir)
         if self.main:
@@ -327,6 +332,11 @@ def table_text(cands: list[Candidate], winner: Candidate, spent: int) -> str:
     return "\n".join(lines)
 
 
+def run_facts(tuning: dict) -> dict:
+    """run.json's `tuning`: tuned.json's record without the winner's sync keys (config.yaml holds its profile)."""
+    return {k: v for k, v in tuning.items() if k != "sync"}
+
+
 def tuned(run_dir: Path) -> dict | None:
     """The choice a finished search recorded in `run_dir` (rank 0 reads it; every rank gets it), or None."""
     def read():
@@ -348,16 +358,17 @@ class DriftWatch:
 
     def __init__(self, drift: float, window: int, device):
         self.drift, self.window, self.device = drift, window, device
-        self.times: list[float] = []
+        self.times: list[float] = []  # the current window's
         self.base: float | None = None
         self.last: float | None = None
 
     def __call__(self, rec) -> bool:
         self.times.append(rec.step_ms)
-        if len(self.times) % self.window:
+        if len(self.times) < self.window:
             return False
         world = ddist.world_size()
-        self.last = ddist.all_reduce_sum([statistics.median(self.times[-self.window:])], self.device)[0] / world
+        self.last = ddist.all_reduce_sum([statistics.median(self.times)], self.device)[0] / world
+        self.times = []
         if self.base is None:
             self.base = self.last
             return False
@@ -370,7 +381,7 @@ def trainer_for(cfg: RunConfig, run_dir: Path, device, backend: str, faults=(), 
     choice = tuned(run_dir) if resume else None
     if choice is not None:
         tr = Trainer(candidate_config(cfg, choice["winner"], choice["sync"]), run_dir, device, backend, faults, stop)
-        tr.facts["tuning"] = {k: v for k, v in choice.items() if k != "sync"}
+        tr.facts["tuning"] = run_facts(choice)
         tr.resume()
         return tr
     return Tuner(cfg, run_dir, device, backend, faults, stop).run()
@@ -380,7 +391,7 @@ def fit(cfg: RunConfig, run_dir: Path, device, backend: str, faults=(), stop=Non
     """An `auto` run from start to end: the search, the winner's training, and with `sync.tune.retune_drift` a new
     search from a checkpoint whenever the step time drifts; returns the last trainer's `fit()` summary."""
     tr = trainer_for(cfg, run_dir, device, backend, faults, stop, resume)
-    search = (tuned(run_dir) or {}).get("search", 0)
+    search = tr.facts["tuning"].get("search", 0)  # the search that chose it (recorded in tuned.json)
     while True:
         watch = None
         if cfg.sync.tune.retune_drift is not None:

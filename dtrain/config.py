@@ -20,7 +20,7 @@ from collectives.config import validate as validate_comm
 from collectives.settings import CollectivesConfig, DistConfig, SyncConfig
 from collectives.strategies import unused_keys
 from common.errors import UserError
-from common.schema import Source, apply_overrides, build, deep_merge, read_overlay
+from common.schema import Source, apply_overrides, build, deep_merge, read_overlay, set_dotted
 
 # The paper's Table 3 models, plus small presets that train on two CPU cores.
 MODEL_PRESETS = {
@@ -253,11 +253,7 @@ def _nested(keys: dict[str, Any]) -> dict:
     """Dotted keys -> the nested mapping of a profile's `sync` section (nested mappings are taken as they are)."""
     out: dict = {}
     for key, value in keys.items():
-        *parents, last = str(key).split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
+        set_dotted(out, str(key), value, f"sync.tune.candidates: '{key}'")
     return out
 
 
