@@ -30,6 +30,8 @@ class Bucket:
     tensor_class: str  # the class of every member, or "mixed"
     settings: CollectiveSettings
     dtype: torch.dtype = torch.float32  # of the gradients (and of the flat buffer holding them)
+    # A sharded plan's bucket that is all-reduced whole and updated on every rank (`sharded` with `tied_split`)
+    replicated: bool = False
 
 
 def ready_order(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -8,6 +8,10 @@ Layout, per bucket of N elements padded to Np = world x s:
     params P (Np,)   the members' `.data` are views into it
     shard  P[r*s:(r+1)*s] is rank r's `nn.Parameter` for the optimizer; its `.grad` the reduced slice (s,)
 
+A `replicated` bucket (the plan's: a tied embedding with `tied_split`) is all-reduced whole instead, by `Reducer`'s
+path on `replicated_group`, and every rank updates all of it: the lookups at the very start of the next forward need
+the whole matrix, so an all-gather there would hold up the first layer (docs/results.md).
+
 A reduce-scatter sends (world - 1)/world of the bucket, half of what an all-reduce sends, and the rest (the
 all-gather of the updated shard) moves out of backward into the next forward. Both run as point-to-point sends on a
 process group of their own: on gloo, `reduce_scatter_tensor` moves as many bytes as an all-reduce, while `isend` and
@@ -40,6 +44,7 @@ class _Shard:
     gather: list = field(default_factory=list)  # the all-gather's
     reduced: threading.Event = field(default_factory=threading.Event)  # the shard's gradient is summed
     gathered: threading.Event = field(default_factory=threading.Event)  # the bucket's parameters are current
+    replicated: bool = False  # all-reduced whole; `shard` is then the model's parameter itself
     gather_launch: Stamp | None = None
     gather_complete: Stamp | None = None
 
@@ -47,12 +52,13 @@ class _Shard:
 class ShardedReducer(Reducer):
     """`Reducer` whose buckets are reduce-scattered into per-rank shards and whose parameters are all-gathered back.
 
-    `group` carries the point-to-point traffic (a group of its own); `rank` is this rank's index in it.
+    `group` carries the point-to-point traffic (a group of its own); `rank` is this rank's index in it. Replicated
+    buckets are all-reduced on `replicated_group` (None: the world) and not sharded.
     """
 
     def __init__(self, named_params: dict[str, nn.Parameter], buckets: list[Bucket], world_size: int,
-                 group: dist.ProcessGroup, rank: int):
-        self.group, self.rank = group, rank
+                 group: dist.ProcessGroup, rank: int, replicated_group: dist.ProcessGroup | None = None):
+        self.group, self.rank, self.replicated_group = group, rank, replicated_group
         self.peers = [dist.get_global_rank(group, j) for j in range(world_size)]
         self.shards: list[_Shard] = []
         self.gather_pending = False  # shards may have changed since the last all-gather: launch one
@@ -70,6 +76,15 @@ class ShardedReducer(Reducer):
         super()._layout(buckets)
         self.shards = []
         for st in self.buckets:
+            if st.bucket.replicated:
+                if len(st.params) != 1:
+                    raise ValueError(f"a replicated bucket holds one parameter, not {len(st.params)}")
+                st.group = self.replicated_group
+                p = st.params[0]
+                self.shards.append(_Shard(p.data.view(-1), p, [], replicated=True))
+                self.shards[-1].reduced.set()
+                self.shards[-1].gathered.set()
+                continue
             padded = self._padded(st.bucket.numel)
             if st.buffer.numel() < padded:  # G padded with zeros: every rank's chunk has s elements
                 st.buffer = torch.cat([st.buffer, st.buffer.new_zeros(padded - st.buffer.numel())])
@@ -94,8 +109,11 @@ class ShardedReducer(Reducer):
     # -- backward: reduce-scatter --------------------------------------------------------------------------------
 
     def _launch(self, st: _BucketState) -> None:
-        st.launch_t = stamp(self.device)
         sh = self.shards[st.bucket.index]
+        if sh.replicated:
+            super()._launch(st)  # all-reduced and averaged in place: `.grad` is the bucket's view
+            return
+        st.launch_t = stamp(self.device)
         tag = 2 * st.bucket.index
         sh.reduced.clear()
         others = [j for j in range(self.world) if j != self.rank]
@@ -139,15 +157,19 @@ class ShardedReducer(Reducer):
         sh.scatter = []
 
     def _wait(self, st: _BucketState) -> None:
-        self.shards[st.bucket.index].reduced.wait()  # the waiter thread's sum
+        if self.shards[st.bucket.index].replicated:
+            st.work.wait()
+        else:
+            self.shards[st.bucket.index].reduced.wait()  # the waiter thread's sum
 
     def finish(self) -> None:
         """`Reducer.finish`, then: the local gradients are consumed, so they are zeroed for the next step's
         accumulation, and the next forward all-gathers the updated shards."""
         super().finish()
         self._check()
-        for st in self.buckets:
-            st.buffer.zero_()
+        for st, sh in zip(self.buckets, self.shards):
+            if not sh.replicated:  # a replicated bucket's buffer is its parameter's `.grad`, for the optimizer
+                st.buffer.zero_()
         self.gather_pending = True
 
     # -- the next forward: all-gather ------------------------------------------------------------------------
@@ -161,6 +183,8 @@ class ShardedReducer(Reducer):
         others = [j for j in range(self.world) if j != self.rank]
         for st in reversed(self.buckets):
             sh = self.shards[st.bucket.index]
+            if sh.replicated:
+                continue
             s = sh.shard.numel()
             tag = 2 * st.bucket.index + 1
             sh.gathered.clear()

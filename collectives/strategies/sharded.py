@@ -7,10 +7,16 @@ global norm: an all-reduce of the shards' sums of squares) and calls `handle.ste
 hold the whole model and the optimizer state as if one rank had updated it (`optimizer_state`), so they resume on any
 world size and with any strategy. The plan stays in the expected ready order (no re-plan after the first step: the
 optimizer already holds the shards). Knobs: bucketed's.
+
+With `sync.classes.<class>.tied_split` the tied embedding is not sharded: its bucket comes first and holds it alone,
+its projection part is all-reduced from the start of backward and its lookup rows after the last lookup
+(`collectives.tied_split`), and every rank updates the whole matrix, which the next forward's first lookups need
+before anything else (an all-gather there would hold up the first layer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import torch
@@ -27,9 +33,10 @@ from common.errors import UserError
 class ShardedSync(PlannedSync):
     def __init__(self, model, cfg, process_group, strategy):
         super().__init__(model, cfg, process_group, strategy)
-        if self.splits:
-            raise UserError("'sync.classes.<class>.tied_split' is not available with strategy 'sharded' "
-                            "(use strategy 'bucketed' for the split)")
+        for split in self.splits:
+            if not self.reducer.shards[self.reducer.bucket_of(split.name)].replicated:
+                raise UserError(f"tied_split: '{split.name}' shares a bucket with other parameters under strategy "
+                                f"'{self.name}'; its plan must give it a bucket of its own")
         self._replanned = True  # the optimizer holds the shards of this plan
         # Each module with parameters of its own waits, just before it runs, for the buckets that hold them.
         module_buckets = defaultdict(set)
@@ -42,7 +49,8 @@ class ShardedSync(PlannedSync):
     def _make_reducer(self, named_params, buckets, groups, process_group):
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         group = dist.new_group(ranks)  # the shards' point-to-point traffic, apart from any collective
-        return ShardedReducer(named_params, buckets, self.world, group, dist.get_rank(group))
+        return ShardedReducer(named_params, buckets, self.world, group, dist.get_rank(group),
+                              replicated_group=process_group)
 
     def _waiter(self, indices: list[int]):
         def hook(module, args):
@@ -64,7 +72,9 @@ class ShardedSync(PlannedSync):
         return [sh.shard for sh in self.reducer.shards]
 
     def grad_norm(self, exact: bool = False) -> torch.Tensor:
-        grads = [sh.shard.grad for sh in self.reducer.shards if sh.shard.grad is not None]
+        # A replicated parameter's gradient is the same on every rank: its squares are counted once, on rank 0.
+        grads = [sh.shard.grad for sh in self.reducer.shards
+                 if sh.shard.grad is not None and (not sh.replicated or self.reducer.rank == 0)]
         return total_norm(grads, exact=exact, group=self.reducer.group, sharded=True)
 
     def stepped(self) -> None:
@@ -91,6 +101,9 @@ class ShardedSync(PlannedSync):
         state = {}
         for i, (st, sh) in enumerate(zip(self.reducer.buckets, self.reducer.shards)):
             shard_state = sd["state"].get(i, {})
+            if sh.replicated:  # the whole parameter's state, the same on every rank
+                state[index[id(sh.shard)]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in shard_state.items()}
+                continue
             for key in sorted(shard_state):  # the same order on every rank
                 value = shard_state[key]
                 if torch.is_tensor(value) and value.shape == sh.shard.shape:
@@ -119,6 +132,9 @@ class ShardedSync(PlannedSync):
                 continue  # never stepped
             if any(m is None for m in members):
                 raise UserError("the checkpoint's optimizer state covers only some parameters of a bucket")
+            if sh.replicated:
+                state[i] = {k: v.clone() if torch.is_tensor(v) else v for k, v in members[0].items()}
+                continue
             s, rank = sh.shard.numel(), self.reducer.rank
             shard_state = {}
             for key, value in members[0].items():
@@ -148,7 +164,18 @@ def _one_group(sd: dict) -> dict:
 
 @register("sharded")
 class Sharded(Bucketed):
-    sync_keys = ("bucket_cap_mb", "first_bucket_mb") + CLASS_RULE_KEYS
+    sync_keys = ("bucket_cap_mb", "first_bucket_mb") + CLASS_RULE_KEYS + ("classes.tied_split",)
     handle = ShardedSync
     shards = True
+
+    def plan(self, named_params, classes, settings):
+        """Bucketed's plan; a `tied_split` parameter gets a bucket of its own, first: with the split its gradient is
+        complete when the pre-softmax projection's is, the first that backward computes."""
+        split = [(n, p) for n, p in named_params if settings[classes[n]].tied_split]
+        rest = [(n, p) for n, p in named_params if not settings[classes[n]].tied_split]
+        buckets = []
+        for one in split:
+            buckets += super().plan([one], classes, settings)
+        buckets += super().plan(rest, classes, settings)
+        return [dataclasses.replace(b, index=i, replicated=i < len(split)) for i, b in enumerate(buckets)]
 
