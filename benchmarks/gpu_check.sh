@@ -14,7 +14,7 @@
 # 4. CUDA training steps on one rank, checkpoint averaging, beam search and sacreBLEU on test 2016.
 # 4b. The same one-rank steps with torch.compile (train.compile: default): tokens/s and GPU utilization.
 # 5. `collectives.bench` over the two ranks with NCCL's pick (NCCL_DEBUG=INFO), two-rank ddp training and the same
-#    with the tied embedding's gradient split and with the sharded strategy (parameters compared with ddp's), then
+#    with the tied embedding's gradient split, with the sharded strategy and with both (parameters compared), then
 #    the bench with NCCL_PROTO forced to LL, LL128, Simple (socket transport: the network path's bandwidth, not
 #    NVLink's).
 # 6. sync.strategy: auto over per-class NCCL protocols and bucket caps (tuning.csv: predicted and measured).
@@ -103,6 +103,14 @@ part tied-split-vs-ddp 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2ran
 part train-2rank-sharded 100 two_ranks 29617 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
     --set sync.strategy=sharded --set sync.bucket_cap_mb=2 --run-dir "$OUT_DIR/train-2rank-sharded"
 part sharded-vs-ddp 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-ddp" "$OUT_DIR/train-2rank-sharded"
+# Sharded with the split (the embedding replicated: its all-reduce on the world's NCCL communicator beside the
+# shards' point-to-point one, its rows on the split's own), the same steps: against the bucketed split's parameters
+# (equal on CPU, bit for bit) and ddp's.
+part train-2rank-sharded-split 100 two_ranks 29619 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+    --set sync.strategy=sharded --set sync.bucket_cap_mb=2 --set sync.classes.embedding.tied_split=true \
+    --run-dir "$OUT_DIR/train-2rank-sharded-split"
+part sharded-split-vs-split 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-tied-split" \
+    "$OUT_DIR/train-2rank-sharded-split"
 # sync.strategy: auto on NCCL: the in-job timing of the NCCL group, the prediction, and the paired race on real
 # CUDA steps, over per-class NCCL protocols (per_group) and bucket caps; tuning.csv holds the search.
 AUTO_SPACE="{bucketed-2: {strategy: bucketed, bucket_cap_mb: 2}, ddp-25: {strategy: ddp, bucket_cap_mb: 25},

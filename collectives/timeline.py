@@ -129,14 +129,24 @@ def gather_stall(plan, durations_ms: list[float], forward_ms: float) -> float:
     """`forward_stall` of a sharded strategy's all-gathers of `plan` (buckets in ready order, their gathers taking
     `durations_ms`): the forward needs them in the reverse of their ready order (it runs first the layers backward
     computed last), each after compute proportional to the elements before it; the tied embedding's lookups cost
-    next to nothing, so its bucket weighs nothing there and is needed at once."""
-    order = list(range(len(plan)))[::-1]
+    next to nothing, so its bucket weighs nothing there and is needed at once. A replicated bucket has no gather."""
+    order = [i for i in range(len(plan)) if not plan[i].replicated][::-1]
     weight = [0.0 if plan[i].tensor_class == "embedding" else float(plan[i].numel) for i in order]
     total, need, acc = sum(weight) or 1.0, [], 0.0
     for w in weight:
         need.append(forward_ms * acc / total)
         acc += w
     return forward_stall(need, [durations_ms[i] for i in order], forward_ms)
+
+
+def sharded_times(plan, ready_ms: list[float], durations_ms: list[float], half) -> tuple[list[float], list[float]]:
+    """A sharded plan's (ready, duration) per bucket from its all-reduce's: a sharded bucket's reduce-scatter costs
+    `half(i, all-reduce ms)`; a replicated bucket (a tied embedding with `tied_split`) is all-reduced whole and is
+    ready at the start of backward, with the pre-softmax projection's gradient, the first computed (its lookup
+    rows, a few hundred kB after backward's last lookup, are not played)."""
+    ready = [0.0 if b.replicated else r for b, r in zip(plan, ready_ms)]
+    dur = [d if b.replicated else half(i, d) for i, (b, d) in enumerate(zip(plan, durations_ms))]
+    return ready, dur
 
 
 class ReadyCurve:

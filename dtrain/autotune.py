@@ -67,6 +67,8 @@ DEFAULT_SPACE: dict[str, dict[str, Any]] = {
     "sharded-0.5": {"strategy": "sharded", "bucket_cap_mb": 0.5},
     "sharded-2": {"strategy": "sharded", "bucket_cap_mb": 2},
     "sharded-8": {"strategy": "sharded", "bucket_cap_mb": 8},
+    "sharded-1-split": {"strategy": "sharded", "bucket_cap_mb": 1, "classes.embedding.tied_split": True},
+    "sharded-2-split": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
 }
 
 

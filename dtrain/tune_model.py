@@ -29,6 +29,7 @@ from collectives.timeline import (
     ReadyCurve,
     gather_stall,
     play_timeline,
+    sharded_times,
     through,
 )
 from common.errors import UserError
@@ -99,8 +100,8 @@ def predict_ms(sync, model: torch.nn.Module, probe: Probe, net: FittedModel, wor
     ready = [curve.at(x) for x in through(plan.buckets, params)]
     dur = [net.allreduce_ms(b.nbytes) for b in plan.buckets]
     sharded = strategies.planner(sync.strategy).shards
-    if sharded:
-        dur = [d / 2 for d in dur]  # a reduce-scatter (an all-gather) moves half an all-reduce's bytes
+    if sharded:  # a reduce-scatter (an all-gather) moves half an all-reduce's bytes
+        ready, dur = sharded_times(plan.buckets, ready, dur, lambda i, d: d / 2)
     lanes = GLOO_LANES if backend == "gloo" else 1
     groups = [b.tensor_class for b in plan.buckets] if plan.class_groups and lanes > 1 else None
     tl = play_timeline(ready, dur, backward, plan.overlap, 1.0, lanes, None, groups)

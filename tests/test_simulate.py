@@ -15,6 +15,7 @@ from analysis.runs import load_run, slowest_rank_records
 from analysis.simulate.__main__ import main
 from collectives import costmodel as cm
 from collectives.costmodel import CollectiveCost
+from collectives.timeline import gather_stall, sharded_times
 from common.errors import UserError
 from dtrain import config as config_mod
 
@@ -217,6 +218,21 @@ def test_every_step_repeats_the_check_with_each_steady_step_as_reference(tmp_pat
     assert e.value.code == 2 and "--every-step repeats the check" in capsys.readouterr().err
 
 
+def test_every_step_pools_windows_of_consecutive_steps(tmp_path, capsys):
+    _write_run(tmp_path / "a", "bucketed", 0.25, steps=8)
+    _write_run(tmp_path / "b", "flat", None, steps=8)
+    run = load_run(tmp_path / "a")
+    es = sim.every_step(run, _Flat(), [run, load_run(tmp_path / "b")], False, 1, None, pool=3)
+    assert es.steps == 3 and es.pool == 3  # 5 steady steps: windows 4-6, 5-7, 6-8
+    assert max(es.max_err) < 1e-6 and "window of 3 steps" in es.lines()[0]
+    for args, msg in ((["--pool", "0"], "--pool must be at least 1"), (["--pool", "2"], "--pool applies to")):
+        with pytest.raises(SystemExit) as e:
+            main(["--run", str(tmp_path / "a"), "--topology", "h100x8", "--measured", str(tmp_path / "b"), *args])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    with pytest.raises(UserError, match="--pool 9 needs that many steady steps"):
+        sim.every_step(run, _Flat(), [run], False, 1, None, pool=9)
+
+
 def test_measured_runs_line_up_with_predictions(tmp_path, capsys):
     _write_run(tmp_path / "a", "bucketed", 0.25)
     _write_run(tmp_path / "b", "flat", None)
@@ -311,6 +327,27 @@ class _FlatWithHost(_Flat):
 
     def host_us(self, nbytes):
         return 500.0
+
+
+def test_a_replicated_bucket_is_played_whole_from_the_start_of_backward_and_has_no_gather():
+    """sharded with tied_split: the embedding's bucket (first, replicated) is all-reduced whole as soon as backward
+    starts and the next forward needs no gather for it; the other buckets reduce-scatter half and gather."""
+    cfg = config_mod.from_dict({"model": {"preset": "small"}, "data": {"vocab_size": 8000},
+                                "sync": {"strategy": "sharded", "bucket_cap_mb": 2,
+                                         "classes": {"embedding": {"tied_split": True}}}}, "test")
+    plan = bucket_plan(cfg).buckets
+    plain = bucket_plan(config_mod.from_dict({"model": {"preset": "small"}, "data": {"vocab_size": 8000},
+                                              "sync": {"strategy": "sharded", "bucket_cap_mb": 2}}, "test")).buckets
+    assert plan[0].replicated and plan[0].tensor_class == "embedding" and not any(b.replicated for b in plan[1:])
+    ready, dur = sharded_times(plan, [10.0 * (i + 1) for i in range(len(plan))], [4.0] * len(plan),
+                                   lambda i, d: d / 2)
+    assert ready[0] == 0.0 and ready[1:] == [10.0 * (i + 1) for i in range(1, len(plan))]
+    assert dur == [4.0] + [2.0] * (len(plan) - 1)
+    # The forward waits for the first gathered bucket it needs; the plain plan's embedding gather comes first
+    # and is the largest, so the split's replicated embedding makes the stall shorter.
+    split_stall = gather_stall(plan, [d * b.numel / 1e6 for d, b in zip(dur, plan)], 100.0)
+    plain_stall = gather_stall(plain, [2.0 * b.numel / 1e6 for b in plain], 100.0)
+    assert 0.0 <= split_stall < plain_stall
 
 
 def test_a_collective_costs_backward_pro_rata_to_its_run_before_backward_ends():

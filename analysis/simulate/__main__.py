@@ -60,7 +60,7 @@ def _summary(m: list[Prediction], adjusted: bool) -> list[str]:
 
 
 def _row(r: Prediction) -> str:
-    ln = f"{r.label:>16} {r.buckets:>7} {r.comm_ms:9.2f} {r.exposed_ms:10.2f} {r.step_ms:9.2f}"
+    ln = f"{r.label:>20} {r.buckets:>7} {r.comm_ms:9.2f} {r.exposed_ms:10.2f} {r.step_ms:9.2f}"
     if r.measured_step_ms is not None:
         lo, hi = r.measured_ci or (r.measured_step_ms,) * 2
         alo, ahi = r.adjusted_ci or (r.adjusted_step_ms,) * 2
@@ -76,7 +76,7 @@ def _row(r: Prediction) -> str:
 def format_rows(rows: list[Prediction], header: list[str]) -> str:
     lines = [f"# {h}" for h in header]
     has_meas = any(r.measured_step_ms is not None for r in rows)
-    head = (f"{'strategy':>16} {'buckets':>7} {'comm ms':>9} {'exposed ms':>10} {'step ms':>9}")
+    head = (f"{'strategy':>20} {'buckets':>7} {'comm ms':>9} {'exposed ms':>10} {'step ms':>9}")
     if has_meas:
         head += (f" {'meas. step':>10} {'interval':>9} {'err %':>6} {'meas. exp.':>10} {'speed':>5} "
                  f"{'adj. step':>9} {'adj. int.':>9} {'err %':>6}  runs")
@@ -127,6 +127,8 @@ def parser() -> ArgumentParser:
     ap.add_argument("--measured", nargs="*", default=[], help="runs to compare against (their own configs)")
     ap.add_argument("--every-step", action="store_true",
                     help="with --measured: repeat the check with each steady step as the profiled step and summarize")
+    ap.add_argument("--pool", type=int, default=1, metavar="K",
+                    help="--every-step: each profiled step the medians of K consecutive steady steps (default 1)")
     ap.add_argument("--paper", action="store_true", help="project the paper's base configuration (8 P100)")
     ap.add_argument("--plan", action="store_true",
                     help="the plan of --profile's run on --topology (a preset): tokens, steps, checkpoints and the "
@@ -152,6 +154,10 @@ def _check(args) -> tuple[list[str], list[float]]:
         raise UserError("--lanes must be at least 1")
     if args.every_step and (args.paper or not args.measured):
         raise UserError("--every-step repeats the check against --measured runs: give --run and --measured")
+    if args.pool < 1:
+        raise UserError("--pool must be at least 1")
+    if args.pool > 1 and not args.every_step:
+        raise UserError("--pool applies to --every-step (for one pooled profiled step of all steady steps: --median)")
     if args.warmup is not None and args.warmup < 0:
         raise UserError("--warmup must be at least 0")
     if args.median and args.step is not None:
@@ -223,7 +229,8 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
               *model.header(), *ref.notes]
     if measured:
         header.append(speed_probe(ref, measured))
-    robust = every_step(run, model, measured_dirs, host_cost, lanes, args.warmup) if args.every_step else None
+    robust = (every_step(run, model, measured_dirs, host_cost, lanes, args.warmup, args.pool) if args.every_step
+              else None)
     return rows, header, robust
 
 

@@ -155,10 +155,12 @@ class EveryStep:
     discordant: list[int]  # per reference step: pairs ordered differently
     separated: list[int]  # per reference step: pairs measurement and model both order
     frequent: list[tuple[str, str, int]]  # the discordant pairs, with how many reference steps they are discordant in
+    pool: int = 1  # consecutive steady steps pooled into each reference step
 
     def lines(self) -> list[str]:
         e, d = sorted(self.max_err), self.discordant
-        return [f"every steady step of the profiled run as the profiled step ({self.steps}): max |err| median "
+        what = "step" if self.pool == 1 else f"window of {self.pool} steps (their medians)"
+        return [f"every steady {what} of the profiled run as the profiled step ({self.steps}): max |err| median "
                 f"{statistics.median(e):.1f}% (range {e[0]:.1f}-{e[-1]:.1f}%), within 15% for "
                 f"{sum(x <= 15 for x in e)}; discordant pairs mean {statistics.mean(d):.2f} (none for "
                 f"{sum(x == 0 for x in d)}, at most one for {sum(x <= 1 for x in d)}) of "
@@ -167,14 +169,19 @@ class EveryStep:
 
 
 def every_step(run: Run, model, measured: list[Run], host_cost: bool, lanes: int,
-               warmup: int | None) -> EveryStep:
-    """`EveryStep` over the reference run's steady steps that have bucket records."""
+               warmup: int | None, pool: int = 1) -> EveryStep:
+    """`EveryStep` over the reference run's steady steps that have bucket records; with `pool` > 1, over each window
+    of that many consecutive such steps, replayed as their medians (`reference_step(steps=...)`)."""
     class_groups = bucket_plan(run.cfg).class_groups
     errs, disc, sep, count = [], [], [], {}
-    for s in run.steady_steps(warmup):
-        if not run.buckets.get(s["step"]):
-            continue
-        ref = reference_step(run, s["step"], warmup)
+    recorded = [s for s in run.steady_steps(warmup) if run.buckets.get(s["step"])]
+    if pool > len(recorded):
+        raise UserError(f"{run.path}: --pool {pool} needs that many steady steps with bucket records, it has "
+                        f"{len(recorded)}")
+    for i in range(len(recorded) - pool + 1):
+        window = recorded[i: i + pool]
+        ref = (reference_step(run, window[0]["step"], warmup) if pool == 1
+               else reference_step(run, warmup=warmup, steps=[s["step"] for s in window]))
         curve = ready_curve(run, ref)
         calib = calibrate(ref, model, host_cost, lanes, class_groups)
         rows = measured_runs(measured, run, ref, curve, model, calib, warmup)
@@ -187,7 +194,7 @@ def every_step(run: Run, model, measured: list[Run], host_cost: bool, lanes: int
     if not errs:
         raise UserError(f"{run.path}: no steady step with bucket records to profile")
     frequent = sorted(((a, b, n) for (a, b), n in count.items()), key=lambda t: -t[2])
-    return EveryStep(len(errs), errs, disc, sep, frequent)
+    return EveryStep(len(errs), errs, disc, sep, frequent, pool)
 
 
 def error_pct(predicted: float, measured: float) -> float:

@@ -11,7 +11,7 @@ from analysis.simulate.calibration import Calibration
 from analysis.simulate.costs import host_ms
 from analysis.simulate.reference import ReferenceStep
 from collectives import nccl, strategies
-from collectives.timeline import ReadyCurve, gather_stall, play_timeline, through
+from collectives.timeline import ReadyCurve, gather_stall, play_timeline, sharded_times, through
 from common.errors import UserError
 
 
@@ -37,10 +37,12 @@ class Prediction:
     adjusted_step_ms: float | None = None  # measured, each run scaled to the profiled run's machine speed
     adjusted_ci: tuple[float, float] | None = None
     run: str | None = None
+    split: bool = False  # the tied embedding's gradient split (`tied_split`)
 
     @property
     def label(self) -> str:
-        return self.strategy + (f"@{self.cap_mb:g}M" if self.cap_mb is not None else "")
+        return self.strategy + (f"@{self.cap_mb:g}M" if self.cap_mb is not None else "") + ("+split" if self.split
+                                                                                           else "")
 
 
 def requested_nccl(cfg, class_groups: bool):
@@ -64,7 +66,8 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     """Predicted step of `cfg`'s model under `strategy` (bucket cap, per-class overrides), played on the reference
     step. `cost(nbytes, algo, proto) -> ms` replaces the model's cost of one all-reduce; `nccl_of(bucket)` gives
     the (algo, proto) a bucket is forced to (default: what the profile requests). A split tied embedding
-    (`tied_split`) is played as its plain plan (docs/simulator.md says why)."""
+    (`tied_split`) is played as its plain plan under the all-reducing strategies (docs/simulator.md says why); under
+    `sharded` its bucket is replicated, played by `sharded_times`."""
     if strategy == "powersgd":
         raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
     compute = ref.compute_ms
@@ -82,7 +85,8 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     sharded = strategies.planner(strategy).shards
     if sharded:
         # A reduce-scatter (and an all-gather) moves half an all-reduce's bytes: its latency and half the rest.
-        dur = [a + (d - a) / 2 for a, d in zip(lat or [0.0] * len(dur), dur)]
+        alpha = lat or [0.0] * len(dur)
+        ready, dur = sharded_times(plan, ready, dur, lambda i, d: alpha[i] + (d - alpha[i]) / 2)
     tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups)
     exposed = tl.exposed_ms + calib.post_ms
     if calib.host_base_ms is not None:  # more collectives during backward than the reference step: slower compute
@@ -90,8 +94,11 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     if sharded:
         compute += _sharded_extra_ms(cfg, ref, model, plan, dur, calib, getattr(model, "ranks", None) or 2)
     lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
+    split = "classes.tied_split" in strategies.get(strategy).sync_keys and (
+        any(c.tied_split for c in (cfg.sync.classes or {}).values())
+        or any(over.get("tied_split") for over in (classes or {}).values()))
     return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, len(plan), tl.comm_ms,
-                      exposed, compute + exposed, lossless)
+                      exposed, compute + exposed, lossless, split=split)
 
 
 def _sharded_extra_ms(cfg, ref: ReferenceStep, model, plan, dur: list[float], calib: Calibration, world: int
@@ -103,7 +110,7 @@ def _sharded_extra_ms(cfg, ref: ReferenceStep, model, plan, dur: list[float], ca
     extra = gather_stall(plan, dur, forward)
     host = getattr(model, "host_us", None)
     if calib.host_base_ms is not None and host is not None and host(0) is not None:
-        extra += sum(host(b.nbytes) / 2 for b in plan) / 1000.0  # half an all-reduce's bytes each, all in forward
+        extra += sum(host(b.nbytes) / 2 for b in plan if not b.replicated) / 1000.0  # half an all-reduce's bytes each
     return extra - ref.optimizer_ms * (1 - 1 / world)
 
 

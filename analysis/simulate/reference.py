@@ -45,12 +45,14 @@ class ReferenceStep:
         return self.data_ms + self.forward_ms + self.backward_ms + self.optimizer_ms
 
 
-def reference_step(run: Run, step: int | None = None, warmup: int | None = None, median: bool = False
-                   ) -> ReferenceStep:
+def reference_step(run: Run, step: int | None = None, warmup: int | None = None, median: bool = False,
+                   steps: list[int] | None = None) -> ReferenceStep:
     """The step to replay: `step`, or the most typical of the steady steps with bucket records (`typical_step`);
     with `median`, a synthetic step of the steady steps' medians, phase by phase and bucket time by bucket time
-    (a steadier basis on a noisy machine than any single step)."""
+    (a steadier basis on a noisy machine than any single step); with `steps`, the same of those steps only."""
     steady = run.steady_steps(warmup)
+    if steps is not None:
+        return _median_step(run, [s for s in steady if s["step"] in set(steps)])
     if median:
         return _median_step(run, steady)
     if step is not None:
