@@ -280,7 +280,8 @@ def probe(names: Names, src: int = 0, dst: int = 1, seconds: float = 2.0, port: 
 # ---- run: one torchrun agent per node ----------------------------------------------------------------------------
 
 def agent_command(names: Names, i: int, nodes: int, nproc: int, port: int, run_id: str, args: list[str],
-                  mounts: list[tuple[Path, Path]] = (), min_nodes: int | None = None) -> list[str]:
+                  mounts: list[tuple[Path, Path]] = (), min_nodes: int | None = None,
+                  last_call_s: int | None = None) -> list[str]:
     """The torchrun agent of node i, inside its namespace. c10d ranks agents by their address, and node 0's is
     the lowest (10.77.0.1 sorts first, also as a string), so global rank 0 is always on node 0.
 
@@ -289,7 +290,9 @@ def agent_command(names: Names, i: int, nodes: int, nproc: int, port: int, run_i
     mounts are seen by the agent and its workers only, never by the host or the other nodes, and vanish with them.
 
     With `min_nodes` the job is elastic (torchrun's `--nnodes=MIN:MAX`): after a node is lost, the others meet again
-    at the rendezvous and go on with fewer once `min_nodes` are there."""
+    at the rendezvous and go on with fewer once `min_nodes` are there, after waiting `last_call_s` for more (torch's
+    c10d rendezvous `last_call_timeout`, 30 s by default)."""
+    rdzv_conf = f"is_host={int(i == 0)}" + (f",last_call_timeout={last_call_s}" if last_call_s is not None else "")
     prefix = ["ip", "netns", "exec", names.node(i)]
     if mounts:
         binds = [f"mount --bind {shlex.quote(str(s))} {shlex.quote(str(t))}" for s, t in mounts]
@@ -298,7 +301,7 @@ def agent_command(names: Names, i: int, nodes: int, nproc: int, port: int, run_i
             f"--nnodes={nodes}" if min_nodes is None else f"--nnodes={min_nodes}:{nodes}",
             f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={names.address(0)}:{port}", f"--rdzv-id={run_id}",
-            f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={names.address(i)}",
+            f"--rdzv-conf={rdzv_conf}", f"--local-addr={names.address(i)}",
             *(["--local-ranks-filter=0"] if i == 0 else []), *args]
 
 
@@ -315,11 +318,11 @@ def agent_env(nodes: int, nproc: int) -> dict[str, str]:
 
 def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int = DEFAULT_PORT,
         log_dir: str | None = None, grace_s: float = 5.0, private: list[Path] | None = None,
-        min_nodes: int | None = None) -> int:
+        min_nodes: int | None = None, last_call_s: int | None = None) -> int:
     """Launch the job; stream node 0's rank 0, log the other nodes to files; return the job's exit code.
     `private`: paths that nodes 1.. see on their own disks (`private_paths`); None: every node sees the host's.
     `min_nodes`: an elastic job (`agent_command`), whose exit code is node 0's: losing another node is the job's
-    business (`drop`), not a failure."""
+    business (`drop`), not a failure; `last_call_s`: how long its rendezvous waits for more than `min_nodes`."""
     require_tools()
     _, up_nodes = names.existing()
     if not up_nodes:
@@ -331,6 +334,8 @@ def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int 
         raise UserError(f"--nproc-per-node must be at least 1, got {nproc}")
     if min_nodes is not None and not 1 <= min_nodes <= nodes:
         raise UserError(f"--min-nodes must be between 1 and the job's {nodes} node(s), got {min_nodes}")
+    if last_call_s is not None and (min_nodes is None or last_call_s < 1):
+        raise UserError(f"--last-call is for an elastic job (--min-nodes) and must be at least 1 s, got {last_call_s}")
     if not args:
         raise UserError("nothing to run: give the module and its arguments after '--', e.g. -- -m collectives.bench")
     logs = Path(log_dir or tempfile.mkdtemp(prefix=f"{names.prefix}-run-"))
@@ -355,7 +360,7 @@ def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int 
                 out = open(logs / f"node{i}.log", "w")
                 files.append(out)
             # Its own session per agent: Ctrl-C reaches only us, and we stop each agent's tree deliberately.
-            command = agent_command(names, i, nodes, nproc, port, run_id, args, mounts[i], min_nodes)
+            command = agent_command(names, i, nodes, nproc, port, run_id, args, mounts[i], min_nodes, last_call_s)
             procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                           start_new_session=True))
         if min_nodes is not None:
@@ -521,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--min-nodes", type=int, metavar="N",
                        help="an elastic job (torchrun --nnodes=N:nodes) that goes on with at least N nodes; give "
                             "torchrun's --max-restarts after '--', before the module")
+    p_run.add_argument("--last-call", type=int, metavar="S",
+                       help="with --min-nodes: seconds the rendezvous waits for more nodes once N are there "
+                            "(torch's last_call_timeout; default 30)")
     p_drop = sub.add_parser("drop", help="take a node away: kill every process on it at once (elastic jobs)")
     p_drop.add_argument("node", type=int)
     args = ap.parse_args(argv)
@@ -561,7 +569,7 @@ def _command(args, job: list[str]) -> int:
         private = private_paths(args.private_path) if args.private_fs else None
         with _signals_as_interrupt():
             return run(names, args.nodes, args.nproc_per_node, job, args.port, args.log_dir, private=private,
-                       min_nodes=args.min_nodes)
+                       min_nodes=args.min_nodes, last_call_s=args.last_call)
     return 0
 
 

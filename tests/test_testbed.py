@@ -310,7 +310,9 @@ def test_private_fs_gives_node_1_its_own_run_dirs_cache_and_tmp(bed, tmp_path):
 def test_an_elastic_agent_asks_for_a_range_of_nodes():
     names = testbed.Names("dtb")
     cmd = testbed.agent_command(names, 1, 2, 1, 29600, "rid", ["--max-restarts=3", "-m", "x"], min_nodes=1)
-    assert "--nnodes=1:2" in cmd and "--nnodes=2" not in cmd
+    assert "--nnodes=1:2" in cmd and "--nnodes=2" not in cmd and "--rdzv-conf=is_host=0" in cmd
+    short = testbed.agent_command(names, 0, 2, 1, 29600, "rid", ["-m", "x"], min_nodes=1, last_call_s=2)
+    assert "--rdzv-conf=is_host=1,last_call_timeout=2" in short
     assert cmd[-3:] == ["--max-restarts=3", "-m", "x"]  # torchrun's own options pass through before the module
 
 
@@ -332,7 +334,7 @@ def test_an_elastic_job_goes_on_when_a_node_is_taken_away(bed, tmp_path):
     testbed.up(bed, [testbed.Link(10**9)] * 2)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "analysis.testbed", "--name", bed.prefix, "run", "--private-fs", "--min-nodes", "1",
-           "--log-dir", str(tmp_path / "logs"), "--", "--max-restarts=3", "-m", "dtrain.train",
+           "--last-call", "2", "--log-dir", str(tmp_path / "logs"), "--", "--max-restarts=3", "-m", "dtrain.train",
            "--profile", "profiles/smoke.yaml", "--set", "train.max_steps=20", "--set", "train.ckpt_every=5",
            "--set", "eval.at_end=false", "--set", "train.average_last=1", "--fault", "slow@rank=0,ms=250",
            "--run-dir", str(run)]
