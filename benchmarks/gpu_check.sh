@@ -111,6 +111,8 @@ part train-2rank-sharded-split 100 two_ranks 29619 -m dtrain.train --profile pro
     --run-dir "$OUT_DIR/train-2rank-sharded-split"
 part sharded-split-vs-split 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-tied-split" \
     "$OUT_DIR/train-2rank-sharded-split"
+part sharded-split-vs-ddp 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-ddp" \
+    "$OUT_DIR/train-2rank-sharded-split"
 # sync.strategy: auto on NCCL: the in-job timing of the NCCL group, the prediction, and the paired race on real
 # CUDA steps, over per-class NCCL protocols (per_group) and bucket caps; tuning.csv holds the search.
 AUTO_SPACE="{bucketed-2: {strategy: bucketed, bucket_cap_mb: 2}, ddp-25: {strategy: ddp, bucket_cap_mb: 25},

@@ -149,6 +149,14 @@ def sharded_times(plan, ready_ms: list[float], durations_ms: list[float], half) 
     return ready, dur
 
 
+def optimizer_saving(plan, optimizer_ms: float, world: int) -> float:
+    """What a sharded plan saves of an optimizer step that took `optimizer_ms` over every parameter: each rank
+    updates 1/world of the sharded buckets' elements and all of a replicated bucket's."""
+    total = sum(b.numel for b in plan) or 1
+    sharded = sum(b.numel for b in plan if not b.replicated)
+    return optimizer_ms * (1 - 1 / world) * sharded / total
+
+
 class ReadyCurve:
     """Milliseconds from the start of backward until the first `x` gradient elements (in ready order) are ready:
     piecewise linear through measured points, from (0, 0) to (all elements, end of backward)."""

@@ -28,6 +28,7 @@ from collectives.timeline import (
     GLOO_LANES,
     ReadyCurve,
     gather_stall,
+    optimizer_saving,
     play_timeline,
     sharded_times,
     through,
@@ -108,5 +109,5 @@ def predict_ms(sync, model: torch.nn.Module, probe: Probe, net: FittedModel, wor
     step = probe.step_ms + tl.exposed_ms
     if sharded:
         step += gather_stall(plan.buckets, dur, probe.forward_ms / probe.accum_steps)
-        step -= probe.optimizer_ms * (1 - 1 / world)
+        step -= optimizer_saving(plan.buckets, probe.optimizer_ms, world)
     return step

@@ -82,6 +82,9 @@ def test_sharded_split_training_equals_the_bucketed_split(tmp_path):
     assert "at step 5" in r.stdout
     diff = checkpoint_diff(tmp_path / "bucketed", run)
     assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
+    # The replicated embedding's gradient counted once in the global norm, and the clip active.
+    norms = [[s["grad_norm"] for s in records(d / "steps.jsonl")] for d in (tmp_path / "bucketed", run)]
+    assert norms[0] == norms[1] and len(norms[0]) == 10 and max(norms[0]) > 0.5
 
 
 @pytest.mark.slow

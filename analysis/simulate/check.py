@@ -175,6 +175,8 @@ def every_step(run: Run, model, measured: list[Run], host_cost: bool, lanes: int
     class_groups = bucket_plan(run.cfg).class_groups
     errs, disc, sep, count = [], [], [], {}
     recorded = [s for s in run.steady_steps(warmup) if run.buckets.get(s["step"])]
+    if not recorded:
+        raise UserError(f"{run.path}: no steady step with bucket records to profile")
     if pool > len(recorded):
         raise UserError(f"{run.path}: --pool {pool} needs that many steady steps with bucket records, it has "
                         f"{len(recorded)}")
@@ -191,8 +193,6 @@ def every_step(run: Run, model, measured: list[Run], host_cost: bool, lanes: int
         sep.append(rk.pairs - rk.ties)
         for pair in rk.discordant:
             count[pair] = count.get(pair, 0) + 1
-    if not errs:
-        raise UserError(f"{run.path}: no steady step with bucket records to profile")
     frequent = sorted(((a, b, n) for (a, b), n in count.items()), key=lambda t: -t[2])
     return EveryStep(len(errs), errs, disc, sep, frequent, pool)
 

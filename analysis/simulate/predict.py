@@ -11,7 +11,7 @@ from analysis.simulate.calibration import Calibration
 from analysis.simulate.costs import host_ms
 from analysis.simulate.reference import ReferenceStep
 from collectives import nccl, strategies
-from collectives.timeline import ReadyCurve, gather_stall, play_timeline, sharded_times, through
+from collectives.timeline import ReadyCurve, gather_stall, optimizer_saving, play_timeline, sharded_times, through
 from common.errors import UserError
 
 
@@ -94,24 +94,30 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     if sharded:
         compute += _sharded_extra_ms(cfg, ref, model, plan, dur, calib, getattr(model, "ranks", None) or 2)
     lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
-    split = "classes.tied_split" in strategies.get(strategy).sync_keys and (
-        any(c.tied_split for c in (cfg.sync.classes or {}).values())
-        or any(over.get("tied_split") for over in (classes or {}).values()))
     return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, len(plan), tl.comm_ms,
-                      exposed, compute + exposed, lossless, split=split)
+                      exposed, compute + exposed, lossless, split=_splits(cfg, strategy, classes))
+
+
+def _splits(cfg, strategy: str, classes: dict | None) -> bool:
+    """Whether `strategy` splits the tied embedding's gradient under `cfg`'s classes with the overrides `classes`."""
+    if "classes.tied_split" not in strategies.get(strategy).sync_keys:
+        return False
+    merged = {c: s.tied_split for c, s in (cfg.sync.classes or {}).items()}
+    merged.update({c: over["tied_split"] for c, over in (classes or {}).items() if "tied_split" in over})
+    return any(merged.values())
 
 
 def _sharded_extra_ms(cfg, ref: ReferenceStep, model, plan, dur: list[float], calib: Calibration, world: int
                       ) -> float:
     """What a sharded step adds to (or saves from) the reference step's compute: the next forward waiting for the
     all-gathers (`collectives.timeline.gather_stall`), their host cost on a CPU machine, and the optimizer updating
-    1/world of the parameters."""
+    1/world of the sharded parameters (`optimizer_saving`)."""
     forward = ref.forward_ms / ref.accum_steps  # the gathers delay only the first micro-batch's forward
     extra = gather_stall(plan, dur, forward)
     host = getattr(model, "host_us", None)
     if calib.host_base_ms is not None and host is not None and host(0) is not None:
         extra += sum(host(b.nbytes) / 2 for b in plan if not b.replicated) / 1000.0  # half an all-reduce's bytes each
-    return extra - ref.optimizer_ms * (1 - 1 / world)
+    return extra - optimizer_saving(plan, ref.optimizer_ms, world)
 
 
 def sweep(cfg, ref, curve, model, calib, names, caps, vocab=None) -> list[Prediction]:

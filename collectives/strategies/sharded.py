@@ -101,8 +101,10 @@ class ShardedSync(PlannedSync):
         state = {}
         for i, (st, sh) in enumerate(zip(self.reducer.buckets, self.reducer.shards)):
             shard_state = sd["state"].get(i, {})
-            if sh.replicated:  # the whole parameter's state, the same on every rank
-                state[index[id(sh.shard)]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in shard_state.items()}
+            if sh.replicated:  # the whole parameter's state, the same on every rank (none before its first step)
+                if shard_state:
+                    state[index[id(sh.shard)]] = {k: v.clone() if torch.is_tensor(v) else v
+                                                  for k, v in shard_state.items()}
                 continue
             for key in sorted(shard_state):  # the same order on every rank
                 value = shard_state[key]
@@ -170,7 +172,8 @@ class Sharded(Bucketed):
 
     def plan(self, named_params, classes, settings):
         """Bucketed's plan; a `tied_split` parameter gets a bucket of its own, first: with the split its gradient is
-        complete when the pre-softmax projection's is, the first that backward computes."""
+        complete when the pre-softmax projection's is, the first that backward computes. The rest is planned on its
+        own, so its first bucket follows `first_bucket_mb` as bucketed's would."""
         split = [(n, p) for n, p in named_params if settings[classes[n]].tied_split]
         rest = [(n, p) for n, p in named_params if not settings[classes[n]].tied_split]
         buckets = []
