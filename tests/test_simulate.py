@@ -177,6 +177,12 @@ def test_prediction_reproduces_the_reference_run_itself(tmp_path):
     f = sim.predict(run.cfg, ref, curve, _Flat(), cal, "flat", None, run.vocab)
     assert f.buckets == 1 and f.exposed_ms == pytest.approx(f.comm_ms + 0.2)
     assert sim.predict(run.cfg, ref, curve, _Flat(), cal, "noop").step_ms == pytest.approx(20.0)
+    # The split is in the label only where the strategy takes it and the merged classes ask for it.
+    split = {"embedding": {"tied_split": True}}
+    assert sim.predict(run.cfg, ref, curve, _Flat(), cal, "sharded", 0.25, run.vocab, classes=split).label == \
+        "sharded@0.25M+split"
+    assert sim.predict(run.cfg, ref, curve, _Flat(), cal, "ddp", 0.25, run.vocab, classes=split).label == "ddp@0.25M"
+    assert p.label == "bucketed@0.25M"
 
 
 def test_each_bucket_waits_for_the_slowest_rank(tmp_path):
