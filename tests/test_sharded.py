@@ -27,11 +27,10 @@ def test_sharded_gradients_equal_the_reference(nproc):
 SPLIT = ("sync.classes.embedding.tied_split=true",)
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_sharded_with_the_split_equals_the_reference(nproc):
-    """The tied embedding replicated and split, the rest sharded: each gradient the exact mean, with and without
-    accumulation."""
-    results = verify.run(nproc, ["sharded"], accums=[1, 2], steps=3, overrides=SPLIT)
+def test_sharded_with_the_split_equals_the_reference():
+    """The tied embedding replicated and split, the rest sharded: each gradient the exact mean on 3 ranks, with and
+    without accumulation (on 2 ranks the training test below compares it with the bucketed split bit for bit)."""
+    results = verify.run(3, ["sharded"], accums=[1, 2], steps=3, overrides=SPLIT)
     for accum, by_strategy in results.items():
         r = by_strategy["sharded"]
         assert r["lossless"] and r["max_rel"] <= verify.TOLERANCE, (accum, r)
