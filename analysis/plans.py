@@ -32,14 +32,19 @@ def ready_params(cfg, vocab: int | None = None) -> tuple:
     return _ready_params(cfg.model, vocab or cfg.data.vocab_size)
 
 
-def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = None,
-                classes: dict[str, dict] | None = None, vocab: int | None = None) -> strategies.Plan:
-    """The plan of `cfg`'s model under `strategy` (default: the profile's), built on meta tensors in the expected
-    ready order; `classes` overrides `sync.classes.<class>` settings ({class: {"bucket_cap_mb": 4}} ...)."""
-    name = strategy or cfg.sync.strategy
+def sync_for(cfg, strategy: str | None = None, bucket_cap_mb: float | None = None,
+             classes: dict[str, dict] | None = None):
+    """`cfg.sync` under `strategy` (default: the profile's) and `bucket_cap_mb`; `classes` overrides
+    `sync.classes.<class>` settings ({class: {"bucket_cap_mb": 4}} ...)."""
     merged = dict(cfg.sync.classes or {})
     for c, over in (classes or {}).items():
         merged[c] = dataclasses.replace(merged.get(c, ClassSettings()), **over)
-    sync = dataclasses.replace(cfg.sync, strategy=name, classes=merged,
+    return dataclasses.replace(cfg.sync, strategy=strategy or cfg.sync.strategy, classes=merged,
                                bucket_cap_mb=bucket_cap_mb if bucket_cap_mb is not None else cfg.sync.bucket_cap_mb)
-    return strategies.plan_for(sync, list(ready_params(cfg, vocab)))
+
+
+def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = None,
+                classes: dict[str, dict] | None = None, vocab: int | None = None) -> strategies.Plan:
+    """The plan of `cfg`'s model under `sync_for(cfg, strategy, bucket_cap_mb, classes)`, built on meta tensors in
+    the expected ready order."""
+    return strategies.plan_for(sync_for(cfg, strategy, bucket_cap_mb, classes), list(ready_params(cfg, vocab)))

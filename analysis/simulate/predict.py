@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from analysis.plans import bucket_plan, ready_params
+from analysis.plans import bucket_plan, ready_params, sync_for
 from analysis.simulate.calibration import Calibration
 from analysis.simulate.costs import host_ms
 from analysis.simulate.reference import ReferenceStep
@@ -100,11 +100,8 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
 
 def _splits(cfg, strategy: str, classes: dict | None) -> bool:
     """Whether `strategy` splits the tied embedding's gradient under `cfg`'s classes with the overrides `classes`."""
-    if "classes.tied_split" not in strategies.get(strategy).sync_keys:
-        return False
-    merged = {c: s.tied_split for c, s in (cfg.sync.classes or {}).items()}
-    merged.update({c: over["tied_split"] for c, over in (classes or {}).items() if "tied_split" in over})
-    return any(merged.values())
+    return "classes.tied_split" in strategies.get(strategy).sync_keys and any(
+        c.tied_split for c in sync_for(cfg, strategy, classes=classes).classes.values())
 
 
 def _sharded_extra_ms(cfg, ref: ReferenceStep, model, plan, dur: list[float], calib: Calibration, world: int

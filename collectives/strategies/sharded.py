@@ -103,8 +103,7 @@ class ShardedSync(PlannedSync):
             shard_state = sd["state"].get(i, {})
             if sh.replicated:  # the whole parameter's state, the same on every rank (none before its first step)
                 if shard_state:
-                    state[index[id(sh.shard)]] = {k: v.clone() if torch.is_tensor(v) else v
-                                                  for k, v in shard_state.items()}
+                    state[index[id(sh.shard)]] = _cloned(shard_state)
                 continue
             for key in sorted(shard_state):  # the same order on every rank
                 value = shard_state[key]
@@ -135,7 +134,7 @@ class ShardedSync(PlannedSync):
             if any(m is None for m in members):
                 raise UserError("the checkpoint's optimizer state covers only some parameters of a bucket")
             if sh.replicated:
-                state[i] = {k: v.clone() if torch.is_tensor(v) else v for k, v in members[0].items()}
+                state[i] = _cloned(members[0])
                 continue
             s, rank = sh.shard.numel(), self.reducer.rank
             shard_state = {}
@@ -155,6 +154,11 @@ class ShardedSync(PlannedSync):
         out = super().stats()
         out["shard_numel"] = sum(sh.shard.numel() for sh in self.reducer.shards)
         return out
+
+
+def _cloned(state: dict) -> dict:
+    """One parameter's optimizer state with its tensors copied (a replicated parameter's state, whole)."""
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
 def _one_group(sd: dict) -> dict:
