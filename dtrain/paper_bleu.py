@@ -21,6 +21,8 @@ import math
 import re
 from collections import Counter
 
+from sacremoses import MosesPunctNormalizer, MosesTokenizer
+
 from dtrain.bleu import corpus_bleu
 
 _COMPOUND = re.compile(r"(\S)-(\S)")
@@ -59,10 +61,6 @@ def multi_bleu(hypotheses: list[str], references: list[str]) -> dict:
 
 def tokenize(lines: list[str], lang: str, replace_punct: bool) -> list[str]:
     """Moses tokenisation (step 1) and compound splitting (step 2) of detokenised lines."""
-    # Imported here, not at the top: sacremoses (and the joblib it imports) take about 0.3 s, which every training
-    # process would pay through dtrain.evaluate, while only WMT14 runs score this way.
-    from sacremoses import MosesPunctNormalizer, MosesTokenizer  # noqa: PLC0415
-
     tok = MosesTokenizer(lang=lang)
     norm = MosesPunctNormalizer(lang=lang)
     out = []
