@@ -48,7 +48,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from analysis.runs import finished
-from analysis.testbed import Names, status
+from analysis.testbed_net import Names, status
 from collectives.strategies import available
 from common import rundir
 from common.errors import UserError, exit_on_user_error

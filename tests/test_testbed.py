@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis import testbed, testbed_disks
+from analysis import testbed, testbed_disks, testbed_jobs, testbed_links, testbed_net
 from conftest import REPO
 from common.errors import UserError
 from dtrain.data import cache_root
@@ -21,7 +21,7 @@ from dtrain.data import cache_root
 
 def _why_not() -> str | None:
     try:
-        testbed.require_tools()
+        testbed_net.require_tools()
     except UserError as e:
         return f"testbed {e}"
     return None
@@ -33,8 +33,8 @@ needs_netns = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or ""
 # ---- everywhere --------------------------------------------------------------------------------------------------
 
 def test_agent_commands_put_rank_0_on_node_0():
-    names = testbed.Names("dtb")
-    cmds = [testbed.agent_command(names, i, 2, 1, 29600, "rid", ["-m", "collectives.bench", "-b", "8"])
+    names = testbed_net.Names("dtb")
+    cmds = [testbed_jobs.agent_command(names, i, 2, 1, 29600, "rid", ["-m", "collectives.bench", "-b", "8"])
             for i in range(2)]
     for i, cmd in enumerate(cmds):
         assert cmd[:4] == ["ip", "netns", "exec", f"dtb-n{i}"]
@@ -43,7 +43,7 @@ def test_agent_commands_put_rank_0_on_node_0():
         assert cmd[-4:] == ["-m", "collectives.bench", "-b", "8"]
     assert "--local-ranks-filter=0" in cmds[0] and "--local-ranks-filter=0" not in cmds[1]
     # c10d orders agents by address string: node 0's must sort first at any cluster size.
-    addrs = [testbed.Names.address(i) for i in range(testbed.MAX_NODES)]
+    addrs = [testbed_net.Names.address(i) for i in range(testbed_net.MAX_NODES)]
     assert min(addrs) == addrs[0]
 
 
@@ -51,7 +51,7 @@ def test_command_line_errors(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         testbed.main(["--name", "Bad-Name", "status"])
     assert e.value.code == 2 and "bad testbed name" in capsys.readouterr().err
-    monkeypatch.setattr(testbed.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(testbed_net.os, "geteuid", lambda: 1000)
     with pytest.raises(SystemExit) as e:
         testbed.main(["status"])
     err = capsys.readouterr().err
@@ -63,10 +63,10 @@ def test_command_line_errors(capsys, monkeypatch):
 @pytest.fixture
 def bed():
     """A testbed name of this test session's own; whatever a test leaves up is removed, pass or fail."""
-    names = testbed.Names(f"t{os.getpid() % 10**6}")
-    testbed.down(names)
+    names = testbed_net.Names(f"t{os.getpid() % 10**6}")
+    testbed_net.down(names)
     yield names
-    testbed.down(names)
+    testbed_net.down(names)
     assert names.existing() == ([], [])
 
 
@@ -78,16 +78,16 @@ def _host_links() -> list[str]:
 @needs_netns
 def test_up_status_down(bed):
     host = _host_links()
-    testbed.up(bed, [testbed.Link(10**8)] * 2)
-    rows = testbed.status(bed)
+    testbed_net.up(bed, [testbed_links.Link(10**8)] * 2)
+    rows = testbed_net.status(bed)
     assert [(r["netns"], r["address"], r["state"]) for r in rows] == [
         (f"{bed.prefix}-n0", "10.77.0.1/24", "UP"), (f"{bed.prefix}-n1", "10.77.0.2/24", "UP")]
     assert all(r["egress"].startswith("tbf 100mbit") and r["ingress"].startswith("tbf 100mbit") for r in rows)
     assert _host_links() == host  # nothing in the host's own namespace
     with pytest.raises(UserError, match="already up"):
-        testbed.up(bed, [testbed.Link(10**8)] * 2)
-    assert sorted(testbed.down(bed)) == sorted([bed.hub, bed.node(0), bed.node(1)])
-    assert testbed.down(bed) == []  # idempotent
+        testbed_net.up(bed, [testbed_links.Link(10**8)] * 2)
+    assert sorted(testbed_net.down(bed)) == sorted([bed.hub, bed.node(0), bed.node(1)])
+    assert testbed_net.down(bed) == []  # idempotent
     assert bed.existing() == ([], [])
 
 
@@ -95,7 +95,7 @@ def test_up_status_down(bed):
 @pytest.mark.parametrize("exc", [UserError("boom"), KeyboardInterrupt()])
 def test_up_leaves_nothing_behind_on_failure(bed, monkeypatch, exc):
     calls = []
-    real_sh = testbed.sh
+    real_sh = testbed_net.sh
 
     def failing_sh(*args):
         calls.append(args)
@@ -103,16 +103,16 @@ def test_up_leaves_nothing_behind_on_failure(bed, monkeypatch, exc):
             raise exc
         return real_sh(*args)
 
-    monkeypatch.setattr(testbed, "sh", failing_sh)
+    monkeypatch.setattr(testbed_net, "sh", failing_sh)
     with pytest.raises(type(exc)):
-        testbed.up(bed, [testbed.Link(10**9)] * 3)
+        testbed_net.up(bed, [testbed_links.Link(10**9)] * 3)
     assert bed.existing() == ([], [])
 
 
 @needs_netns
 def test_shaping_limits_throughput(bed):
-    testbed.up(bed, [testbed.Link(40 * 10**6)] * 2)  # 40 Mbit/s = 5 MB/s
-    bps = testbed.probe(bed, 0, 1, seconds=1.0)
+    testbed_net.up(bed, [testbed_links.Link(40 * 10**6)] * 2)  # 40 Mbit/s = 5 MB/s
+    bps = testbed_net.probe(bed, 0, 1, seconds=1.0)
     assert 2.5e6 < bps < 5.5e6
 
 
@@ -153,14 +153,14 @@ def _no_processes_left(bed):
 
 @needs_netns
 def test_run_all_reduce_across_two_nodes(bed, tmp_path):
-    testbed.up(bed, [testbed.Link(10**9)] * 2)
+    testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
     r = subprocess.run(_testbed_run(bed, tmp_path, "ok"), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "hello from rank 0" in r.stdout and "hello from rank 1" not in r.stdout  # rank 0's output only
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for i, info in enumerate(ranks):
         assert info["addr"] == f"10.77.0.{i + 1}"  # rank i runs inside node i
-        assert info["master"] == "10.77.0.1" and info["ifname"] == testbed.IFACE
+        assert info["master"] == "10.77.0.1" and info["ifname"] == testbed_net.IFACE
         assert info["sum"] == 3.0 and info["world"] == 2
     assert "hello from rank 1" in (tmp_path / "logs" / "node1.log").read_text()
     _no_processes_left(bed)
@@ -168,7 +168,7 @@ def test_run_all_reduce_across_two_nodes(bed, tmp_path):
 
 @needs_netns
 def test_run_returns_the_failure_and_stops_the_rest(bed, tmp_path):
-    testbed.up(bed, [testbed.Link(10**9)] * 2)
+    testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
     t0 = time.monotonic()
     r = subprocess.run(_testbed_run(bed, tmp_path, "fail"), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
@@ -179,7 +179,7 @@ def test_run_returns_the_failure_and_stops_the_rest(bed, tmp_path):
 
 @needs_netns
 def test_ctrl_c_stops_the_job(bed, tmp_path):
-    testbed.up(bed, [testbed.Link(10**9)] * 2)
+    testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
     p = subprocess.Popen(_testbed_run(bed, tmp_path, "hang"), cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, text=True)
     try:
@@ -199,7 +199,7 @@ def test_ctrl_c_stops_the_job(bed, tmp_path):
 # ---- private filesystems (run --private-fs) ----------------------------------------------------------------------
 
 def test_private_mounts_give_each_node_its_own_copy_and_cover_tmp_last():
-    names = testbed.Names("dtb")
+    names = testbed_net.Names("dtb")
     targets = [Path("/work/repo/runs"), Path("/tmp"), Path("/root/.cache/dtrain"),
                Path("/tmp/elsewhere/run"), Path("/work/repo/runs/")]
     mounts = testbed_disks.private_mounts(names.disk(1), targets)
@@ -229,14 +229,14 @@ def test_private_paths_are_the_run_dirs_the_cache_and_tmp(tmp_path, monkeypatch)
 
 
 def test_agent_command_mounts_before_torchrun():
-    names = testbed.Names("dtb")
+    names = testbed_net.Names("dtb")
     mounts = [(Path("/tmp/dtb-node1/a b"), Path("/a b")), (Path("/tmp/dtb-node1/tmp"),
                                                                            Path("/tmp"))]
-    cmd = testbed.agent_command(names, 1, 2, 1, 29600, "rid", ["-m", "x"], mounts)
+    cmd = testbed_jobs.agent_command(names, 1, 2, 1, 29600, "rid", ["-m", "x"], mounts)
     assert cmd[:6] == ["ip", "netns", "exec", "dtb-n1", "sh", "-c"]
     assert cmd[6] == "mount --bind '/tmp/dtb-node1/a b' '/a b' && mount --bind /tmp/dtb-node1/tmp /tmp && exec \"$@\""
     assert cmd[7:10] == ["sh", sys.executable, "-m"] and cmd[10] == "torch.distributed.run" and cmd[-2:] == ["-m", "x"]
-    assert testbed.agent_command(names, 1, 2, 1, 29600, "rid", ["-m", "x"])[4] == sys.executable  # no mounts: as is
+    assert testbed_jobs.agent_command(names, 1, 2, 1, 29600, "rid", ["-m", "x"])[4] == sys.executable  # no mounts: as is
 
 
 def test_private_path_needs_private_fs(capsys):
@@ -274,7 +274,7 @@ def _mounts() -> str:
 
 @needs_netns
 def test_private_fs_gives_node_1_its_own_run_dirs_cache_and_tmp(bed, tmp_path):
-    testbed.up(bed, [testbed.Link(10**9)] * 2)
+    testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
     tag = f"private-fs-{bed.prefix}"
     before = _mounts()
     cmd = [sys.executable, "-m", "analysis.testbed", "--name", bed.prefix, "run", "--private-fs", "--log-dir",
@@ -304,26 +304,26 @@ def test_private_fs_gives_node_1_its_own_run_dirs_cache_and_tmp(bed, tmp_path):
     finally:
         for p in (f"/tmp/{tag}", REPO / "runs" / tag, cache_root() / tag):
             shutil.rmtree(p, ignore_errors=True)
-    assert str(bed.disk(1)) in testbed.down(bed) and not bed.disk(1).exists()
+    assert str(bed.disk(1)) in testbed_net.down(bed) and not bed.disk(1).exists()
 
 
 def test_an_elastic_agent_asks_for_a_range_of_nodes():
-    names = testbed.Names("dtb")
-    cmd = testbed.agent_command(names, 1, 2, 1, 29600, "rid", ["--max-restarts=3", "-m", "x"], min_nodes=1)
+    names = testbed_net.Names("dtb")
+    cmd = testbed_jobs.agent_command(names, 1, 2, 1, 29600, "rid", ["--max-restarts=3", "-m", "x"], min_nodes=1)
     assert "--nnodes=1:2" in cmd and "--nnodes=2" not in cmd and "--rdzv-conf=is_host=0" in cmd
-    short = testbed.agent_command(names, 0, 2, 1, 29600, "rid", ["-m", "x"], min_nodes=1, last_call_s=2)
+    short = testbed_jobs.agent_command(names, 0, 2, 1, 29600, "rid", ["-m", "x"], min_nodes=1, last_call_s=2)
     assert "--rdzv-conf=is_host=1,last_call_timeout=2" in short
     assert cmd[-3:] == ["--max-restarts=3", "-m", "x"]  # torchrun's own options pass through before the module
 
 
 @needs_netns
 def test_drop_refuses_node_0_and_unknown_nodes(bed):
-    testbed.up(bed, [testbed.Link(10**9)] * 2)
+    testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
     with pytest.raises(UserError, match="node 0 hosts the rendezvous"):
-        testbed.drop(bed, 0)
+        testbed_jobs.drop(bed, 0)
     with pytest.raises(UserError, match="no node 5"):
-        testbed.drop(bed, 5)
-    assert testbed.drop(bed, 1) == 0  # nothing runs there
+        testbed_jobs.drop(bed, 5)
+    assert testbed_jobs.drop(bed, 1) == 0  # nothing runs there
 
 
 @pytest.mark.slow
@@ -331,7 +331,7 @@ def test_drop_refuses_node_0_and_unknown_nodes(bed):
 def test_an_elastic_job_goes_on_when_a_node_is_taken_away(bed, tmp_path):
     """2 nodes, private disks, --min-nodes 1: node 1 is dropped mid-run; node 0's agent meets the rendezvous again
     alone, and its worker resumes from the last checkpoint on 1 rank and finishes every step."""
-    testbed.up(bed, [testbed.Link(10**9)] * 2)
+    testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "analysis.testbed", "--name", bed.prefix, "run", "--private-fs", "--min-nodes", "1",
            "--last-call", "2", "--log-dir", str(tmp_path / "logs"), "--", "--max-restarts=3", "-m", "dtrain.train",
@@ -347,7 +347,7 @@ def test_an_elastic_job_goes_on_when_a_node_is_taken_away(bed, tmp_path):
                 break
             time.sleep(0.5)
         assert job.poll() is None, job.communicate()[0][-3000:]  # still running: its node 1 is there to drop
-        assert testbed.drop(bed, 1) >= 1
+        assert testbed_jobs.drop(bed, 1) >= 1
         out, _ = job.communicate(timeout=300)
     finally:
         if job.poll() is None:
