@@ -98,7 +98,7 @@ def main(argv=None) -> int:
             with sdpa_backend(cells[0][1].train.sdpa_backend, device):  # the attention kernel training would use
                 for _ in range(steps):
                     for tr in order.sample(trainers, len(trainers)):  # a fresh order each step, equal on every rank
-                        rec = tr.recorded_step()
+                        rec = tr.turn_step()
                         bar.update(1)
                         bar.set_postfix_str(f"{tr.cfg.sync.strategy} {rec.step_ms:.0f} ms")
             bar.close()

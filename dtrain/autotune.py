@@ -218,7 +218,7 @@ class Tuner:
             for c in order.sample(alive, len(alive)):  # the same order on every rank: the same seed
                 # Each replica draws its dropout masks from its own RNG state, as it would alone.
                 set_rng_state(self.rng[c.name])
-                rec = trainers[c.name].recorded_step()
+                rec = trainers[c.name].turn_step()
                 self.rng[c.name] = rng_state()
                 mine[c.name] = (rec.step_ms, rec.loss)
                 c.steps += 1

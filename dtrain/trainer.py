@@ -363,6 +363,14 @@ class Trainer:
         self.profiler.step()
         return rec
 
+    def turn_step(self) -> StepRecord:
+        """`recorded_step` of one configuration among several trained in turn (`analysis.interleave`, the tuner's
+        race). The ranks meet first, outside the timed step: each configuration then starts aligned, as its own
+        previous step leaves it in a run alone, instead of absorbing the previous configuration's imbalance between
+        the ranks (after `noop`, whose ranks never wait for each other, that is a whole step's difference)."""
+        ddist.barrier()
+        return self.recorded_step()
+
     def stop_agreed(self) -> str | None:
         """After a step: whether any rank was asked to stop (the signal's name, or "signal" when only another rank
         knows which). One all-reduce of one number per step, only while a handler is installed; every rank calls it
