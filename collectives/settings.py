@@ -41,7 +41,8 @@ class ClassSettings:
     min_ctas: int | None = None  # the class communicator's ncclConfig_t.minCTAs
     max_ctas: int | None = None  # ... and maxCTAs
     # A tied embedding (one nn.Embedding weight also used as the pre-softmax projection): its gradient goes in two
-    # parts, the projection's as soon as backward has it, the rows its lookups touched after (collectives.tied_split)
+    # parts, the projection's as soon as backward has it, the rows each lookup touched as its backward ends
+    # (collectives.tied_split)
     tied_split: bool = False
 
 

@@ -1,5 +1,5 @@
-"""The tied embedding's split gradient: the projection part goes out with the first bucket, the lookup rows after
-the last lookup, and the sum is the exact mean (one rank here; 2 and 3 ranks through dtrain.verify)."""
+"""The tied embedding's split gradient: the projection part goes out with the first bucket, each lookup's rows as
+its backward ends, and the sum is the exact mean (one rank here; 2 and 3 ranks through dtrain.verify)."""
 
 import pytest
 import torch
@@ -26,17 +26,21 @@ def test_split_gradient_equals_the_whole(one_rank, name, accum):  # noqa: F811
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad, want[n], rtol=1e-6, atol=1e-7)
         records = handle.step_records()
-        (lookup,) = [r for r in records if r.part == "lookup"]
+        # one lookup part per lookup, in backward's order: the decoder's input, then the encoder's
+        lookups = [r for r in records if r.part == "lookup"]
+        assert len(lookups) == 2 and lookups[0].bucket + 1 == lookups[1].bucket
         projection = [r for r in records if r.part == "projection"]  # a bucket of the embedding alone
         assert len(projection) == (1 if name == "per_class" else len(projection)) <= 1
-        # the lookup rows: the tokens of this step's batches, fewer than the vocabulary
-        assert 0 < lookup.numel < model.embed.weight.numel()
-        assert lookup.nbytes == lookup.numel * 4 and lookup.wire_dtype == "fp32"
+        for lookup in lookups:  # the rows of one lookup's tokens, fewer than the vocabulary
+            assert 0 < lookup.numel < model.embed.weight.numel()
+            assert lookup.nbytes == lookup.numel * 4 and lookup.wire_dtype == "fp32"
         if s > 0:  # re-planned in the observed order: the projection part is ready before every other bucket
             first = min(r.ready_ms for r in records if r.part != "lookup")
             embedding = [r for r in records if r.bucket == handle.reducer.bucket_of("embed.weight")]
             assert embedding[0].ready_ms == first
-            assert lookup.ready_ms >= max(r.ready_ms for r in records if r.part is None)
+            # the encoder's lookup is the last thing backward computes; the decoder's goes out before it
+            assert lookups[1].ready_ms >= max(r.ready_ms for r in records if r.part is None)
+            assert lookups[0].launch_ms <= lookups[1].ready_ms
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         model.load_state_dict(verify.tiny_model().state_dict())  # keep the weights of `plain_grads`

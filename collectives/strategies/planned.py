@@ -141,16 +141,17 @@ class PlannedSync(GradSync):
 
     def _with_split_records(self, records: list[BucketRecord]) -> list[BucketRecord]:
         """The buckets' records, the bucket of each split parameter marked as its projection part, then each split's
-        lookup part."""
+        lookup parts."""
         for split in self.splits:
             where = self.reducer.bucket_of(split.name)
             for r in records:
                 if r.bucket == where and r.tensors == 1:  # a bucket shared with other tensors is not the part
                     r.part = "projection"
         wait_start = records[0].wait_start_ms if records else None
-        lookups = [s.record(len(records) + i, self.reducer.step_start(), wait_start, self.class_of[s.name])
-                   for i, s in enumerate(self.splits)]
-        return records + [r for r in lookups if r is not None]
+        lookups = []
+        for s in self.splits:
+            lookups += s.records(len(records) + len(lookups), self.reducer.step_start(), wait_start, self.class_of[s.name])
+        return records + lookups
 
     def step_records(self) -> list[BucketRecord]:
         records, self._records = self._records, []

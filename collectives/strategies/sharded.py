@@ -9,7 +9,7 @@ world size and with any strategy. The plan stays in the expected ready order (no
 optimizer already holds the shards). Knobs: bucketed's.
 
 With `sync.classes.<class>.tied_split` the tied embedding is not sharded: its bucket comes first and holds it alone,
-its projection part is all-reduced from the start of backward and its lookup rows after the last lookup
+its projection part is all-reduced from the start of backward and each lookup's rows as that lookup's backward ends
 (`collectives.tied_split`), and every rank updates the whole matrix, which the next forward's first lookups need
 before anything else (an all-gather there would hold up the first layer).
 """
