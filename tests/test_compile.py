@@ -20,7 +20,7 @@ from dtrain import config as config_mod
 from dtrain.trainer import Trainer
 
 STEPS = 2
-BASE = ["model.dropout=0.0", "eval.at_end=false", "train.average_last=1"]
+BASE = ["model.dropout=0.0", "eval.at_end=false", "train.average_last=1", "model.N=1"]
 
 
 @pytest.fixture(scope="module")
