@@ -91,8 +91,9 @@ NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV,TUNING NCCL_DEBUG_FILE="$OUT_DIR/benc
     part bench-nccl-pick 75 two_ranks 29611 $BENCH --path all --json "$OUT_DIR/bench.json" --csv "$OUT_DIR/bench.csv"
 part train-2rank-ddp 100 two_ranks 29613 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
     --run-dir "$OUT_DIR/train-2rank-ddp"
-# The tied embedding's split gradient on NCCL (its V-byte mask all-reduce in uint8 MAX, then the touched rows), the
-# same steps as ddp's run above: the largest parameter difference between the two final checkpoints.
+# The tied embedding's split gradient on NCCL (its V-byte mask all-reduce in uint8 MAX, then each lookup's touched
+# rows from inside backward), the same steps as ddp's run above: the largest parameter difference between the two
+# final checkpoints.
 part train-2rank-tied-split 100 two_ranks 29616 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
     --set sync.strategy=bucketed --set sync.classes.embedding.tied_split=true \
     --run-dir "$OUT_DIR/train-2rank-tied-split"

@@ -10,6 +10,7 @@ import pytest
 from analysis import interleave
 from analysis.runs import load_run
 from common.errors import UserError
+from dtrain import trainer as trainer_mod
 
 from conftest import REPO, records
 
@@ -58,3 +59,17 @@ def test_configurations_that_cannot_share_a_job_are_refused(tmp_path):
         interleave.load_configs(str(matrix), [])
     with pytest.raises(UserError, match="parse_log"):
         interleave.load_configs(str(matrix), ["data.max_tokens=256", "collectives.parse_log=true"])
+
+
+def test_each_turn_starts_with_the_ranks_aligned(monkeypatch):
+    """A configuration's step in turn (interleave, the tuner's race) first waits for every rank, outside the step."""
+    calls = []
+    monkeypatch.setattr(trainer_mod.ddist, "barrier", lambda: calls.append("barrier"))
+
+    class Stub:
+        def recorded_step(self):
+            calls.append("step")
+            return "record"
+
+    assert trainer_mod.Trainer.turn_step(Stub()) == "record"
+    assert calls == ["barrier", "step"]
