@@ -90,7 +90,8 @@ class TiedEmbeddingSplit:
 
     def prepare(self) -> None:
         """At each forward: forget the last step's rows."""
-        self.masks: list[tuple[torch.Tensor, object]] = []  # (mask (V,) uint8, its all-reduce) per lookup, forward order
+        # (mask (V,) uint8, its all-reduce) per lookup, in forward order
+        self.masks: list[tuple[torch.Tensor, object]] = []
         self.parts: list[_Rows] = []  # per lookup, in backward's order
         self.applied = True  # nothing to add in finish() until a synchronized lookup's backward
 

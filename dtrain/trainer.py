@@ -368,7 +368,8 @@ class Trainer:
         race). The ranks meet first, outside the timed step: each configuration then starts aligned, as its own
         previous step leaves it in a run alone, instead of absorbing the previous configuration's imbalance between
         the ranks (after `noop`, whose ranks never wait for each other, that is a whole step's difference)."""
-        ddist.barrier()
+        self.phase = "the ranks' meeting before a configuration's turn"
+        self._guarded(ddist.barrier)
         return self.recorded_step()
 
     def stop_agreed(self) -> str | None:

@@ -236,7 +236,8 @@ def test_agent_command_mounts_before_torchrun():
     assert cmd[:6] == ["ip", "netns", "exec", "dtb-n1", "sh", "-c"]
     assert cmd[6] == "mount --bind '/tmp/dtb-node1/a b' '/a b' && mount --bind /tmp/dtb-node1/tmp /tmp && exec \"$@\""
     assert cmd[7:10] == ["sh", sys.executable, "-m"] and cmd[10] == "torch.distributed.run" and cmd[-2:] == ["-m", "x"]
-    assert testbed_jobs.agent_command(names, 1, 2, 1, 29600, "rid", ["-m", "x"])[4] == sys.executable  # no mounts: as is
+    plain = testbed_jobs.agent_command(names, 1, 2, 1, 29600, "rid", ["-m", "x"])
+    assert plain[4] == sys.executable  # no mounts: as is
 
 
 def test_private_path_needs_private_fs(capsys):

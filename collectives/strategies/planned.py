@@ -150,7 +150,8 @@ class PlannedSync(GradSync):
         wait_start = records[0].wait_start_ms if records else None
         lookups = []
         for s in self.splits:
-            lookups += s.records(len(records) + len(lookups), self.reducer.step_start(), wait_start, self.class_of[s.name])
+            lookups += s.records(len(records) + len(lookups), self.reducer.step_start(), wait_start,
+                                 self.class_of[s.name])
         return records + lookups
 
     def step_records(self) -> list[BucketRecord]:
