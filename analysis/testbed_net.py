@@ -259,7 +259,7 @@ def probe(names: Names, src: int = 0, dst: int = 1, seconds: float = 2.0, port: 
         sink.wait()
 
 
-# ---- processes ------------------------------------------------------------------------------------------------
+# ---- processes: stopping what runs in a namespace, signals during clean-up ---------------------------------------
 
 def kill_all(pids: list[int], grace_s: float = 5.0) -> None:
     """SIGTERM (torchrun then shuts its workers down cleanly), SIGKILL whatever is still there after `grace_s`."""
