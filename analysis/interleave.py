@@ -61,11 +61,13 @@ def load_configs(matrix_path: str, overrides: list[str]) -> list[tuple[str, obje
     for name, cfg in cells[1:]:
         for what, a, b in (("train.max_steps", first.train.max_steps, cfg.train.max_steps),
                            ("train.sdpa_backend", first.train.sdpa_backend, cfg.train.sdpa_backend),
+                           ("train.keep_host_memory", first.train.keep_host_memory, cfg.train.keep_host_memory),
                            ("collectives", first.collectives, cfg.collectives), ("dist", first.dist, cfg.dist),
                            ("data", first.data, cfg.data), ("seed", first.seed, cfg.seed)):
             if a != b:
                 raise UserError(f"{matrix_path}: '{name}' and '{first_name}' differ in {what}; an interleaved job "
-                                "shares it (steps, batches, NCCL settings): make it the same or sweep separately")
+                                "shares it (steps, batches, NCCL settings, the process's allocator): make it the "
+                                "same or sweep separately")
     if first.collectives.parse_log:
         raise UserError("collectives.parse_log: not in an interleaved job (one NCCL log would hold every "
                         "configuration's collectives)")

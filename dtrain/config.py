@@ -103,6 +103,9 @@ class TrainConfig:
     average_last: int = 1  # average the last k checkpoints for evaluation (the paper: 5 for base)
     amp: str = "fp32"  # "fp32" or "bf16" (autocast)
     threads: int | None = None  # torch intra-op threads per rank; default: torch's (torchrun sets 1 per rank)
+    # keep freed host memory for the next step instead of returning it to the OS (glibc; common/host_memory.py):
+    # on a CPU the activations of every step are otherwise faulted in again, page by page
+    keep_host_memory: bool = True
     max_bad_steps: int = 5  # consecutive steps with non-finite gradients (each skipped) before the run stops
     sdpa_backend: str = "auto"  # auto: "math" on CPU (fastest for sentence-length sequences), torch's pick on CUDA
     # every rank > 0 also writes its bucket records (<run>/buckets.rank<r>.jsonl, the run directory shared): the

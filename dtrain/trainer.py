@@ -27,6 +27,7 @@ from collectives import attach, nccl
 from collectives import dist as ddist
 from collectives.timing import ms_between, stamp
 from common.errors import JobFailure, UserError
+from common.host_memory import keep_freed_memory
 from common.jsonl import append_jsonl, read_jsonl, rewrite_jsonl
 from common.rundir import StepRecord, ValRecord, rank_buckets_file
 from dtrain import checkpoint
@@ -102,6 +103,8 @@ class Trainer:
         self.writer = RunWriter(self.run_dir, self.main, self.rank, cfg.train.record_ranks)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
+        # Process-wide: in an interleaved job every configuration shares the allocator of its process.
+        self.host_memory = keep_freed_memory() if cfg.train.keep_host_memory else "returned to the OS (glibc default)"
 
         d = cfg.data
         corpus = load_corpus(cfg)
@@ -347,7 +350,7 @@ class Trainer:
             self.cfg, backend=self.backend, world_size=self.world, device=str(self.device),
             parameters=count_parameters(self.model), vocab=self.tokenizer.vocab_size,
             train_pairs=len(self.train_pairs), data_dir=str(self.data_dir), sync=self.sync.stats(),
-            torch_threads=torch.get_num_threads(), nccl=nccl.run_record(), **self.facts,
+            torch_threads=torch.get_num_threads(), host_memory=self.host_memory, nccl=nccl.run_record(), **self.facts,
         )
 
     def recorded_step(self) -> StepRecord:

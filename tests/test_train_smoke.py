@@ -23,6 +23,7 @@ def test_smoke_run_writes_the_run_directory(smoke_run):
         assert (run / name).is_file(), name
     header = json.loads((run / "run.json").read_text())
     assert header["world_size"] == 2 and header["backend"] == "gloo" and header["sync"]["strategy"] == "ddp"
+    assert header["host_memory"] == "kept"  # train.keep_host_memory, on by default (glibc here)
     steps = records(run / "steps.jsonl")
     assert [s["step"] for s in steps] == list(range(1, 41))
     for key in ("loss", "tokens", "lr", "data_ms", "forward_ms", "backward_ms", "comm_exposed_ms", "optimizer_ms"):

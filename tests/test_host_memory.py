@@ -1,0 +1,56 @@
+"""train.keep_host_memory: freed host memory is kept for the next allocation instead of handed back to the OS, so a
+step's large tensors are not faulted in again page by page (common/host_memory.py). Each case runs in a process of
+its own: the setting is process-wide."""
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+from common.errors import UserError
+from dtrain import config as config_mod
+
+# A few steps of the CPU profile on one rank: the page faults of the last two steps. Its logits, (tokens, vocab)
+# float32, are above glibc's largest mmap threshold (32 MiB), so by default every step maps them anew.
+SCRIPT = """
+import resource, sys
+from collectives import dist as ddist
+from dtrain import config as config_mod
+from dtrain.trainer import Trainer
+cfg = config_mod.load("profiles/multi30k-cpu.yaml", ["data.max_tokens=1100", "eval.at_end=false", sys.argv[1]])
+trainer = Trainer(cfg, sys.argv[2], ddist.init(cfg.dist)[0], "gloo")
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for step in range(6):
+    if step == 4:
+        before = faults()
+    trainer.train_step()
+print(trainer.host_memory, "|", (faults() - before) // 2)
+"""
+
+
+def faults_per_step(tmp_path, keep: bool) -> tuple[str, int]:
+    r = subprocess.run([sys.executable, "-c", SCRIPT, f"train.keep_host_memory={str(keep).lower()}",
+                        str(tmp_path / str(keep))], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    what, faults = r.stdout.strip().splitlines()[-1].split(" | ")
+    return what, int(faults)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc parameters")
+def test_kept_memory_is_not_faulted_in_again_each_step(tmp_path, multi30k_dir):
+    what, default = faults_per_step(tmp_path, keep=False)
+    assert what.startswith("returned") and default > 5000  # the logits alone are 8,000+ pages
+    what, kept = faults_per_step(tmp_path, keep=True)
+    assert what == "kept" and kept < default / 5
+
+
+def test_the_setting_is_a_checked_bool():
+    assert config_mod.load("profiles/smoke.yaml").train.keep_host_memory is True
+    assert config_mod.load("profiles/smoke.yaml", ["train.keep_host_memory=false"]).train.keep_host_memory is False
+    with pytest.raises(UserError) as e:
+        config_mod.load("profiles/smoke.yaml", ["train.keep_host_memory=sometimes"])
+    assert "train.keep_host_memory" in str(e.value) and "\n" not in str(e.value)
