@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from analysis.testbed_disks import prepare_disk, private_mounts
-from analysis.testbed_net import IFACE, PROG, Names, kill_all, require_tools, shielded
+from analysis.testbed_net import IFACE, PROG, Names, descendants, kill_all, require_tools, shielded
 from common.errors import UserError
 
 DEFAULT_PORT = 29500
@@ -172,31 +172,13 @@ def drop(names: Names, node: int) -> int:
     return len(pids)
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def _stop(procs: list[subprocess.Popen]) -> None:
     """Stop every agent still running and everything it started (torchrun puts each worker in its own session, so
     the agent's process group alone would miss them)."""
     pids = []
     for p in procs:
         if p.poll() is None:
-            pids += [p.pid] + _descendants(p.pid)
+            pids += [p.pid] + descendants(p.pid)
     kill_all(pids)
     for p in procs:
         try:

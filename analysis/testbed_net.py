@@ -276,12 +276,31 @@ def kill_all(pids: list[int], grace_s: float = 5.0) -> None:
             return
 
 
-def _alive(pid: int) -> bool:
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...); None once the process is gone."""
     try:
-        # A zombie (exited, not yet reaped by its parent) counts as gone.
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return False
+        return None
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"  # a zombie (exited, not yet reaped by its parent) counts as gone
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, children first."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit() and (fields := _stat(d)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
 
 
 class shielded:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from collectives.tensor_classes import WIRE_DTYPES
 from collectives.timing import Stamp, record_ms, stamp
 from common.errors import UserError
 from common.rundir import BucketRecord
@@ -161,7 +162,7 @@ class TiedEmbeddingSplit:
         out = []
         for k, part in enumerate(self.parts):
             numel, dtype = part.rows.numel(), str(part.rows.dtype)[6:]
-            wire = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+            wire = next((name for name, t in WIRE_DTYPES.items() if t == part.rows.dtype), dtype)
             complete = ms(part.complete_t)
             if part.complete_t is not None and part.complete_t.event is not None:  # CUDA: finish() blocks no host
                 wait_ms = None

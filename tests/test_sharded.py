@@ -53,20 +53,27 @@ def test_the_split_embedding_gets_a_bucket_of_its_own_first():
     assert len(plan().buckets) == 1  # without the split, 25 MiB puts the whole model in one bucket
 
 
+def resumed_sharded_against(tmp_path, reference: tuple, same: tuple):
+    """10 steps of `reference`, and of `sharded` stopped after 5 and resumed, both with `same`: (the resume's
+    torchrun result, the checkpoint diff of the two, [reference's grad norms, sharded's])."""
+    same = (*same, *NO_EVAL)
+    torchrun("--run-dir", str(tmp_path / "reference"), *reference, "--set", "train.max_steps=10", *same)
+    run = tmp_path / "sharded"
+    torchrun("--run-dir", str(run), *SHARDED, "--set", "train.max_steps=5", *same)
+    r = torchrun("--run-dir", str(run), *SHARDED, "--resume", "--set", "train.max_steps=10", *same)
+    norms = [[s["grad_norm"] for s in records(d / "steps.jsonl")] for d in (tmp_path / "reference", run)]
+    return r, checkpoint_diff(tmp_path / "reference", run), norms
+
+
 @pytest.mark.slow
 def test_sharded_training_equals_ddp_with_clipping_and_accumulation(tmp_path):
     """10 steps, clipped by the global norm, 2 micro-batches a step, stopped after 5 and resumed from the checkpoint:
     the same parameters and optimizer state as 10 steps of stock DDP, bit for bit (2 ranks). The checkpoint holds
     the whole optimizer state, which the shards are cut from again."""
-    same = ("--set", "optim.clip_norm=0.5", "--set", "train.accum_steps=2", *NO_EVAL)
-    torchrun("--run-dir", str(tmp_path / "ddp"), "--set", "sync.strategy=ddp", "--set", "train.max_steps=10", *same)
-    run = tmp_path / "sharded"
-    torchrun("--run-dir", str(run), *SHARDED, "--set", "train.max_steps=5", *same)
-    r = torchrun("--run-dir", str(run), *SHARDED, "--resume", "--set", "train.max_steps=10", *same)
+    r, diff, norms = resumed_sharded_against(tmp_path, ("--set", "sync.strategy=ddp"),
+                                             ("--set", "optim.clip_norm=0.5", "--set", "train.accum_steps=2"))
     assert "at step 5" in r.stdout
-    diff = checkpoint_diff(tmp_path / "ddp", run)
     assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
-    norms = [[s["grad_norm"] for s in records(tmp_path / r / "steps.jsonl")] for r in ("ddp", "sharded")]
     assert norms[0] == norms[1] and len(norms[0]) == 10 and max(norms[0]) > 0.5  # the clip was active
 
 
@@ -75,18 +82,13 @@ def test_sharded_split_training_equals_the_bucketed_split(tmp_path):
     """10 clipped steps of 2 micro-batches: sharding the rest of the model changes nothing against bucketed with the
     same split, bit for bit on 2 ranks (the split itself differs from DDP in the last bits, docs/results.md), and
     the checkpoint resumes under the sharded split exactly."""
-    same = ("--set", "optim.clip_norm=0.5", "--set", "train.accum_steps=2", "--set",
-            "sync.classes.embedding.tied_split=true", *NO_EVAL)
-    torchrun("--run-dir", str(tmp_path / "bucketed"), "--set", "sync.strategy=bucketed", "--set",
-             "sync.bucket_cap_mb=0.05", "--set", "train.max_steps=10", *same)
-    run = tmp_path / "sharded"
-    torchrun("--run-dir", str(run), *SHARDED, "--set", "train.max_steps=5", *same)
-    r = torchrun("--run-dir", str(run), *SHARDED, "--resume", "--set", "train.max_steps=10", *same)
+    r, diff, norms = resumed_sharded_against(
+        tmp_path, ("--set", "sync.strategy=bucketed", "--set", "sync.bucket_cap_mb=0.05"),
+        ("--set", "optim.clip_norm=0.5", "--set", "train.accum_steps=2",
+         "--set", "sync.classes.embedding.tied_split=true"))
     assert "at step 5" in r.stdout
-    diff = checkpoint_diff(tmp_path / "bucketed", run)
     assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
     # The replicated embedding's gradient counted once in the global norm, and the clip active.
-    norms = [[s["grad_norm"] for s in records(d / "steps.jsonl")] for d in (tmp_path / "bucketed", run)]
     assert norms[0] == norms[1] and len(norms[0]) == 10 and max(norms[0]) > 0.5
 
 
