@@ -85,6 +85,8 @@ class SyncConfig:
     first_bucket_mb: float | None = None  # ddp, bucketed: cap of the bucket ready first; None: as bucket_cap_mb
     hook: HookConfig | str | None = None  # ddp: a DDP comm hook by name, or {name, wraps, state} (collectives.hooks)
     classes: dict[str, ClassSettings] = field(default_factory=dict)  # tensor class name -> its rule and settings
+    # sharded with a class's tied_split: the tied embedding sharded by rows too, each lookup fetching its rows first
+    shard_tied_split: bool = False
     powersgd_rank: int = 1  # powersgd: matrix approximation rank
     powersgd_start_iter: int = 2  # powersgd: plain all-reduce before this iteration (error feedback needs >= 2)
     tune: TuneConfig = field(default_factory=TuneConfig)  # auto: how the job searches its configuration

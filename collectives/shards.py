@@ -10,7 +10,9 @@ Layout, per bucket of N elements padded to Np = world x s:
 
 A `replicated` bucket (the plan's: a tied embedding with `tied_split`) is all-reduced whole instead, by `Reducer`'s
 path on `replicated_group`, and every rank updates all of it: the lookups at the very start of the next forward need
-the whole matrix, so an all-gather there would hold up the first layer (docs/results.md).
+the matrix, so an all-gather there would hold up the first layer (docs/results.md). A bucket with a `row_size` (the
+same embedding with `shard_tied_split`) is sharded by whole rows instead (`RowTable`): each lookup of the next
+forward fetches just the rows of its tokens (`collectives.tied_split.ShardedTiedSplit`).
 
 A reduce-scatter sends (world - 1)/world of the bucket, half of what an all-reduce sends, and the rest (the
 all-gather of the updated shard) moves out of backward into the next forward. Both run as point-to-point sends on a
@@ -21,14 +23,15 @@ ranks the sum is the all-reduce's a + b, bit for bit.
 
 from __future__ import annotations
 
-import queue
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from collectives.p2p import Completions
 from collectives.plan import Bucket
 from collectives.reducer import Reducer, _BucketState
 from collectives.timing import Stamp, record_ms, stamp
@@ -49,6 +52,21 @@ class _Shard:
     gather_complete: Stamp | None = None
 
 
+@dataclass
+class RowTable:
+    """A 2-D parameter (a tied embedding) sharded by whole rows: rank r owns rows [r*per_rank, (r+1)*per_rank)."""
+
+    table: torch.Tensor  # (world*per_rank, d): the bucket's parameters P, the rows past the matrix's zero
+    per_rank: int
+    rank: int
+    shard: nn.Parameter  # (per_rank*d,) this rank's rows, flat; `.grad`: their reduced projection part
+    completions: Completions  # where the owner of the table waits for point-to-point work
+    wait_whole: Callable[[], None]  # blocks until the whole table is all-gathered
+    fetched: Callable[[], None]  # a lookup's rows are in: the next wave of all-gathers may go
+    launched: int = 0  # all-gathers started (`gather`) so far: every rank counts the same at the same point
+
+
+
 class ShardedReducer(Reducer):
     """`Reducer` whose buckets are reduce-scattered into per-rank shards and whose parameters are all-gathered back.
 
@@ -62,15 +80,19 @@ class ShardedReducer(Reducer):
         self.peers = [dist.get_global_rank(group, j) for j in range(world_size)]
         self.shards: list[_Shard] = []
         self.gather_pending = False  # shards may have changed since the last all-gather: launch one
-        # gloo's point-to-point work has no future to chain a callback on: a thread waits for each exchange in
-        # launch order, stamps its completion and sums the shard (on CPU while backward computes).
-        self._waiting: queue.Queue = queue.Queue()
-        self._failure: BaseException | None = None
-        threading.Thread(target=self._waiter, name="shards-waiter", daemon=True).start()
+        # bucket indices in the order the all-gathers go, in waves launched one after the other; None: one wave,
+        # last bucket first
+        self.gather_waves: list[list[int]] | None = None
+        self._waves: list[list[int]] = []  # this step's waves not launched yet
+        self._unlaunched: set[int] = set()
+        self._launch_order: list[int] = []
+        self.tables: dict[int, RowTable] = {}  # bucket index -> its rows, once `row_table` was asked for
+        self.completions = Completions("shards-waiter")  # stamps each exchange's completion, sums each shard
         super().__init__(named_params, buckets, world_size, overlap=True, groups={}, default_group=group)
 
-    def _padded(self, numel: int) -> int:
-        return -(-numel // self.world) * self.world
+    def _padded(self, bucket: Bucket) -> int:
+        row = bucket.row_size or 1  # whole rows per rank: P padded to world x ceil(rows / world) rows
+        return -(-bucket.numel // (self.world * row)) * self.world * row
 
     def _layout(self, buckets: list[Bucket]) -> None:
         super()._layout(buckets)
@@ -85,7 +107,7 @@ class ShardedReducer(Reducer):
                 self.shards[-1].reduced.set()
                 self.shards[-1].gathered.set()
                 continue
-            padded = self._padded(st.bucket.numel)
+            padded = self._padded(st.bucket)
             if st.buffer.numel() < padded:  # G padded with zeros: every rank's chunk has s elements
                 st.buffer = torch.cat([st.buffer, st.buffer.new_zeros(padded - st.buffer.numel())])
                 st.views = [st.buffer[off: off + p.numel()].view_as(p)
@@ -101,6 +123,17 @@ class ShardedReducer(Reducer):
             self.shards[-1].reduced.set()
             self.shards[-1].gathered.set()
         self.attach_grads()
+
+    def row_table(self, index: int) -> RowTable:
+        """Bucket `index` (planned with a `row_size`) as rows: the view a tied embedding's split works on."""
+        st, sh = self.buckets[index], self.shards[index]
+        row = st.bucket.row_size
+        if not row or len(st.params) != 1:
+            raise ValueError(f"bucket {index} is not one parameter sharded by rows")
+        if index not in self.tables:
+            self.tables[index] = RowTable(sh.params.view(-1, row), sh.shard.numel() // row, self.rank, sh.shard,
+                                          self.completions, lambda: self.wait_gathered([index]), self.launch_wave)
+        return self.tables[index]
 
     def chunk(self, st: _BucketState, j: int) -> torch.Tensor:
         s = st.buffer.numel() // self.world
@@ -121,30 +154,10 @@ class ShardedReducer(Reducer):
                       for j, buf in zip(others, sh.received)]
         sh.scatter += [dist.isend(self.chunk(st, j), dst=self.peers[j], group=self.group, tag=tag) for j in others]
         st.work = sh.scatter
-        self._waiting.put(("scatter", st))
-
-    def _waiter(self) -> None:
-        while True:
-            kind, st = self._waiting.get()
-            sh = self.shards[st.bucket.index]
-            try:
-                for w in (sh.scatter if kind == "scatter" else sh.gather):
-                    w.wait()
-                if kind == "scatter":
-                    st.complete_t = stamp(self.device)
-                    self._reduce(st)
-                else:
-                    sh.gather_complete = stamp(self.device)
-            except BaseException as e:  # noqa: BLE001 - handed to the training thread, which re-raises it
-                self._failure = e
-            (sh.reduced if kind == "scatter" else sh.gathered).set()
-
-    def _check(self) -> None:
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise failure
+        self.completions.put(sh.scatter, lambda: self._reduce(st), sh.reduced)
 
     def _reduce(self, st: _BucketState) -> None:
+        st.complete_t = stamp(self.device)
         sh = self.shards[st.bucket.index]
         # In rank order: chunk_0 + chunk_1 + ..., this rank's own chunk in its place.
         partial = iter(sh.received)
@@ -166,7 +179,7 @@ class ShardedReducer(Reducer):
         """`Reducer.finish`, then: the local gradients are consumed, so they are zeroed for the next step's
         accumulation, and the next forward all-gathers the updated shards."""
         super().finish()
-        self._check()
+        self.completions.check()
         for st, sh in zip(self.buckets, self.shards):
             if not sh.replicated:  # a replicated bucket's buffer is its parameter's `.grad`, for the optimizer
                 st.buffer.zero_()
@@ -175,31 +188,47 @@ class ShardedReducer(Reducer):
     # -- the next forward: all-gather ------------------------------------------------------------------------
 
     def gather(self) -> None:
-        """Send this rank's (updated) shards and receive the others', last bucket first: the buckets whose
+        """Start the all-gathers of the shards updated since the last ones: the first of `gather_waves`, the rest as
+        `launch_wave` or a wait asks for them. Without waves, all at once, last bucket first: the buckets whose
         gradients backward produced last hold the parameters the next forward needs first."""
         if not self.gather_pending:
             return
         self.gather_pending = False
+        waves = self.gather_waves or [[st.bucket.index for st in reversed(self.buckets)]]
+        self._waves = [[i for i in w if not self.shards[i].replicated] for w in waves]
+        self._unlaunched = {i for w in self._waves for i in w}
+        self._launch_order = []
+        for table in self.tables.values():
+            table.launched += 1  # stale from here until its all-gather, or a lookup's fetch, brings its rows
+        self.launch_wave()
+
+    def launch_wave(self) -> None:
+        """Launch the next wave of all-gathers, if one is left (a sharded matrix's lookup calls it once its rows are
+        fetched, so each fetch finds the link free of all-gathers)."""
+        if not self._waves:
+            return
         others = [j for j in range(self.world) if j != self.rank]
-        for st in reversed(self.buckets):
-            sh = self.shards[st.bucket.index]
-            if sh.replicated:
-                continue
+        for i in self._waves.pop(0):
+            sh = self.shards[i]
             s = sh.shard.numel()
-            tag = 2 * st.bucket.index + 1
-            sh.gathered.clear()
+            tag = 2 * i + 1
             sh.gather_launch, sh.gather_complete = stamp(self.device), None
             sh.gather = [dist.irecv(sh.params[j * s: (j + 1) * s], src=self.peers[j], group=self.group, tag=tag)
                          for j in others]
             sh.gather += [dist.isend(sh.shard.detach(), dst=self.peers[j], group=self.group, tag=tag)
                           for j in others]
-            self._waiting.put(("gather", st))
+            self.completions.put(sh.gather, lambda sh=sh: setattr(sh, "gather_complete", stamp(self.device)),
+                                 sh.gathered)
+            self._unlaunched.discard(i)
+            self._launch_order.append(i)
 
     def wait_gathered(self, indices) -> None:
-        """Block until the parameters of buckets `indices` are all-gathered."""
+        """Block until the parameters of buckets `indices` are all-gathered (launching their waves if need be)."""
         for i in indices:
+            while i in self._unlaunched:
+                self.launch_wave()
             self.shards[i].gathered.wait()
-        self._check()
+        self.completions.check()
 
     def wait_params(self) -> None:
         self.gather()
@@ -209,8 +238,8 @@ class ShardedReducer(Reducer):
         """One record per bucket's all-gather, the part of its communication that ran in this step's forward;
         times in ms from `t0` (negative: before backward started)."""
         out = []
-        for k, st in enumerate(reversed(self.buckets)):
-            sh = self.shards[st.bucket.index]
+        for k, i in enumerate(self._launch_order):
+            st, sh = self.buckets[i], self.shards[i]
             if sh.gather_launch is None:
                 continue
             b = st.bucket

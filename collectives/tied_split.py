@@ -17,18 +17,25 @@ for the encoder's lookup, the very last thing backward computes. Split:
 of the whole gradient, up to float rounding. Micro-batches under `no_sync()` accumulate as usual (their lookups write
 `.grad` themselves). The lookups' collectives use a process group of their own: they start inside backward's lookups,
 and on a shared group their order relative to the buckets' all-reduces could differ between ranks.
+
+`ShardedTiedSplit` is the split for a matrix sharded by rows (`sharded` with `shard_tied_split`,
+`collectives.shards.RowTable`): each lookup's rows are reduce-scattered to their owners instead of all-reduced (a rank
+adds only its own rows into its shard), and the next forward's lookups, which would otherwise wait for the whole
+matrix's all-gather, fetch just the rows of their tokens from their owners.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from collectives.shards import RowTable
 from collectives.tensor_classes import WIRE_DTYPES
 from collectives.timing import Stamp, record_ms, stamp
 from common.errors import UserError
@@ -46,6 +53,8 @@ class _Rows:
     launch_t: Stamp
     complete_t: Stamp | None = None
     wait_s: float = 0.0  # host time blocked in finish()
+    sent_bytes: int = 0
+    received: list[torch.Tensor] = field(default_factory=list)  # sharded: per peer, its rows of this rank's part
 
 
 class _Lookup(torch.autograd.Function):
@@ -94,6 +103,7 @@ class TiedEmbeddingSplit:
         # (mask (V,) uint8, its all-reduce) per lookup, in forward order
         self.masks: list[tuple[torch.Tensor, object]] = []
         self.parts: list[_Rows] = []  # per lookup, in backward's order
+        self._lookups = 0  # synchronized lookups run in this forward
         self.applied = True  # nothing to add in finish() until a synchronized lookup's backward
 
     def remove(self) -> None:
@@ -104,14 +114,20 @@ class TiedEmbeddingSplit:
         if not (self.is_armed() and torch.is_grad_enabled()):
             return None  # no_sync(), evaluation: the lookup stays as it is
         tokens = inputs[0]
-        mask = torch.zeros(self.vocab, dtype=torch.uint8, device=tokens.device)
-        mask[tokens.reshape(-1)] = 1
-        if module.padding_idx is not None:
-            mask[module.padding_idx] = 0  # F.embedding gives the padding row no gradient
-        # In forward order, the same on every rank; maxed over the ranks: the rows any rank looked up.
-        self.masks.append((mask, dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group, async_op=True)))
+        if len(self.masks) == self._lookups:  # (a sharded matrix's pre-hook may have sent this lookup's mask)
+            self.masks.append(self._union_mask(tokens, module.padding_idx))
+        self._lookups += 1
         return _Lookup.apply(tokens, module.weight.detach(), self.anchor, self, module.padding_idx,
                              len(self.masks) - 1)
+
+    def _union_mask(self, tokens: torch.Tensor, padding_idx: int | None) -> tuple[torch.Tensor, object]:
+        """A (V,) mask of `tokens`' rows, maxed over the ranks asynchronously: the rows any rank looked up. In
+        forward order, the same on every rank."""
+        mask = torch.zeros(self.vocab, dtype=torch.uint8, device=tokens.device)
+        mask[tokens.reshape(-1)] = 1
+        if padding_idx is not None:
+            mask[padding_idx] = 0  # F.embedding gives the padding row no gradient
+        return mask, dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def lookup_backward(self, tokens: torch.Tensor, grad_out: torch.Tensor, padding_idx: int | None,
                         index: int) -> None:
@@ -128,14 +144,22 @@ class TiedEmbeddingSplit:
         rows = torch.zeros(len(union), self.dim, dtype=grads.dtype, device=grads.device)
         rows.index_add_(0, torch.searchsorted(union, ids), grads)
         part = _Rows(union, rows, None, ready_t, stamp(self.param.device))
+        self._reduce_rows(part, index)
+        self.parts.append(part)
+        self.applied = False
 
+    def _reduce_rows(self, part: _Rows, index: int) -> None:
+        """Start summing `part.rows` over the ranks: an all-reduce."""
         def completed(fut):
             part.complete_t = stamp(self.param.device)
             return fut.value()
 
-        part.work = dist.all_reduce(rows, group=self.group, async_op=True).get_future().then(completed)
-        self.parts.append(part)
-        self.applied = False
+        part.sent_bytes = part.rows.numel() * part.rows.element_size()
+        part.work = dist.all_reduce(part.rows, group=self.group, async_op=True).get_future().then(completed)
+
+    def _add(self, part: _Rows) -> None:
+        """Add the mean of a lookup's rows, summed over the ranks, into `.grad`."""
+        self.param.grad.index_add_(0, part.union, part.rows / self.world)
 
     def finish(self) -> None:
         """Wait for each lookup's rows and add their mean into `.grad`, which holds the mean of the projection part.
@@ -147,14 +171,14 @@ class TiedEmbeddingSplit:
             t0 = time.perf_counter()
             part.work.wait()
             part.wait_s = time.perf_counter() - t0
-            self.param.grad.index_add_(0, part.union, part.rows / self.world)
+            self._add(part)
         self.applied = True  # a second finish() without a synchronized forward adds nothing
 
     def records(self, first_index: int, t0: Stamp | None, wait_start_ms: float | None, tensor_class: str
                 ) -> list[BucketRecord]:
         """One record per lookup's part (indices from `first_index`, after the buckets'), in backward's order; times
-        in ms from `t0`, the step's time zero. Its bytes are the rows' all-reduce (the masks' V bytes per lookup went
-        during forward)."""
+        in ms from `t0`, the step's time zero. Its bytes are what the rows' reduction sends (the masks' V bytes per
+        lookup went during forward)."""
 
         def ms(t):
             return record_ms(t0, t)
@@ -171,6 +195,100 @@ class TiedEmbeddingSplit:
             else:
                 wait_ms = round(part.wait_s * 1000, 3)
             out.append(BucketRecord(first_index + k, tensor_class, dtype, wire, 1, numel,
-                                    numel * part.rows.element_size(), ms(part.ready_t), ms(part.launch_t), complete,
+                                    part.sent_bytes, ms(part.ready_t), ms(part.launch_t), complete,
                                     wait_start_ms, wait_ms, part="lookup"))
         return out
+
+
+class ShardedTiedSplit(TiedEmbeddingSplit):
+    """The split of a matrix sharded by whole rows (`table`): each lookup's rows reduce-scattered to their owners,
+    and each synchronized forward's lookups fetching their tokens' rows from their owners instead of waiting for the
+    matrix's all-gather.
+
+    The matrix's other readers must wait for all of it. `readers`: the other modules that hold it as a parameter
+    (the pre-softmax projection, an `nn.Linear` whose weight is the embedding's: weight tying as PyTorch does it);
+    the caller has them wait for the matrix's all-gather. A model that reads it only functionally has none, and then
+    the last lookup of each forward waits for the whole matrix instead: whatever follows may read all of it (until
+    one synchronized forward has counted its lookups, every lookup is taken for the last)."""
+
+    def __init__(self, model: nn.Module, name: str, group: dist.ProcessGroup | None, world: int, is_armed,
+                 table: RowTable):
+        super().__init__(model, name, group, world, is_armed)
+        self.table = table
+        self.peers = [dist.get_global_rank(self.group, j) for j in range(world)]
+        self.others = [j for j in range(world) if j != table.rank]
+        self.lookups = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is self.param]
+        self.readers = [m for m in model.modules() if all(m is not k for k in self.lookups)
+                        and any(p is self.param for p in m.parameters(recurse=False))]
+        self.lookups_per_forward = 0  # counted in the last synchronized forward (0: not yet)
+        self._current = table.launched  # the table's all-gathers this split has seen complete
+        self._hooks += [m.register_forward_pre_hook(self._fetch) for m in self.lookups]
+
+    def prepare(self) -> None:
+        if getattr(self, "_lookups", 0):
+            self.lookups_per_forward = self._lookups
+        super().prepare()
+
+    def _owned(self, union: torch.Tensor) -> list[slice]:
+        """Per rank, the slice of `union` (sorted row ids) that its shard holds."""
+        bounds = torch.arange(self.world + 1, device=union.device) * self.table.per_rank
+        cut = torch.searchsorted(union, bounds).tolist()
+        return [slice(cut[j], cut[j + 1]) for j in range(self.world)]
+
+    def _fetch(self, module: nn.Embedding, args) -> None:
+        """Before a lookup: make the rows it reads current. Every rank takes the same branch (no test of whether the
+        all-gather happens to be done): the rows' exchange needs every rank."""
+        t = self.table
+        if self._current == t.launched:
+            return  # no all-gather since the matrix was last whole
+        last = not self.readers and self._lookups + 1 >= self.lookups_per_forward
+        if not (self.is_armed() and torch.is_grad_enabled()) or last:
+            t.wait_whole()
+            self._current = t.launched
+            return
+        tokens = args[0]
+        mask, work = self._union_mask(tokens, module.padding_idx)
+        self.masks.append((mask, work))  # the lookup's own hook and backward use it
+        work.wait()
+        union = mask.nonzero().squeeze(1)  # (u,) every rank's rows: each rank sends the ones it owns to all
+        owned = self._owned(union)
+        mine = t.table[union[owned[t.rank]]]  # (m, d) the current rows of this rank's shard
+        tag = 2 * self._lookups
+        received = {j: t.table.new_empty(owned[j].stop - owned[j].start, t.table.shape[1]) for j in self.others}
+        works = [dist.irecv(received[j], src=self.peers[j], group=self.group, tag=tag) for j in self.others]
+        works += [dist.isend(mine, dst=self.peers[j], group=self.group, tag=tag) for j in self.others]
+        for w in works:
+            w.wait()
+        with torch.no_grad():
+            for j in self.others:  # the same values the matrix's all-gather will write there
+                t.table.index_copy_(0, union[owned[j]], received[j])
+        t.fetched()
+
+    def _reduce_rows(self, part: _Rows, index: int) -> None:
+        """Start a reduce-scatter of `part.rows` by owner: to each peer its rows, from each its part of ours."""
+        owned = self._owned(part.union)
+        me = owned[self.table.rank]
+        part.received = [part.rows.new_empty(me.stop - me.start, self.dim) for _ in self.others]
+        tag = 2 * index + 1
+        works = [dist.irecv(buf, src=self.peers[j], group=self.group, tag=tag)
+                 for j, buf in zip(self.others, part.received)]
+        works += [dist.isend(part.rows[owned[j]], dst=self.peers[j], group=self.group, tag=tag) for j in self.others]
+        part.sent_bytes = sum(owned[j].stop - owned[j].start for j in self.others) * self.dim * part.rows.element_size()
+        done = threading.Event()
+        part.work = done
+
+        def completed():
+            part.complete_t = stamp(self.param.device)
+
+        self.table.completions.put(works, completed, done)
+
+    def _add(self, part: _Rows) -> None:
+        """Sum this rank's rows in rank order and add their mean into its shard's gradient."""
+        self.table.completions.check()
+        t, me = self.table, self._owned(part.union)[self.table.rank]
+        received = iter(part.received)
+        chunks = [part.rows[me] if j == t.rank else next(received) for j in range(self.world)]
+        total = chunks[0].clone()
+        for c in chunks[1:]:
+            total += c
+        t.shard.grad.view(t.per_rank, self.dim).index_add_(0, part.union[me] - t.rank * t.per_rank, total / self.world)

@@ -147,6 +147,15 @@ def sinusoid_table(max_len: int, d_model: int) -> torch.Tensor:
     return pe.float()
 
 
+def _drop_tied_alias(module, state_dict, prefix, local_metadata) -> None:
+    state_dict.pop(prefix + "generator.weight", None)  # the same tensor as embed.weight
+
+
+def _restore_tied_alias(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+    if prefix + "embed.weight" in state_dict:
+        state_dict.setdefault(prefix + "generator.weight", state_dict[prefix + "embed.weight"])
+
+
 class Transformer(nn.Module):
     """EncoderDecoder with one embedding matrix for source, target and the pre-softmax projection (section 3.4)."""
 
@@ -155,6 +164,13 @@ class Transformer(nn.Module):
         pre_norm = norm == "pre"
         self.d_model, self.pad_id = d_model, pad_id
         self.embed = nn.Embedding(vocab, d_model, padding_idx=pad_id)
+        # The pre-softmax projection holds the embedding's own Parameter, as PyTorch ties weights, so that code that
+        # follows modules and their parameters sees it read the matrix (a sharded strategy has each module wait
+        # for its parameters before it runs). Checkpoints keep the matrix once, as `embed.weight`.
+        self.generator = nn.Linear(d_model, vocab, bias=False)  # logits (B, T, vocab) = x @ embed.weight.T
+        self.generator.weight = self.embed.weight
+        self.register_state_dict_post_hook(_drop_tied_alias)
+        self.register_load_state_dict_pre_hook(_restore_tied_alias)
         self.pos = PositionalEncoding(d_model, dropout)
         self.encoder = nn.ModuleList([EncoderLayer(d_model, d_ff, h, dropout, pre_norm) for _ in range(N)])
         self.decoder = nn.ModuleList([DecoderLayer(d_model, d_ff, h, dropout, pre_norm) for _ in range(N)])
@@ -207,10 +223,6 @@ class Transformer(nn.Module):
         for layer, kv, cache in zip(self.decoder, memory_kv, caches):
             x = layer.step(x, kv, src_mask, cache)
         return torch.log_softmax(self.generator(self.decoder_norm(x))[:, -1].float(), dim=-1)
-
-    def generator(self, x: torch.Tensor) -> torch.Tensor:
-        """Pre-softmax projection, tied to the embedding: logits (B, T, vocab)."""
-        return F.linear(x, self.embed.weight)
 
     def forward(self, src, tgt_in):
         src_mask = self.src_mask(src)

@@ -129,7 +129,7 @@ KNOB_VALUES = {"bucket_cap_mb": 2, "first_bucket_mb": 0.5, "hook": "allreduce", 
                "powersgd_start_iter": 3, "classes.match": "*.feed_forward.*", "classes.min_numel": 1,
                "classes.max_numel": 10**9, "classes.wire_dtype": "bf16", "classes.bucket_cap_mb": 1,
                "classes.protocol": "LL", "classes.algorithm": "Ring", "classes.min_ctas": 1, "classes.max_ctas": 8,
-               "classes.tied_split": True, "tune": {"budget_steps": 30}}
+               "classes.tied_split": True, "shard_tied_split": True, "tune": {"budget_steps": 30}}
 
 
 @pytest.mark.parametrize("strategy", available())

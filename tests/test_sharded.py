@@ -4,9 +4,12 @@ must resume under any strategy."""
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from collectives import strategies
+from collectives import attach, strategies
 from collectives.plan import ready_order
+from collectives.settings import SyncConfig
 from conftest import NO_EVAL, checkpoint_diff, records, torchrun
 from dtrain import config, verify
 from dtrain.model import Transformer
@@ -53,14 +56,59 @@ def test_the_split_embedding_gets_a_bucket_of_its_own_first():
     assert len(plan().buckets) == 1  # without the split, 25 MiB puts the whole model in one bucket
 
 
-def resumed_sharded_against(tmp_path, reference: tuple, same: tuple):
-    """10 steps of `reference`, and of `sharded` stopped after 5 and resumed, both with `same`: (the resume's
-    torchrun result, the checkpoint diff of the two, [reference's grad norms, sharded's])."""
+def test_the_sharded_split_embedding_is_sharded_by_whole_rows():
+    with torch.device("meta"):
+        named = ready_order(Transformer(vocab=1001, N=1, d_model=64, d_ff=256, h=4))
+    raw = {"sync": {"strategy": "sharded", "shard_tied_split": True, "classes": {"embedding": {"tied_split": True}}}}
+    buckets = strategies.plan_for(config.from_dict(raw, "test").sync, named).buckets
+    assert buckets[0].names == ("embed.weight",) and buckets[0].row_size == 64
+    assert not any(b.replicated for b in buckets) and all(b.row_size == 0 for b in buckets[1:])
+
+
+def _fetch_on_two_ranks(rank: int, init: str) -> None:
+    """Each rank's rows updated and not all-gathered yet: a lookup's fetch brings exactly the rows any rank looks
+    up from their owner, and leaves the peer's other rows as they were."""
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        model = verify.tiny_model()
+        handle = attach(model, SyncConfig(strategy="sharded", shard_tied_split=True,
+                                          classes={"embedding": {"tied_split": True}}))
+        split = handle.splits[0]
+        t = split.table
+        before = t.table.clone()
+        with torch.no_grad():
+            t.shard.fill_(rank + 1.0)  # this rank's update of its rows, not sent yet
+        t.launched += 1  # as gather() counts an all-gather (none is launched here: only the fetch can bring rows)
+        split.lookups_per_forward = 2  # as counted by a synchronized forward: the first lookup fetches
+        handle.before_forward()
+        tokens = [verify.batch(r, 0, 0)[0] for r in (0, 1)]
+        split._fetch(model.embed, (tokens[rank],))
+        looked_up = torch.zeros(t.table.shape[0], dtype=torch.bool)
+        looked_up[torch.cat([x.reshape(-1) for x in tokens])] = True
+        looked_up[model.embed.padding_idx] = False
+        owner = torch.arange(t.table.shape[0]) // t.per_rank
+        peer = owner != rank
+        fetched = t.table[peer & looked_up]
+        assert fetched.numel() > 0 and torch.all(fetched == (1 - rank) + 1.0)
+        assert torch.equal(t.table[peer & ~looked_up], before[peer & ~looked_up])
+        assert torch.all(t.table[~peer] == rank + 1.0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_lookup_fetches_the_rows_of_every_ranks_tokens_from_their_owner(tmp_path):
+    mp.spawn(_fetch_on_two_ranks, args=(str(tmp_path / "init"),), nprocs=2, join=True)
+
+
+def resumed_sharded_against(tmp_path, reference: tuple, same: tuple, sharded: tuple = ()):
+    """10 steps of `reference`, and of `sharded` (with `sharded`'s extra settings) stopped after 5 and resumed, both
+    with `same`: (the resume's torchrun result, the checkpoint diff of the two, [reference's grad norms,
+    sharded's])."""
     same = (*same, *NO_EVAL)
     torchrun("--run-dir", str(tmp_path / "reference"), *reference, "--set", "train.max_steps=10", *same)
     run = tmp_path / "sharded"
-    torchrun("--run-dir", str(run), *SHARDED, "--set", "train.max_steps=5", *same)
-    r = torchrun("--run-dir", str(run), *SHARDED, "--resume", "--set", "train.max_steps=10", *same)
+    torchrun("--run-dir", str(run), *SHARDED, *sharded, "--set", "train.max_steps=5", *same)
+    r = torchrun("--run-dir", str(run), *SHARDED, *sharded, "--resume", "--set", "train.max_steps=10", *same)
     norms = [[s["grad_norm"] for s in records(d / "steps.jsonl")] for d in (tmp_path / "reference", run)]
     return r, checkpoint_diff(tmp_path / "reference", run), norms
 
@@ -78,17 +126,23 @@ def test_sharded_training_equals_ddp_with_clipping_and_accumulation(tmp_path):
 
 
 @pytest.mark.slow
-def test_sharded_split_training_equals_the_bucketed_split(tmp_path):
-    """10 clipped steps of 2 micro-batches: sharding the rest of the model changes nothing against bucketed with the
-    same split, bit for bit on 2 ranks (the split itself differs from DDP in the last bits, docs/results.md), and
-    the checkpoint resumes under the sharded split exactly."""
+@pytest.mark.parametrize("embedding", ["replicated", "sharded"])
+def test_sharded_split_training_equals_the_bucketed_split(tmp_path, embedding):
+    """10 clipped steps of 2 micro-batches: sharding the rest of the model, and with `shard_tied_split` the embedding
+    by rows too (its lookups fetching their rows in forward), changes nothing against bucketed with the same split,
+    bit for bit on 2 ranks (the split itself differs from DDP in the last bits, docs/results.md), and the checkpoint
+    resumes under the sharded split exactly."""
+    # One micro-batch a step for the sharded embedding: a no_sync() micro-batch's lookups wait for the whole matrix,
+    # so only a step's first forward fetches rows.
+    shard_rows = ("--set", "sync.shard_tied_split=true") if embedding == "sharded" else ()
+    accum = "1" if embedding == "sharded" else "2"
     r, diff, norms = resumed_sharded_against(
         tmp_path, ("--set", "sync.strategy=bucketed", "--set", "sync.bucket_cap_mb=0.05"),
-        ("--set", "optim.clip_norm=0.5", "--set", "train.accum_steps=2",
-         "--set", "sync.classes.embedding.tied_split=true"))
+        ("--set", "optim.clip_norm=0.5", "--set", f"train.accum_steps={accum}",
+         "--set", "sync.classes.embedding.tied_split=true"), shard_rows)
     assert "at step 5" in r.stdout
     assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
-    # The replicated embedding's gradient counted once in the global norm, and the clip active.
+    # The embedding's gradient counted once in the global norm, and the clip active.
     assert norms[0] == norms[1] and len(norms[0]) == 10 and max(norms[0]) > 0.5
 
 

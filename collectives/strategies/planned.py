@@ -108,9 +108,11 @@ class PlannedSync(GradSync):
             if len(names) != 1:
                 raise UserError(f"'sync.classes.{c}.tied_split': class '{c}' holds {len(names)} parameters; the "
                                 "split applies to a class of one tied embedding weight")
-            splits.append(TiedEmbeddingSplit(model, names[0], process_group, self.world,
-                                             lambda: self.reducer.armed))
+            splits.append(self._make_split(model, names[0], process_group))
         return splits
+
+    def _make_split(self, model: nn.Module, name: str, process_group) -> TiedEmbeddingSplit:
+        return TiedEmbeddingSplit(model, name, process_group, self.world, lambda: self.reducer.armed)
 
     def wait(self) -> None:
         self.reducer.finish()

@@ -12,12 +12,19 @@ With `sync.classes.<class>.tied_split` the tied embedding is not sharded: its bu
 its projection part is all-reduced from the start of backward and each lookup's rows as that lookup's backward ends
 (`collectives.tied_split`), and every rank updates the whole matrix, which the next forward's first lookups need
 before anything else (an all-gather there would hold up the first layer).
+
+With `sync.shard_tied_split` as well, the embedding is sharded too, by whole rows: its projection part is
+reduce-scattered like any bucket, each lookup's rows reduce-scattered to their owners, and in the next forward each
+lookup fetches the rows of its tokens from their owners (`collectives.tied_split.ShardedTiedSplit`). The matrix's
+all-gather then only has to be done by the module that reads all of it (the pre-softmax projection, an `nn.Linear`
+holding the embedding's Parameter), so the all-gathers go in the order the first forward waited for the buckets.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,24 +34,40 @@ from collectives.strategies import CLASS_RULE_KEYS, register
 from collectives.strategies.bucketed import Bucketed
 from collectives.strategies.planned import PlannedSync
 from collectives.sync import total_norm
+from collectives.tied_split import ShardedTiedSplit
 from common.errors import UserError
+
+
+LOOKUP = object()  # in a recorded forward: a lookup of a sharded matrix ran here
 
 
 class ShardedSync(PlannedSync):
     def __init__(self, model, cfg, process_group, strategy):
         super().__init__(model, cfg, process_group, strategy)
+        if strategy.config.shard_tied_split and not self.splits:
+            raise UserError("'sync.shard_tied_split' shards a split tied embedding, but no class sets tied_split")
         for split in self.splits:
-            if not self.reducer.shards[self.reducer.bucket_of(split.name)].replicated:
+            if len(self.reducer.buckets[self.reducer.bucket_of(split.name)].params) != 1:
                 raise UserError(f"tied_split: '{split.name}' shares a bucket with other parameters under strategy "
                                 f"'{self.name}'; its plan must give it a bucket of its own")
         self._replanned = True  # the optimizer holds the shards of this plan
-        # Each module with parameters of its own waits, just before it runs, for the buckets that hold them.
-        module_buckets = defaultdict(set)
-        for mname, module in model.named_modules():
-            for pname, _ in module.named_parameters(recurse=False):
-                full = f"{mname}.{pname}" if mname else pname
-                module_buckets[module].add(self.reducer.bucket_of(full))
-        self._pre_hooks = [m.register_forward_pre_hook(self._waiter(sorted(b))) for m, b in module_buckets.items()]
+        # Each module with parameters of its own waits, just before it runs, for the buckets that hold them (a tied
+        # parameter for every module that holds it), except that the lookups of a sharded matrix fetch their rows
+        # themselves: where they stand for the whole matrix (`ShardedTiedSplit.readers`), they mark its place.
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        lookups = {id(m): s for s in self.splits if isinstance(s, ShardedTiedSplit) for m in s.lookups}
+        self._pre_hooks = []
+        for module in model.modules():
+            buckets = {self.reducer.bucket_of(name_of[id(p)]) for p in module.parameters(recurse=False)}
+            if not buckets:
+                continue
+            if id(module) in lookups:
+                buckets.discard(self.reducer.bucket_of(lookups[id(module)].name))
+            self._pre_hooks.append(module.register_forward_pre_hook(
+                self._waiter(sorted(buckets), id(module) in lookups)))
+        # The buckets in the order the first synchronized forward waits for them, and where its lookups of a
+        # sharded matrix come (LOOKUP): the all-gathers' waves from then on (None: not recorded).
+        self._uses: list | None = [] if lookups else None
 
     def _make_reducer(self, named_params, buckets, groups, process_group):
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
@@ -52,8 +75,16 @@ class ShardedSync(PlannedSync):
         return ShardedReducer(named_params, buckets, self.world, group, dist.get_rank(group),
                               replicated_group=process_group)
 
-    def _waiter(self, indices: list[int]):
+    def _make_split(self, model, name, process_group):
+        if not self.strategy.config.shard_tied_split:
+            return super()._make_split(model, name, process_group)
+        table = self.reducer.row_table(self.reducer.bucket_of(name))
+        return ShardedTiedSplit(model, name, process_group, self.world, lambda: self.reducer.armed, table)
+
+    def _waiter(self, indices: list[int], lookup: bool):
         def hook(module, args):
+            if self._uses is not None and self.reducer.armed:
+                self._uses += [i for i in indices if i not in self._uses] + ([LOOKUP] if lookup else [])
             self.reducer.wait_gathered(indices)
 
         return hook
@@ -64,7 +95,28 @@ class ShardedSync(PlannedSync):
 
     def after_forward(self, out) -> None:
         super().after_forward(out)
+        if self._uses and self.reducer.armed:
+            self.reducer.gather_waves = self._waves(self._uses)
+            self._uses = None
         self.reducer.wait_params()  # buckets no module waited for (normally all are done)
+
+    def _waves(self, uses: list) -> list[list[int]]:
+        """The all-gathers in the order the forward first waited for them, cut at each lookup of a sharded matrix:
+        each wave goes once the lookup before it has fetched its rows, so that no fetch queues behind all-gathers
+        on the link. A matrix without readers of its own goes in the wave before its last lookup, which waits for
+        all of it; buckets no module waited for go last."""
+        waves: list[list[int]] = [[]]
+        for u in uses:
+            if u is LOOKUP:
+                waves.append([])
+            elif all(u not in w for w in waves):
+                waves[-1].append(u)
+        for split in self.splits:
+            if isinstance(split, ShardedTiedSplit) and not split.readers:
+                waves[max(0, len(waves) - 2)].append(self.reducer.bucket_of(split.name))
+        waves[-1] += [st.bucket.index for st in reversed(self.reducer.buckets)
+                      if all(st.bucket.index not in w for w in waves)]
+        return waves
 
     # -- the seam's sharded side --------------------------------------------------------------------------------
 
@@ -86,8 +138,8 @@ class ShardedSync(PlannedSync):
     def wait(self) -> None:
         super().wait()
         for r in self._records:
-            if r.part is None:
-                r.part = "reduce_scatter"
+            if r.part in (None, "projection") and not self.reducer.shards[r.bucket].replicated:
+                r.part = r.part or "reduce_scatter"  # a sharded matrix's projection part keeps its name
                 r.nbytes = r.nbytes * (self.world - 1) // self.world  # each rank sends all chunks but its own
         t0 = self.reducer.step_start()
         self._records += self.reducer.gather_records(t0, len(self._records))
@@ -170,9 +222,13 @@ def _one_group(sd: dict) -> dict:
 
 @register("sharded")
 class Sharded(Bucketed):
-    sync_keys = ("bucket_cap_mb", "first_bucket_mb") + CLASS_RULE_KEYS + ("classes.tied_split",)
+    sync_keys = ("bucket_cap_mb", "first_bucket_mb") + CLASS_RULE_KEYS + ("classes.tied_split", "shard_tied_split")
     handle = ShardedSync
     shards = True
+
+    @dataclass(frozen=True)
+    class Config(Bucketed.Config):
+        shard_tied_split: bool = False  # a tied_split embedding sharded by rows too, not replicated
 
     def plan(self, named_params, classes, settings):
         """Bucketed's plan; a `tied_split` parameter gets a bucket of its own, first: with the split its gradient is
@@ -184,5 +240,8 @@ class Sharded(Bucketed):
         for one in split:
             buckets += super().plan([one], classes, settings)
         buckets += super().plan(rest, classes, settings)
+        if self.config.shard_tied_split:  # sharded by whole rows (a 2-D embedding's)
+            return [dataclasses.replace(b, index=i, row_size=dict(split)[b.names[0]].shape[-1] if i < len(split)
+                                        else 0) for i, b in enumerate(buckets)]
         return [dataclasses.replace(b, index=i, replicated=i < len(split)) for i, b in enumerate(buckets)]
 

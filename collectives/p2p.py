@@ -1,0 +1,42 @@
+"""Completion of point-to-point work that has no future.
+
+gloo's `isend` and `irecv` return work without a future to chain a callback on. `Completions` gives them one: a
+thread waits for each batch of work in launch order, then runs the batch's callback (stamping the completion, summing
+received chunks) and sets its event, so the sums run while backward computes and the training thread waits only on
+the event.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+
+class Completions:
+    def __init__(self, name: str):
+        self._queue: queue.Queue = queue.Queue()
+        self._failure: BaseException | None = None
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def put(self, works: list, then: Callable[[], None], done: threading.Event) -> None:
+        """When every work in `works` has completed: `then()`, then `done.set()` (also after a failure, which
+        `check()` re-raises in the caller's thread)."""
+        done.clear()
+        self._queue.put((works, then, done))
+
+    def _run(self) -> None:
+        while True:
+            works, then, done = self._queue.get()
+            try:
+                for w in works:
+                    w.wait()
+                then()
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread, which re-raises it
+                self._failure = e
+            done.set()
+
+    def check(self) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
