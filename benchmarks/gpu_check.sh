@@ -14,7 +14,8 @@
 # 4. CUDA training steps on one rank, checkpoint averaging, beam search and sacreBLEU on test 2016.
 # 4b. The same one-rank steps with torch.compile (train.compile: default): tokens/s and GPU utilization.
 # 5. `collectives.bench` over the two ranks with NCCL's pick (NCCL_DEBUG=INFO), two-rank ddp training and the same
-#    with the tied embedding's gradient split, with the sharded strategy and with both (parameters compared), then
+#    with the tied embedding's gradient split, with the sharded strategy, with both, and with the embedding sharded by
+#    rows too (parameters compared), then
 #    the bench with NCCL_PROTO forced to LL, LL128, Simple (socket transport: the network path's bandwidth, not
 #    NVLink's).
 # 6. sync.strategy: auto over per-class NCCL protocols and bucket caps (tuning.csv: predicted and measured).
@@ -114,6 +115,14 @@ part sharded-split-vs-split 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train
     "$OUT_DIR/train-2rank-sharded-split"
 part sharded-split-vs-ddp 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-ddp" \
     "$OUT_DIR/train-2rank-sharded-split"
+# The embedding sharded by rows too (sync.shard_tied_split: its rows reduce-scattered and fetched by each lookup as
+# batched NCCL sends and receives on the split's communicator, the all-gathers in waves): the same steps, against the
+# bucketed split's parameters (equal on CPU, bit for bit).
+part train-2rank-sharded-rows 100 two_ranks 29624 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+    --set sync.strategy=sharded --set sync.bucket_cap_mb=2 --set sync.classes.embedding.tied_split=true \
+    --set sync.shard_tied_split=true --run-dir "$OUT_DIR/train-2rank-sharded-rows"
+part sharded-rows-vs-split 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-tied-split" \
+    "$OUT_DIR/train-2rank-sharded-rows"
 # sync.strategy: auto on NCCL: the in-job timing of the NCCL group, the prediction, and the paired race on real
 # CUDA steps, over per-class NCCL protocols (per_group) and bucket caps; tuning.csv holds the search.
 AUTO_SPACE="{bucketed-2: {strategy: bucketed, bucket_cap_mb: 2}, ddp-25: {strategy: ddp, bucket_cap_mb: 25},

@@ -1,9 +1,12 @@
-"""Completion of point-to-point work that has no future.
+"""Point-to-point exchanges and their completion.
 
-gloo's `isend` and `irecv` return work without a future to chain a callback on. `Completions` gives them one: a
-thread waits for each batch of work in launch order, then runs the batch's callback (stamping the completion, summing
-received chunks) and sets its event, so the sums run while backward computes and the training thread waits only on
-the event.
+`exchange` posts a rank's sends and receives of one exchange as one batch (`dist.batch_isend_irecv`): on NCCL a
+receive and a send between the same two ranks, posted one after the other, wait for each other forever unless they
+are grouped (ncclGroupStart/End; NVIDIA/nccl GitHub issue 479), while gloo runs them as they come.
+
+gloo's point-to-point work has no future to chain a callback on. `Completions` gives it one: a thread waits for each
+batch of work in launch order, then runs the batch's callback (stamping the completion, summing received chunks)
+and sets its event, so the sums run while backward computes and the training thread waits only on the event.
 """
 
 from __future__ import annotations
@@ -11,6 +14,17 @@ from __future__ import annotations
 import queue
 import threading
 from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+             group: dist.ProcessGroup, tag: int) -> list:
+    """Post (tensor, global peer rank) sends and receives as one batch; returns their work."""
+    ops = [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer in recvs]
+    ops += [dist.P2POp(dist.isend, t, peer, group, tag) for t, peer in sends]
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 class Completions:

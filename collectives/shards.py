@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from collectives.p2p import Completions
+from collectives.p2p import Completions, exchange
 from collectives.plan import Bucket
 from collectives.reducer import Reducer, _BucketState
 from collectives.timing import Stamp, record_ms, stamp
@@ -150,9 +150,8 @@ class ShardedReducer(Reducer):
         tag = 2 * st.bucket.index
         sh.reduced.clear()
         others = [j for j in range(self.world) if j != self.rank]
-        sh.scatter = [dist.irecv(buf, src=self.peers[j], group=self.group, tag=tag)
-                      for j, buf in zip(others, sh.received)]
-        sh.scatter += [dist.isend(self.chunk(st, j), dst=self.peers[j], group=self.group, tag=tag) for j in others]
+        sh.scatter = exchange([(self.chunk(st, j), self.peers[j]) for j in others],
+                              [(buf, self.peers[j]) for j, buf in zip(others, sh.received)], self.group, tag)
         st.work = sh.scatter
         self.completions.put(sh.scatter, lambda: self._reduce(st), sh.reduced)
 
@@ -213,10 +212,8 @@ class ShardedReducer(Reducer):
             s = sh.shard.numel()
             tag = 2 * i + 1
             sh.gather_launch, sh.gather_complete = stamp(self.device), None
-            sh.gather = [dist.irecv(sh.params[j * s: (j + 1) * s], src=self.peers[j], group=self.group, tag=tag)
-                         for j in others]
-            sh.gather += [dist.isend(sh.shard.detach(), dst=self.peers[j], group=self.group, tag=tag)
-                          for j in others]
+            sh.gather = exchange([(sh.shard.detach(), self.peers[j]) for j in others],
+                                 [(sh.params[j * s: (j + 1) * s], self.peers[j]) for j in others], self.group, tag)
             self.completions.put(sh.gather, lambda sh=sh: setattr(sh, "gather_complete", stamp(self.device)),
                                  sh.gathered)
             self._unlaunched.discard(i)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from collectives.p2p import exchange
 from collectives.shards import RowTable
 from collectives.tensor_classes import WIRE_DTYPES
 from collectives.timing import Stamp, record_ms, stamp
@@ -255,8 +256,8 @@ class ShardedTiedSplit(TiedEmbeddingSplit):
         mine = t.table[union[owned[t.rank]]]  # (m, d) the current rows of this rank's shard
         tag = 2 * self._lookups
         received = {j: t.table.new_empty(owned[j].stop - owned[j].start, t.table.shape[1]) for j in self.others}
-        works = [dist.irecv(received[j], src=self.peers[j], group=self.group, tag=tag) for j in self.others]
-        works += [dist.isend(mine, dst=self.peers[j], group=self.group, tag=tag) for j in self.others]
+        works = exchange([(mine, self.peers[j]) for j in self.others],
+                         [(received[j], self.peers[j]) for j in self.others], self.group, tag)
         for w in works:
             w.wait()
         with torch.no_grad():
@@ -270,9 +271,8 @@ class ShardedTiedSplit(TiedEmbeddingSplit):
         me = owned[self.table.rank]
         part.received = [part.rows.new_empty(me.stop - me.start, self.dim) for _ in self.others]
         tag = 2 * index + 1
-        works = [dist.irecv(buf, src=self.peers[j], group=self.group, tag=tag)
-                 for j, buf in zip(self.others, part.received)]
-        works += [dist.isend(part.rows[owned[j]], dst=self.peers[j], group=self.group, tag=tag) for j in self.others]
+        works = exchange([(part.rows[owned[j]], self.peers[j]) for j in self.others],
+                         [(buf, self.peers[j]) for j, buf in zip(self.others, part.received)], self.group, tag)
         part.sent_bytes = sum(owned[j].stop - owned[j].start for j in self.others) * self.dim * part.rows.element_size()
         done = threading.Event()
         part.work = done

@@ -141,10 +141,11 @@ def gather_stall(plan, durations_ms: list[float], forward_ms: float) -> float:
 
 def sharded_times(plan, ready_ms: list[float], durations_ms: list[float], half) -> tuple[list[float], list[float]]:
     """A sharded plan's (ready, duration) per bucket from its all-reduce's: a sharded bucket's reduce-scatter costs
-    `half(i, all-reduce ms)`; a replicated bucket (a tied embedding with `tied_split`) is all-reduced whole and is
-    ready at the start of backward, with the pre-softmax projection's gradient, the first computed (its lookup
-    rows, the rows each lookup's tokens touched, sent as that lookup's backward ends, are not played)."""
-    ready = [0.0 if b.replicated else r for b, r in zip(plan, ready_ms)]
+    `half(i, all-reduce ms)`; a replicated bucket (a tied embedding with `tied_split`) is all-reduced whole. Either
+    way a split embedding's bucket (replicated, or sharded by rows) is ready at the start of backward, with the
+    pre-softmax projection's gradient, the first computed (its lookup rows, the rows each lookup's tokens touched,
+    sent as that lookup's backward ends, are not played)."""
+    ready = [0.0 if b.replicated or b.row_size else r for b, r in zip(plan, ready_ms)]
     dur = [d if b.replicated else half(i, d) for i, (b, d) in enumerate(zip(plan, durations_ms))]
     return ready, dur
 

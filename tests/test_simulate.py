@@ -15,7 +15,7 @@ from analysis.runs import load_run, slowest_rank_records
 from analysis.simulate.__main__ import main
 from collectives import costmodel as cm
 from collectives.costmodel import CollectiveCost
-from collectives.timeline import gather_stall, sharded_times
+from collectives.timeline import gather_stall, optimizer_saving, sharded_times
 from common.errors import UserError
 from dtrain import config as config_mod
 
@@ -354,6 +354,24 @@ def test_a_replicated_bucket_is_played_whole_from_the_start_of_backward_and_has_
     split_stall = gather_stall(plan, [d * b.numel / 1e6 for d, b in zip(dur, plan)], 100.0)
     plain_stall = gather_stall(plain, [2.0 * b.numel / 1e6 for b in plain], 100.0)
     assert 0.0 <= split_stall < plain_stall
+
+
+def test_an_embedding_sharded_by_rows_is_reduce_scattered_from_the_start_of_backward_and_gathered_last():
+    """sharded with tied_split and shard_tied_split: the embedding's bucket is ready with the projection's gradient
+    (the first of backward), reduce-scattered like the others, and the next forward needs its gather only at the
+    end (its lookups fetch their rows)."""
+    cfg = config_mod.from_dict({"model": {"preset": "small"}, "data": {"vocab_size": 8000},
+                                "sync": {"strategy": "sharded", "bucket_cap_mb": 2, "shard_tied_split": True,
+                                         "classes": {"embedding": {"tied_split": True}}}}, "test")
+    plan = bucket_plan(cfg).buckets
+    assert plan[0].row_size == 256 and not any(b.replicated for b in plan)  # d_model of the small preset
+    ready, dur = sharded_times(plan, [10.0 * (i + 1) for i in range(len(plan))], [4.0] * len(plan),
+                               lambda i, d: d / 2)
+    assert ready[0] == 0.0 and dur == [2.0] * len(plan)
+    # Gathered last, needed at the end of the forward: its gather stalls nothing that the others' do not.
+    durations = [d * b.numel / 1e6 for d, b in zip(dur, plan)]
+    assert gather_stall(plan, durations, 1000.0) == gather_stall(plan[1:], durations[1:], 1000.0)
+    assert optimizer_saving(plan, 100.0, 2) == pytest.approx(50.0)
 
 
 def test_a_collective_costs_backward_pro_rata_to_its_run_before_backward_ends():
