@@ -38,11 +38,12 @@ class Prediction:
     adjusted_ci: tuple[float, float] | None = None
     run: str | None = None
     split: bool = False  # the tied embedding's gradient split (`tied_split`)
+    rows: bool = False  # and that embedding sharded by rows (`sharded` with `shard_tied_split`)
 
     @property
     def label(self) -> str:
-        return self.strategy + (f"@{self.cap_mb:g}M" if self.cap_mb is not None else "") + ("+split" if self.split
-                                                                                           else "")
+        return (self.strategy + (f"@{self.cap_mb:g}M" if self.cap_mb is not None else "")
+                + ("+split" if self.split else "") + ("+rows" if self.rows else ""))
 
 
 def requested_nccl(cfg, class_groups: bool):
@@ -67,7 +68,8 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     step. `cost(nbytes, algo, proto) -> ms` replaces the model's cost of one all-reduce; `nccl_of(bucket)` gives
     the (algo, proto) a bucket is forced to (default: what the profile requests). A split tied embedding
     (`tied_split`) is played as its plain plan under the all-reducing strategies (docs/simulator.md says why); under
-    `sharded` its bucket is replicated, played by `sharded_times`."""
+    `sharded` its bucket is replicated or sharded by rows, played by `sharded_times` (a lookup's fetch of its rows in
+    the next forward is not played)."""
     if strategy == "powersgd":
         raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
     compute = ref.compute_ms
@@ -95,7 +97,8 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
         compute += _sharded_extra_ms(cfg, ref, model, plan, dur, calib, getattr(model, "ranks", None) or 2)
     lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
     return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, len(plan), tl.comm_ms,
-                      exposed, compute + exposed, lossless, split=_splits(cfg, strategy, classes))
+                      exposed, compute + exposed, lossless, split=_splits(cfg, strategy, classes),
+                      rows=any(b.row_size for b in plan))
 
 
 def _splits(cfg, strategy: str, classes: dict | None) -> bool:
