@@ -7,15 +7,18 @@ for the encoder's lookup, the very last thing backward computes. Split:
 
 - projection part: while a synchronized backward runs, the lookups do not accumulate into `.grad`, so the parameter's
   gradient is complete as soon as the projection's is, and its bucket goes out at the start of backward;
-- lookup part: each lookup's backward sums its gradient rows per token id and all-reduces the rows that any rank
-  looked up in that lookup, (|union|, d), at once: the decoder's lookup runs half-way through backward, so only the
-  encoder's, the very last thing backward computes, is left when backward ends. Which rows those are is known at
-  forward time: each lookup's forward all-reduces a V-length mask of its tokens (V bytes, asynchronously), so the
-  union is ready when backward needs it and backward never waits for another rank.
+- lookup part: the rows that any rank looked up, (|union|, d), are sent whole, each row as soon as no lookup still
+  to come in backward touches it: the decoder's rows half-way through backward, the encoder's (the very last thing
+  backward computes) when backward ends. Which rows those are is known at forward time: each lookup's forward
+  all-reduces a V-length mask of its tokens (V bytes, asynchronously), so the unions are ready when backward needs
+  them and backward never waits for another rank.
 
-`finish` adds the mean of each lookup's rows, in backward's order, into the mean of the projection part: the exact mean
-of the whole gradient, up to float rounding. Micro-batches under `no_sync()` accumulate as usual (their lookups write
-`.grad` themselves). The lookups' collectives use a process group of their own: they start inside backward's lookups,
+A sent row is this rank's whole gradient of that row, added up as autograd would have: the gradient accumulated
+before this micro-batch, plus ((the projection's row + the first lookup's) + the second's), each lookup's row summed
+over its tokens in token order as the embedding's own backward sums them. `finish` overwrites those rows of the
+averaged projection part with their sum over the ranks divided by the world size, so the result is the all-reduced
+mean of the whole gradient: on two ranks the same bits as DDP's (a + b is b + a, and halving is exact). Micro-batches
+under `no_sync()` accumulate as usual (their lookups write `.grad` themselves). The lookups' collectives use a process group of their own: they start inside backward's lookups,
 and on a shared group their order relative to the buckets' all-reduces could differ between ranks.
 
 `ShardedTiedSplit` is the split for a matrix sharded by rows (`sharded` with `shard_tied_split`,
@@ -51,7 +54,7 @@ class _Rows:
     rows: torch.Tensor  # (u, d) this rank's gradient rows, summed over the ranks once `work` completes
     work: object  # the all-reduce's future
     ready_t: Stamp
-    launch_t: Stamp
+    launch_t: Stamp | None
     complete_t: Stamp | None = None
     wait_s: float = 0.0  # host time blocked in finish()
     sent_bytes: int = 0
@@ -97,6 +100,8 @@ class TiedEmbeddingSplit:
         self.group = dist.new_group(ranks)  # a collective call: every rank builds its splits in the same order
         self.anchor = torch.empty(0, device=self.param.device, requires_grad=True)
         self._hooks = [m.register_forward_hook(self._lookup_forward) for m in lookups]
+        # The projection's gradient, before autograd accumulates it into `.grad` (alone: the lookups are detached)
+        self._hooks.append(self.param.register_hook(self._projection_grad))
         self.prepare()
 
     def prepare(self) -> None:
@@ -105,6 +110,12 @@ class TiedEmbeddingSplit:
         self.masks: list[tuple[torch.Tensor, object]] = []
         self.parts: list[_Rows] = []  # per lookup, in backward's order
         self._lookups = 0  # synchronized lookups run in this forward
+        # this backward's rows: every lookup's union (u,), this rank's gradient there so far (u, d), what is sent
+        self.union: torch.Tensor | None = None
+        self.acc: torch.Tensor | None = None
+        self.before: torch.Tensor | None = None  # (u, d) `.grad` there before this micro-batch, or None
+        self.sent: torch.Tensor | None = None  # (u,) bool
+        self.pending: set[int] = set()  # lookups whose backward has not run yet
         self.applied = True  # nothing to add in finish() until a synchronized lookup's backward
 
     def remove(self) -> None:
@@ -130,22 +141,53 @@ class TiedEmbeddingSplit:
             mask[padding_idx] = 0  # F.embedding gives the padding row no gradient
         return mask, dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
+    def _projection_grad(self, grad: torch.Tensor) -> None:
+        """The projection part (V, d) as autograd hands it to the parameter, before `.grad` accumulates it: keep this
+        rank's rows of every lookup's union, and those of `.grad` from earlier micro-batches."""
+        if not (self.is_armed() and self.masks) or self.union is not None:
+            return  # not a synchronized backward of the split (its lookups write `.grad` themselves)
+        self._start(grad)
+
+    def _start(self, projection: torch.Tensor | None) -> None:
+        """This backward's rows: every lookup's union, with this rank's projection part there (if any)."""
+        looked_up = torch.zeros(self.vocab, dtype=torch.bool, device=self.param.device)
+        for mask, work in self.masks:
+            work.wait()  # sent during forward: long done
+            looked_up |= mask.bool()
+        self.union = looked_up.nonzero().squeeze(1)  # (u,) sorted row ids
+        self.acc = torch.zeros(len(self.union), self.dim, dtype=self.param.dtype, device=self.param.device)
+        if projection is not None:
+            self.acc = projection[self.union]  # (u, d)
+        self.before = None if self.param.grad is None else self.param.grad[self.union]
+        self.sent = torch.zeros(len(self.union), dtype=torch.bool, device=self.param.device)
+        self.pending = set(range(len(self.masks)))
+
     def lookup_backward(self, tokens: torch.Tensor, grad_out: torch.Tensor, padding_idx: int | None,
                         index: int) -> None:
-        """Lookup `index`'s gradient as summed rows over the rows any rank looked up there, all-reduced at once."""
+        """Lookup `index`'s rows added to this rank's gradient; the rows that no lookup still to come touches are
+        sent at once."""
         ready_t = stamp(self.param.device)
         ids = tokens.reshape(-1)
         grads = grad_out.reshape(-1, self.dim).to(self.param.dtype)  # (tokens, d)
         if padding_idx is not None:  # as F.embedding: the padding row gets no gradient
             keep = ids != padding_idx
             ids, grads = ids[keep], grads[keep]
-        mask, work = self.masks[index]
-        work.wait()  # sent during forward: long done
-        union = mask.nonzero().squeeze(1)  # (u,) sorted row ids, maxed over the ranks
-        rows = torch.zeros(len(union), self.dim, dtype=grads.dtype, device=grads.device)
-        rows.index_add_(0, torch.searchsorted(union, ids), grads)
-        part = _Rows(union, rows, None, ready_t, stamp(self.param.device))
-        self._reduce_rows(part, index)
+        if self.union is None:  # the matrix has no use besides its lookups: no projection part came first
+            self._start(None)
+        rows = torch.zeros(len(self.union), self.dim, dtype=grads.dtype, device=grads.device)
+        rows.index_add_(0, torch.searchsorted(self.union, ids), grads)  # per row in token order, as F.embedding
+        self.acc = self.acc + rows  # autograd's order: the projection's, then each lookup's as backward reaches it
+        self.pending.discard(index)
+        later = torch.zeros(self.vocab, dtype=torch.bool, device=grads.device)
+        for j in self.pending:
+            later |= self.masks[j][0].bool()
+        ready = ~self.sent & ~later[self.union]
+        self.sent |= ready
+        mine = self.acc[ready] if self.before is None else self.before[ready] + self.acc[ready]
+        part = _Rows(self.union[ready], mine, None, ready_t, None)
+        if len(part.union):  # (the same on every rank: the masks are)
+            part.launch_t = stamp(self.param.device)
+            self._reduce_rows(part, index)
         self.parts.append(part)
         self.applied = False
 
@@ -159,8 +201,8 @@ class TiedEmbeddingSplit:
         part.work = dist.all_reduce(part.rows, group=self.group, async_op=True).get_future().then(completed)
 
     def _add(self, part: _Rows) -> None:
-        """Add the mean of a lookup's rows, summed over the ranks, into `.grad`."""
-        self.param.grad.index_add_(0, part.union, part.rows / self.world)
+        """Those rows of `.grad` (the projection part's mean) become their whole gradient's mean."""
+        self.param.grad.index_copy_(0, part.union, part.rows / self.world)
 
     def finish(self) -> None:
         """Wait for each lookup's rows and add their mean into `.grad`, which holds the mean of the projection part.
@@ -169,11 +211,14 @@ class TiedEmbeddingSplit:
         if self.applied:
             return
         for part in self.parts:
+            if part.work is None:
+                continue  # no row left for this lookup
             t0 = time.perf_counter()
             part.work.wait()
             part.wait_s = time.perf_counter() - t0
             self._add(part)
         self.applied = True  # a second finish() without a synchronized forward adds nothing
+        self.union = None  # the next synchronized backward starts its rows afresh
 
     def records(self, first_index: int, t0: Stamp | None, wait_start_ms: float | None, tensor_class: str
                 ) -> list[BucketRecord]:
@@ -283,7 +328,7 @@ class ShardedTiedSplit(TiedEmbeddingSplit):
         self.table.completions.put(works, completed, done)
 
     def _add(self, part: _Rows) -> None:
-        """Sum this rank's rows in rank order and add their mean into its shard's gradient."""
+        """Sum this rank's rows in rank order; their mean replaces them in its shard's gradient."""
         self.table.completions.check()
         t, me = self.table, self._owned(part.union)[self.table.rank]
         received = iter(part.received)
@@ -291,4 +336,5 @@ class ShardedTiedSplit(TiedEmbeddingSplit):
         total = chunks[0].clone()
         for c in chunks[1:]:
             total += c
-        t.shard.grad.view(t.per_rank, self.dim).index_add_(0, part.union[me] - t.rank * t.per_rank, total / self.world)
+        t.shard.grad.view(t.per_rank, self.dim).index_copy_(0, part.union[me] - t.rank * t.per_rank,
+                                                             total / self.world)

@@ -167,7 +167,8 @@ class Transformer(nn.Module):
         # The pre-softmax projection holds the embedding's own Parameter, as PyTorch ties weights, so that code that
         # follows modules and their parameters sees it read the matrix (a sharded strategy has each module wait
         # for its parameters before it runs). Checkpoints keep the matrix once, as `embed.weight`.
-        self.generator = nn.Linear(d_model, vocab, bias=False)  # logits (B, T, vocab) = x @ embed.weight.T
+        # Built on the meta device, its own weight never drawn: the random stream initializes what it did before.
+        self.generator = nn.Linear(d_model, vocab, bias=False, device="meta")  # logits (B, T, vocab) = x @ E.T
         self.generator.weight = self.embed.weight
         self.register_state_dict_post_hook(_drop_tied_alias)
         self.register_load_state_dict_pre_hook(_restore_tied_alias)

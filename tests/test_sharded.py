@@ -127,19 +127,18 @@ def test_sharded_training_equals_ddp_with_clipping_and_accumulation(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("embedding", ["replicated", "sharded"])
-def test_sharded_split_training_equals_the_bucketed_split(tmp_path, embedding):
-    """10 clipped steps of 2 micro-batches: sharding the rest of the model, and with `shard_tied_split` the embedding
-    by rows too (its lookups fetching their rows in forward), changes nothing against bucketed with the same split,
-    bit for bit on 2 ranks (the split itself differs from DDP in the last bits, docs/results.md), and the checkpoint
-    resumes under the sharded split exactly."""
-    # One micro-batch a step for the sharded embedding: a no_sync() micro-batch's lookups wait for the whole matrix,
-    # so only a step's first forward fetches rows.
+def test_sharded_split_training_equals_ddp(tmp_path, embedding):
+    """10 clipped steps: the split embedding (replicated, or with `shard_tied_split` sharded by rows, its lookups
+    fetching their rows in forward) with the rest of the model sharded gives stock DDP's parameters and optimizer
+    state bit for bit on 2 ranks, and the checkpoint resumes under it exactly. Two micro-batches a step for the
+    replicated embedding; one for the sharded, whose no_sync() micro-batches' lookups wait for the whole matrix (so
+    only a step's first forward fetches rows)."""
     shard_rows = ("--set", "sync.shard_tied_split=true") if embedding == "sharded" else ()
     accum = "1" if embedding == "sharded" else "2"
     r, diff, norms = resumed_sharded_against(
-        tmp_path, ("--set", "sync.strategy=bucketed", "--set", "sync.bucket_cap_mb=0.05"),
-        ("--set", "optim.clip_norm=0.5", "--set", f"train.accum_steps={accum}",
-         "--set", "sync.classes.embedding.tied_split=true"), shard_rows)
+        tmp_path, ("--set", "sync.strategy=ddp"),
+        ("--set", "optim.clip_norm=0.5", "--set", f"train.accum_steps={accum}"),
+        ("--set", "sync.classes.embedding.tied_split=true", *shard_rows))
     assert "at step 5" in r.stdout
     assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
     # The embedding's gradient counted once in the global norm, and the clip active.
