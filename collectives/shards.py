@@ -56,7 +56,7 @@ class _Shard:
 class RowTable:
     """A 2-D parameter (a tied embedding) sharded by whole rows: rank r owns rows [r*per_rank, (r+1)*per_rank)."""
 
-    table: torch.Tensor  # (world*per_rank, d): the bucket's parameters P, the rows past the matrix's zero
+    table: torch.Tensor  # (world*per_rank, d): the bucket's parameters P (rows past the matrix's own: zeros)
     per_rank: int
     rank: int
     shard: nn.Parameter  # (per_rank*d,) this rank's rows, flat; `.grad`: their reduced projection part
@@ -64,7 +64,6 @@ class RowTable:
     wait_whole: Callable[[], None]  # blocks until the whole table is all-gathered
     fetched: Callable[[], None]  # a lookup's rows are in: the next wave of all-gathers may go
     launched: int = 0  # all-gathers started (`gather`) so far: every rank counts the same at the same point
-
 
 
 class ShardedReducer(Reducer):

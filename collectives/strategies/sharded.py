@@ -23,7 +23,6 @@ holding the embedding's Parameter), so the all-gathers go in the order the first
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
