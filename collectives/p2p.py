@@ -2,7 +2,8 @@
 
 `exchange` posts a rank's sends and receives of one exchange as one batch (`dist.batch_isend_irecv`): on NCCL a
 receive and a send between the same two ranks, posted one after the other, wait for each other forever unless they
-are grouped (ncclGroupStart/End; NVIDIA/nccl GitHub issue 479), while gloo runs them as they come.
+are grouped (NCCL User Guide, "Point-to-point communication" and "Group Calls": ncclGroupStart/End), while gloo runs
+them as they come. `rank_order_sum` adds what an exchange brought in a fixed order, the same on every rank.
 
 gloo's point-to-point work has no future to chain a callback on. `Completions` gives it one: a thread waits for each
 batch of work in launch order, then runs the batch's callback (stamping the completion, summing received chunks)
@@ -25,6 +26,17 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     ops = [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer in recvs]
     ops += [dist.P2POp(dist.isend, t, peer, group, tag) for t, peer in sends]
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+def rank_order_sum(own: torch.Tensor, received: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """own + the peers' parts (`received`, in rank order without `rank`) summed in rank order, as a new tensor: on two
+    ranks a + b, the all-reduce's sum bit for bit."""
+    others = iter(received)
+    parts = [own if j == rank else next(others) for j in range(len(received) + 1)]
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
 
 
 class Completions:

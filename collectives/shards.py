@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from collectives.p2p import Completions, exchange
+from collectives.p2p import Completions, exchange, rank_order_sum
 from collectives.plan import Bucket
 from collectives.reducer import Reducer, _BucketState
 from collectives.timing import Stamp, record_ms, stamp
@@ -147,7 +147,6 @@ class ShardedReducer(Reducer):
             return
         st.launch_t = stamp(self.device)
         tag = 2 * st.bucket.index
-        sh.reduced.clear()
         others = [j for j in range(self.world) if j != self.rank]
         sh.scatter = exchange([(self.chunk(st, j), self.peers[j]) for j in others],
                               [(buf, self.peers[j]) for j, buf in zip(others, sh.received)], self.group, tag)
@@ -157,12 +156,7 @@ class ShardedReducer(Reducer):
     def _reduce(self, st: _BucketState) -> None:
         st.complete_t = stamp(self.device)
         sh = self.shards[st.bucket.index]
-        # In rank order: chunk_0 + chunk_1 + ..., this rank's own chunk in its place.
-        partial = iter(sh.received)
-        parts = [self.chunk(st, self.rank) if j == self.rank else next(partial) for j in range(self.world)]
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total += part
+        total = rank_order_sum(self.chunk(st, self.rank), sh.received, self.rank)  # chunk_0 + chunk_1 + ...
         total.div_(self.world)  # sum, then divide: the reference's order of operations
         sh.shard.grad = total  # (s,)
         sh.scatter = []

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from collectives.p2p import exchange
+from collectives.p2p import exchange, rank_order_sum
 from collectives.shards import RowTable
 from collectives.tensor_classes import WIRE_DTYPES
 from collectives.timing import Stamp, record_ms, stamp
@@ -59,6 +59,7 @@ class _Rows:
     wait_s: float = 0.0  # host time blocked in finish()
     sent_bytes: int = 0
     received: list[torch.Tensor] = field(default_factory=list)  # sharded: per peer, its rows of this rank's part
+    own: slice | None = None  # sharded: this rank's rows in `union`
 
 
 class _Lookup(torch.autograd.Function):
@@ -112,6 +113,7 @@ class TiedEmbeddingSplit:
         self._lookups = 0  # synchronized lookups run in this forward
         # this backward's rows: every lookup's union (u,), this rank's gradient there so far (u, d), what is sent
         self.union: torch.Tensor | None = None
+        self.touched: list[torch.Tensor] = []  # per lookup, (u,) bool: the rows of the union it looked up
         self.acc: torch.Tensor | None = None
         self.before: torch.Tensor | None = None  # (u, d) `.grad` there before this micro-batch, or None
         self.sent: torch.Tensor | None = None  # (u,) bool
@@ -155,9 +157,9 @@ class TiedEmbeddingSplit:
             work.wait()  # sent during forward: long done
             looked_up |= mask.bool()
         self.union = looked_up.nonzero().squeeze(1)  # (u,) sorted row ids
-        self.acc = torch.zeros(len(self.union), self.dim, dtype=self.param.dtype, device=self.param.device)
-        if projection is not None:
-            self.acc = projection[self.union]  # (u, d)
+        self.touched = [mask[self.union].bool() for mask, _ in self.masks]
+        self.acc = (projection[self.union] if projection is not None  # (u, d)
+                    else torch.zeros(len(self.union), self.dim, dtype=self.param.dtype, device=self.param.device))
         self.before = None if self.param.grad is None else self.param.grad[self.union]
         self.sent = torch.zeros(len(self.union), dtype=torch.bool, device=self.param.device)
         self.pending = set(range(len(self.masks)))
@@ -178,10 +180,10 @@ class TiedEmbeddingSplit:
         rows.index_add_(0, torch.searchsorted(self.union, ids), grads)  # per row in token order, as F.embedding
         self.acc = self.acc + rows  # autograd's order: the projection's, then each lookup's as backward reaches it
         self.pending.discard(index)
-        later = torch.zeros(self.vocab, dtype=torch.bool, device=grads.device)
+        later = torch.zeros_like(self.sent)  # (u,) rows a lookup still to come touches
         for j in self.pending:
-            later |= self.masks[j][0].bool()
-        ready = ~self.sent & ~later[self.union]
+            later |= self.touched[j]
+        ready = ~self.sent & ~later
         self.sent |= ready
         mine = self.acc[ready] if self.before is None else self.before[ready] + self.acc[ready]
         part = _Rows(self.union[ready], mine, None, ready_t, None)
@@ -313,7 +315,7 @@ class ShardedTiedSplit(TiedEmbeddingSplit):
     def _reduce_rows(self, part: _Rows, index: int) -> None:
         """Start a reduce-scatter of `part.rows` by owner: to each peer its rows, from each its part of ours."""
         owned = self._owned(part.union)
-        me = owned[self.table.rank]
+        part.own = me = owned[self.table.rank]
         part.received = [part.rows.new_empty(me.stop - me.start, self.dim) for _ in self.others]
         tag = 2 * index + 1
         works = exchange([(part.rows[owned[j]], self.peers[j]) for j in self.others],
@@ -330,11 +332,7 @@ class ShardedTiedSplit(TiedEmbeddingSplit):
     def _add(self, part: _Rows) -> None:
         """Sum this rank's rows in rank order; their mean replaces them in its shard's gradient."""
         self.table.completions.check()
-        t, me = self.table, self._owned(part.union)[self.table.rank]
-        received = iter(part.received)
-        chunks = [part.rows[me] if j == t.rank else next(received) for j in range(self.world)]
-        total = chunks[0].clone()
-        for c in chunks[1:]:
-            total += c
+        t, me = self.table, part.own
+        total = rank_order_sum(part.rows[me], part.received, t.rank)
         t.shard.grad.view(t.per_rank, self.dim).index_copy_(0, part.union[me] - t.rank * t.per_rank,
                                                              total / self.world)

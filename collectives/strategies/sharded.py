@@ -105,16 +105,16 @@ class ShardedSync(PlannedSync):
         on the link. A matrix without readers of its own goes in the wave before its last lookup, which waits for
         all of it; buckets no module waited for go last."""
         waves: list[list[int]] = [[]]
-        for u in uses:
+        for u in uses:  # each bucket once: the recording keeps only its first wait
             if u is LOOKUP:
                 waves.append([])
-            elif all(u not in w for w in waves):
+            else:
                 waves[-1].append(u)
         for split in self.splits:
             if isinstance(split, ShardedTiedSplit) and not split.readers:
                 waves[max(0, len(waves) - 2)].append(self.reducer.bucket_of(split.name))
-        waves[-1] += [st.bucket.index for st in reversed(self.reducer.buckets)
-                      if all(st.bucket.index not in w for w in waves)]
+        placed = {i for w in waves for i in w}
+        waves[-1] += [st.bucket.index for st in reversed(self.reducer.buckets) if st.bucket.index not in placed]
         return waves
 
     # -- the seam's sharded side --------------------------------------------------------------------------------
