@@ -44,6 +44,7 @@ def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check:
     check(s.powersgd_rank > 0, "sync.powersgd_rank", f"must be positive, got {s.powersgd_rank}")
     check(s.powersgd_start_iter >= 2, "sync.powersgd_start_iter",
           f"must be at least 2 (DDP rebuilds its buckets after iteration 1), got {s.powersgd_start_iter}")
+    check(s.gather_dtype in (None, "bf16"), "sync.gather_dtype", f"must be bf16 or null, got '{s.gather_dtype}'")
     t = s.tune
     for key, ok, need in (("budget_steps", t.budget_steps > 0, "positive"), ("top_k", t.top_k > 0, "positive"),
                           ("probe_steps", t.probe_steps > 0, "positive"),

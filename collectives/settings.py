@@ -87,6 +87,9 @@ class SyncConfig:
     classes: dict[str, ClassSettings] = field(default_factory=dict)  # tensor class name -> its rule and settings
     # sharded with a class's tied_split: the tied embedding sharded by rows too, each lookup fetching its rows first
     shard_tied_split: bool = False
+    # sharded: the updated parameters that only nn.Linear modules read are all-gathered in this dtype ("bf16"), the
+    # dtype the forward's autocast casts them to anyway; null: in their own
+    gather_dtype: str | None = None
     powersgd_rank: int = 1  # powersgd: matrix approximation rank
     powersgd_start_iter: int = 2  # powersgd: plain all-reduce before this iteration (error feedback needs >= 2)
     tune: TuneConfig = field(default_factory=TuneConfig)  # auto: how the job searches its configuration

@@ -19,6 +19,14 @@ all-gather of the updated shard) moves out of backward into the next forward. Bo
 process group of their own: on gloo, `reduce_scatter_tensor` moves as many bytes as an all-reduce, while `isend` and
 `irecv` move the chunks at the link's rate (docs/results.md). Each rank sums its shard in rank order, so on two
 ranks the sum is the all-reduce's a + b, bit for bit.
+
+With a `gather_dtype` (bf16), a bucket's members that only `nn.Linear` modules read travel the all-gather in that dtype,
+and the received chunk is widened back into P. This is exact for training under autocast at that dtype: the Linear
+casts its fp32 weight and bias to bf16 before using them, and bf16(fp32(w16)) = w16 = bf16(w), so forward and
+backward read the same values as with an fp32 all-gather (FSDP's `MixedPrecision(param_dtype=...)` gathers so too).
+Each rank's own shard stays exact, for its optimizer; the members read elsewhere (LayerNorm, an embedding) travel in
+fp32 in the same exchange. Before the parameters are read whole (validation, a checkpoint) `exact_params` gathers the
+rounded chunks again in fp32.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from torch import nn
 
 from collectives.p2p import Completions, exchange, rank_order_sum
 from collectives.plan import Bucket
+from collectives.tensor_classes import WIRE_DTYPES
 from collectives.reducer import Reducer, _BucketState
 from collectives.timing import Stamp, record_ms, stamp
 from common.rundir import BucketRecord
@@ -50,6 +59,10 @@ class _Shard:
     replicated: bool = False  # all-reduced whole; `shard` is then the model's parameter itself
     gather_launch: Stamp | None = None
     gather_complete: Stamp | None = None
+    # With a gather dtype: per chunk j, the indices in it of members read outside a Linear (exact: sent in fp32)
+    exact_idx: list[torch.Tensor] = field(default_factory=list)
+    sending: list[torch.Tensor] = field(default_factory=list)  # this rank's shard, narrowed, while it is sent
+    rounded: bool = False  # the other ranks' chunks in P hold the narrowed values (the gather dtype's, widened)
 
 
 @dataclass
@@ -74,8 +87,10 @@ class ShardedReducer(Reducer):
     """
 
     def __init__(self, named_params: dict[str, nn.Parameter], buckets: list[Bucket], world_size: int,
-                 group: dist.ProcessGroup, rank: int, replicated_group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup, rank: int, replicated_group: dist.ProcessGroup | None = None,
+                 gather_dtype: torch.dtype | None = None, exact: set[str] = frozenset()):
         self.group, self.rank, self.replicated_group = group, rank, replicated_group
+        self.gather_dtype, self.exact = gather_dtype, exact  # `exact`: names whose all-gather stays in fp32
         self.peers = [dist.get_global_rank(group, j) for j in range(world_size)]
         self.shards: list[_Shard] = []
         self.gather_pending = False  # shards may have changed since the last all-gather: launch one
@@ -118,10 +133,22 @@ class ShardedReducer(Reducer):
                     p.data = flat[off: off + p.numel()].view_as(p)  # the model reads P from now on
             s = padded // self.world
             shard = nn.Parameter(flat[self.rank * s: (self.rank + 1) * s])  # shares P's storage
-            self.shards.append(_Shard(flat, shard, [flat.new_empty(s) for _ in range(self.world - 1)]))
+            self.shards.append(_Shard(flat, shard, [flat.new_empty(s) for _ in range(self.world - 1)],
+                                      exact_idx=self._exact_idx(st, s)))
             self.shards[-1].reduced.set()
             self.shards[-1].gathered.set()
         self.attach_grads()
+
+    def _exact_idx(self, st: _BucketState, s: int) -> list[torch.Tensor]:
+        """Per chunk (s,) of a bucket all-gathered in `gather_dtype`: the indices of its elements that must stay exact.
+        Empty when the bucket has no member to narrow (then the whole bucket goes in fp32)."""
+        names = st.bucket.names
+        if self.gather_dtype is None or st.bucket.row_size or all(n in self.exact for n in names):
+            return []
+        keep = torch.zeros(s * self.world, dtype=torch.bool)
+        for off, n, p in zip(member_offsets(st.params), names, st.params):
+            keep[off: off + p.numel()] = n in self.exact
+        return [keep[j * s: (j + 1) * s].nonzero().view(-1) for j in range(self.world)]
 
     def row_table(self, index: int) -> RowTable:
         """Bucket `index` (planned with a `row_size`) as rows: the view a tied embedding's split works on."""
@@ -205,12 +232,52 @@ class ShardedReducer(Reducer):
             s = sh.shard.numel()
             tag = 2 * i + 1
             sh.gather_launch, sh.gather_complete = stamp(self.device), None
-            sh.gather = exchange([(sh.shard.detach(), self.peers[j]) for j in others],
-                                 [(sh.params[j * s: (j + 1) * s], self.peers[j]) for j in others], self.group, tag)
-            self.completions.put(sh.gather, lambda sh=sh: setattr(sh, "gather_complete", stamp(self.device)),
-                                 sh.gathered)
+            if sh.exact_idx:
+                self._launch_narrow(sh, others, tag)
+            else:
+                sh.gather = exchange([(sh.shard.detach(), self.peers[j]) for j in others],
+                                     [(sh.params[j * s: (j + 1) * s], self.peers[j]) for j in others], self.group, tag)
+                self.completions.put(sh.gather, lambda sh=sh: setattr(sh, "gather_complete", stamp(self.device)),
+                                     sh.gathered)
             self._unlaunched.discard(i)
             self._launch_order.append(i)
+
+    def _launch_narrow(self, sh: _Shard, others: list[int], tag: int) -> None:
+        """The all-gather of a bucket with members to narrow: to each peer this rank's shard in `gather_dtype` and its
+        exact members in fp32; each peer's chunk received the same way and widened into P."""
+        s, own = sh.shard.numel(), sh.exact_idx[self.rank]
+        shard = sh.shard.detach()
+        sh.sending = [shard.to(self.gather_dtype), shard[own]]  # (s,) narrowed, (k,) exact
+        low = {j: shard.new_empty(s, dtype=self.gather_dtype) for j in others}
+        exact = {j: shard.new_empty(sh.exact_idx[j].numel()) for j in others}
+        sends = [(t, self.peers[j]) for j in others for t in sh.sending]
+        recvs = [(t, self.peers[j]) for j in others for t in (low[j], exact[j])]  # the sends' order, per peer
+
+        def widen():
+            for j in others:
+                chunk = sh.params[j * s: (j + 1) * s]
+                chunk.copy_(low[j])
+                chunk.index_copy_(0, sh.exact_idx[j], exact[j])
+            sh.sending, sh.rounded = [], True
+            sh.gather_complete = stamp(self.device)
+
+        sh.gather = exchange(sends, recvs, self.group, tag)
+        self.completions.put(sh.gather, widen, sh.gathered)
+
+    def exact_params(self) -> None:
+        """All-gather in fp32 the buckets last gathered narrowed, so that P holds every rank's exact parameters (a
+        collective: every rank calls it at the same point; call after `wait_params`)."""
+        others = [j for j in range(self.world) if j != self.rank]
+        rounded = [(i, sh) for i, sh in enumerate(self.shards) if sh.rounded]
+        works = []
+        for i, sh in rounded:
+            s = sh.shard.numel()
+            works += exchange([(sh.shard.detach(), self.peers[j]) for j in others],
+                              [(sh.params[j * s: (j + 1) * s], self.peers[j]) for j in others], self.group, 2 * i + 1)
+        for w in works:
+            w.wait()
+        for _, sh in rounded:
+            sh.rounded = False
 
     def wait_gathered(self, indices) -> None:
         """Block until the parameters of buckets `indices` are all-gathered (launching their waves if need be)."""
@@ -233,15 +300,30 @@ class ShardedReducer(Reducer):
             if sh.gather_launch is None:
                 continue
             b = st.bucket
-            nbytes = sh.shard.numel() * sh.shard.element_size() * (self.world - 1)  # received
+            nbytes = self.gather_bytes(i) * (self.world - 1)  # received
             out.append(BucketRecord(first_index + k, b.tensor_class, dtype=str(st.buffer.dtype)[6:],
-                                    wire_dtype=b.settings.wire_dtype, tensors=len(st.params), numel=b.numel,
+                                    wire_dtype=self.gather_wire(i), tensors=len(st.params), numel=b.numel,
                                     nbytes=nbytes, ready_ms=record_ms(t0, sh.gather_launch),
                                     launch_ms=record_ms(t0, sh.gather_launch),
                                     complete_ms=record_ms(t0, sh.gather_complete), wait_start_ms=None,
                                     wait_ms=None, part="all_gather"))
             sh.gather_launch = None
         return out
+
+
+    def gather_bytes(self, i: int) -> int:
+        """The bytes bucket `i`'s all-gather sends to each peer: its shard, narrowed where it may be."""
+        sh = self.shards[i]
+        if not sh.exact_idx:
+            return sh.shard.numel() * sh.shard.element_size()
+        exact = sh.exact_idx[self.rank].numel()
+        return sh.shard.numel() * self.gather_dtype.itemsize + exact * sh.shard.element_size()
+
+    def gather_wire(self, i: int) -> str:
+        sh = self.shards[i]
+        if not sh.exact_idx:
+            return self.buckets[i].bucket.settings.wire_dtype
+        return next(name for name, t in WIRE_DTYPES.items() if t == self.gather_dtype)  # its exact members: fp32
 
 
 def member_offsets(params: list[torch.Tensor]) -> list[int]:

@@ -225,6 +225,10 @@ def _validate(cfg: RunConfig, src: Source) -> None:
     check(t.average_last <= t.keep_ckpts, "train.average_last",
           f"cannot exceed train.keep_ckpts ({t.keep_ckpts}): averaged checkpoints must still be on disk")
     check(t.amp in ("fp32", "bf16"), "train.amp", f"must be 'fp32' or 'bf16', got '{t.amp}'")
+    # A rounded all-gather is exact only where the forward casts the parameters to that dtype anyway
+    check(cfg.sync.gather_dtype != "bf16" or t.amp == "bf16", "sync.gather_dtype",
+          f"'{cfg.sync.gather_dtype}' needs the forward under that autocast (train.amp: {cfg.sync.gather_dtype}), "
+          f"got train.amp '{t.amp}'")
     check(t.threads is None or t.threads > 0, "train.threads", "must be positive or null")
     check(t.sdpa_backend in SDPA_BACKENDS, "train.sdpa_backend",
           f"must be one of {', '.join(SDPA_BACKENDS)}, got '{t.sdpa_backend}'")

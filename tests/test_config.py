@@ -42,6 +42,9 @@ def test_preset_fills_fields_and_explicit_values_win(tmp_path):
     ("optim:\n  betas: [0.9]\n", r"'optim.betas' must be a list of 2 values"),
     ("train:\n  average_last: 9\n  keep_ckpts: 3\n", r"'train.average_last' cannot exceed train.keep_ckpts"),
     ("a: 1\na: 2\n", r"duplicate key 'a'"),
+    ("sync:\n  strategy: sharded\n  gather_dtype: fp8\n", r"p.yaml:3: 'sync.gather_dtype' must be bf16 or null"),
+    ("sync:\n  strategy: sharded\n  gather_dtype: bf16\n",
+     r"p.yaml:3: 'sync.gather_dtype' 'bf16' needs the forward under that autocast \(train.amp: bf16\)"),
 ])
 def test_bad_profiles_name_the_key(tmp_path, text, expected):
     with pytest.raises(UserError, match=expected):
@@ -129,7 +132,8 @@ KNOB_VALUES = {"bucket_cap_mb": 2, "first_bucket_mb": 0.5, "hook": "allreduce", 
                "powersgd_start_iter": 3, "classes.match": "*.feed_forward.*", "classes.min_numel": 1,
                "classes.max_numel": 10**9, "classes.wire_dtype": "bf16", "classes.bucket_cap_mb": 1,
                "classes.protocol": "LL", "classes.algorithm": "Ring", "classes.min_ctas": 1, "classes.max_ctas": 8,
-               "classes.tied_split": True, "shard_tied_split": True, "tune": {"budget_steps": 30}}
+               "classes.tied_split": True, "shard_tied_split": True, "gather_dtype": "bf16",
+               "tune": {"budget_steps": 30}}
 
 
 @pytest.mark.parametrize("strategy", available())
@@ -142,7 +146,8 @@ def test_every_strategy_takes_exactly_its_declared_keys(tmp_path, strategy):
             sync["classes"] = {"ffn": {key.split(".", 1)[1]: value}}
         else:
             sync[key] = value
-        raw = {"sync": sync, "collectives": {"mode": "per_group"}}  # NCCL keys of a class need a per-class mode
+        # NCCL keys of a class need a per-class mode; a bf16 all-gather, the forward under bf16 autocast
+        raw = {"sync": sync, "collectives": {"mode": "per_group"}, "train": {"amp": "bf16"}}
         if key in declared:
             config.from_dict(raw)
         else:

@@ -12,6 +12,7 @@ from collectives.plan import ready_order
 from collectives.settings import SyncConfig
 from conftest import NO_EVAL, checkpoint_diff, records, torchrun
 from dtrain import config, verify
+from common.errors import UserError
 from dtrain.model import Transformer
 
 SHARDED = ("--set", "sync.strategy=sharded", "--set", "sync.bucket_cap_mb=0.05")  # many buckets on the tiny model
@@ -100,6 +101,52 @@ def test_a_lookup_fetches_the_rows_of_every_ranks_tokens_from_their_owner(tmp_pa
     mp.spawn(_fetch_on_two_ranks, args=(str(tmp_path / "init"),), nprocs=2, join=True)
 
 
+def _narrowed_gather_on_two_ranks(rank: int, init: str) -> None:
+    """`gather_dtype: bf16`: the peer's chunk of each Linear's parameters arrives as its bf16 value, everything else
+    (LayerNorm) exact; a forward outside bf16 autocast refuses to read it; `wait_params` brings the exact values."""
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        model = verify.tiny_model()
+        handle = attach(model, SyncConfig(strategy="sharded", bucket_cap_mb=0.05, gather_dtype="bf16"))
+        reducer = handle.reducer
+        narrowed = [i for i, sh in enumerate(reducer.shards) if sh.exact_idx]
+        assert narrowed and any(reducer.shards[i].exact_idx[0].numel() for i in narrowed)  # some LayerNorm inside
+        expected = {}
+        with torch.no_grad():
+            for i in narrowed:  # each rank's update of its shard: values bf16 cannot hold
+                sh = reducer.shards[i]
+                chunks = [torch.randn(sh.shard.numel(), generator=torch.Generator().manual_seed(100 * i + r))
+                          for r in (0, 1)]
+                expected[i] = chunks
+                sh.shard.copy_(chunks[rank])
+        reducer.gather_pending = True
+        handle.stepped()
+        reducer.wait_params()
+        peer = 1 - rank
+        for i in narrowed:
+            sh, s = reducer.shards[i], reducer.shards[i].shard.numel()
+            got, want = sh.params[peer * s: (peer + 1) * s], expected[i][peer]
+            exact = torch.zeros(s, dtype=torch.bool)
+            exact[sh.exact_idx[peer]] = True
+            assert torch.equal(got[exact], want[exact])
+            assert torch.equal(got[~exact], want[~exact].to(torch.bfloat16).float())
+            assert not torch.equal(got[~exact], want[~exact])  # rounded indeed
+            assert torch.equal(sh.shard.detach(), expected[i][rank])  # this rank's own stays exact
+        src, tgt_in, _ = verify.batch(rank, 0, 0)
+        with pytest.raises(UserError, match="gather_dtype"):
+            handle.module(src, tgt_in)
+        handle.wait_params()
+        for i in narrowed:
+            sh, s = reducer.shards[i], reducer.shards[i].shard.numel()
+            assert torch.equal(sh.params[peer * s: (peer + 1) * s], expected[i][peer]) and not sh.rounded
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_narrowed_all_gather_rounds_only_what_autocast_rounds(tmp_path):
+    mp.spawn(_narrowed_gather_on_two_ranks, args=(str(tmp_path / "init"),), nprocs=2, join=True)
+
+
 def resumed_sharded_against(tmp_path, reference: tuple, same: tuple, sharded: tuple = ()):
     """10 steps of `reference`, and of `sharded` (with `sharded`'s extra settings) stopped after 5 and resumed, both
     with `same`: (the resume's torchrun result, the checkpoint diff of the two, [reference's grad norms,
@@ -155,3 +202,18 @@ def test_clipping_changes_the_update(tmp_path, straight_run):
     assert "max |A - B| over parameters: " in diff and "max |A - B| over parameters: 0 " not in diff, diff
 
 
+
+
+@pytest.mark.slow
+def test_bf16_gathered_training_equals_ddp_under_bf16_autocast(tmp_path):
+    """`gather_dtype: bf16` under bf16 autocast, with the split, clipped, 2 micro-batches a step, resumed at step 5:
+    DDP's parameters and optimizer state bit for bit (autocast reads the Linear weights in bf16 either way), and
+    the checkpoint written mid-run holds the exact parameters."""
+    r, diff, norms = resumed_sharded_against(
+        tmp_path, ("--set", "sync.strategy=ddp"),
+        ("--set", "train.amp=bf16", "--set", "optim.clip_norm=0.5", "--set", "train.accum_steps=2"),
+        ("--set", "sync.gather_dtype=bf16", "--set", "sync.classes.embedding.tied_split=true"))
+    assert "at step 5" in r.stdout
+    assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
+    gathers = [b for b in records(tmp_path / "sharded" / "buckets.jsonl") if b.get("part") == "all_gather"]
+    assert gathers and all(b["wire_dtype"] == "bf16" for b in gathers)

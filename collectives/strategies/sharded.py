@@ -18,6 +18,11 @@ reduce-scattered like any bucket, each lookup's rows reduce-scattered to their o
 lookup fetches the rows of its tokens from their owners (`collectives.tied_split.ShardedTiedSplit`). The matrix's
 all-gather then only has to be done by the module that reads all of it (the pre-softmax projection, an `nn.Linear`
 holding the embedding's Parameter), so the all-gathers go in the order the first forward waited for the buckets.
+
+With `sync.gather_dtype: bf16` (training under bf16 autocast), the parameters that only `nn.Linear` modules read are
+all-gathered in bf16, half the bytes: autocast casts them to bf16 before any use, so the forward and backward see the
+same values as after an fp32 all-gather, and the trained parameters equal DDP's bit for bit (`collectives.shards`).
+A Linear about to read them outside that autocast is an error; `wait_params` gathers them again in fp32.
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from collectives.shards import ShardedReducer, member_offsets
 from collectives.strategies import CLASS_RULE_KEYS, register
 from collectives.strategies.bucketed import Bucketed
 from collectives.strategies.planned import PlannedSync
 from collectives.sync import total_norm
+from collectives.tensor_classes import WIRE_DTYPES
 from collectives.tied_split import ShardedTiedSplit
 from common.errors import UserError
 
@@ -71,8 +78,10 @@ class ShardedSync(PlannedSync):
     def _make_reducer(self, named_params, buckets, groups, process_group):
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         group = dist.new_group(ranks)  # the shards' point-to-point traffic, apart from any collective
+        low = self.strategy.config.gather_dtype
         return ShardedReducer(named_params, buckets, self.world, group, dist.get_rank(group),
-                              replicated_group=process_group)
+                              replicated_group=process_group, gather_dtype=low and WIRE_DTYPES[low],
+                              exact=not_cast_only(self.model) if low else set(named_params))
 
     def _make_split(self, model, name, process_group):
         if not self.strategy.config.shard_tied_split:
@@ -85,8 +94,19 @@ class ShardedSync(PlannedSync):
             if self._uses is not None and self.reducer.armed:
                 self._uses += [i for i in indices if i not in self._uses] + ([LOOKUP] if lookup else [])
             self.reducer.wait_gathered(indices)
+            if any(self.reducer.shards[i].rounded for i in indices):
+                self._check_autocast(module)
 
         return hook
+
+    def _check_autocast(self, module: nn.Module) -> None:
+        """A module about to read narrowed parameters must cast them to that dtype itself, or it would compute with
+        other values than the fp32 parameters'."""
+        device = next(module.parameters()).device.type
+        low = self.reducer.gather_dtype
+        if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == low):
+            raise UserError(f"sync.gather_dtype: a {type(module).__name__} read parameters all-gathered in {low} "
+                            f"outside autocast to {low}; run the forward under that autocast (train.amp)")
 
     def before_forward(self) -> None:
         super().before_forward()
@@ -133,6 +153,7 @@ class ShardedSync(PlannedSync):
 
     def wait_params(self) -> None:
         self.reducer.wait_params()
+        self.reducer.exact_params()  # a narrowed all-gather's chunks again in fp32: they are read whole now
 
     def wait(self) -> None:
         super().wait()
@@ -207,6 +228,17 @@ class ShardedSync(PlannedSync):
         return out
 
 
+def not_cast_only(model: nn.Module) -> set[str]:
+    """The parameters some module other than an `nn.Linear` holds: those the forward may read in their own dtype.
+    An `nn.Linear` calls `F.linear`, which autocast runs in its lower dtype, casting the weight and bias first."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    out = set()
+    for module in model.modules():
+        if not isinstance(module, nn.Linear):
+            out |= {name_of[id(p)] for p in module.parameters(recurse=False)}
+    return out
+
+
 def _cloned(state: dict) -> dict:
     """One parameter's optimizer state with its tensors copied (a replicated parameter's state, whole)."""
     return {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
@@ -221,13 +253,15 @@ def _one_group(sd: dict) -> dict:
 
 @register("sharded")
 class Sharded(Bucketed):
-    sync_keys = ("bucket_cap_mb", "first_bucket_mb") + CLASS_RULE_KEYS + ("classes.tied_split", "shard_tied_split")
+    sync_keys = ("bucket_cap_mb", "first_bucket_mb") + CLASS_RULE_KEYS + ("classes.tied_split", "shard_tied_split",
+                                                                           "gather_dtype")
     handle = ShardedSync
     shards = True
 
     @dataclass(frozen=True)
     class Config(Bucketed.Config):
         shard_tied_split: bool = False  # a tied_split embedding sharded by rows too, not replicated
+        gather_dtype: str | None = None  # "bf16": Linear-only parameters all-gathered as the autocast reads them
 
     def plan(self, named_params, classes, settings):
         """Bucketed's plan; a `tied_split` parameter gets a bucket of its own, first: with the split its gradient is
