@@ -14,8 +14,8 @@
 # 4. CUDA training steps on one rank, checkpoint averaging, beam search and sacreBLEU on test 2016.
 # 4b. The same one-rank steps with torch.compile (train.compile: default): tokens/s and GPU utilization.
 # 5. `collectives.bench` over the two ranks with NCCL's pick (NCCL_DEBUG=INFO), two-rank ddp training and the same
-#    with the tied embedding's gradient split, with the sharded strategy, with both, and with the embedding sharded by
-#    rows too (parameters compared), then
+#    with the tied embedding's gradient split, with the sharded strategy, with both, with the embedding sharded by
+#    rows too, and with the Linear parameters all-gathered in bf16 (parameters compared), then
 #    the bench with NCCL_PROTO forced to LL, LL128, Simple (socket transport: the network path's bandwidth, not
 #    NVLink's).
 # 6. sync.strategy: auto over per-class NCCL protocols and bucket caps (tuning.csv: predicted and measured).
@@ -123,6 +123,14 @@ part train-2rank-sharded-rows 100 two_ranks 29624 -m dtrain.train --profile prof
     --set sync.shard_tied_split=true --run-dir "$OUT_DIR/train-2rank-sharded-rows"
 part sharded-rows-vs-split 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-tied-split" \
     "$OUT_DIR/train-2rank-sharded-rows"
+# The sharded split with its Linear parameters all-gathered in bf16 (sync.gather_dtype: the forward's bf16 autocast
+# on CUDA rounds them the same way), the same steps: against the fp32 all-gather's parameters (equal on CPU, bit for
+# bit).
+part train-2rank-sharded-bf16-gather 100 two_ranks 29625 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+    --set sync.strategy=sharded --set sync.bucket_cap_mb=2 --set sync.classes.embedding.tied_split=true \
+    --set sync.gather_dtype=bf16 --run-dir "$OUT_DIR/train-2rank-sharded-bf16-gather"
+part sharded-bf16-gather-vs-fp32 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-sharded-split" \
+    "$OUT_DIR/train-2rank-sharded-bf16-gather"
 # sync.strategy: auto on NCCL: the in-job timing of the NCCL group, the prediction, and the paired race on real
 # CUDA steps, over per-class NCCL protocols (per_group) and bucket caps; tuning.csv holds the search.
 AUTO_SPACE="{bucketed-2: {strategy: bucketed, bucket_cap_mb: 2}, ddp-25: {strategy: ddp, bucket_cap_mb: 25},
