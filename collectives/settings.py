@@ -88,7 +88,8 @@ class SyncConfig:
     # sharded with a class's tied_split: the tied embedding sharded by rows too, each lookup fetching its rows first
     shard_tied_split: bool = False
     # sharded: the updated parameters that only nn.Linear modules read are all-gathered in this dtype ("bf16"), the
-    # dtype the forward's autocast casts them to anyway; null: in their own
+    # dtype the forward's autocast casts them to anyway, and their gradients reduce-scattered in it when a step is one
+    # micro-batch (then bf16 holds them exactly); null: in their own
     gather_dtype: str | None = None
     powersgd_rank: int = 1  # powersgd: matrix approximation rank
     powersgd_start_iter: int = 2  # powersgd: plain all-reduce before this iteration (error feedback needs >= 2)

@@ -27,6 +27,11 @@ backward read the same values as with an fp32 all-gather (FSDP's `MixedPrecision
 Each rank's own shard stays exact, for its optimizer; the members read elsewhere (LayerNorm, an embedding) travel in
 fp32 in the same exchange. Before the parameters are read whole (validation, a checkpoint) `exact_params` gathers the
 rounded chunks again in fp32.
+
+The same members' gradients go through the reduce-scatter in that dtype too, when the step's gradient is one
+backward's (not `accumulated`): a Linear's weight gradient under autocast is a bf16 tensor widened to fp32 (the
+cast's backward), so bf16 holds it exactly, and each rank widens what it receives and sums in fp32 as before. Summed
+over micro-batches it is no longer a bf16 value, and that step's reduce-scatter goes in fp32.
 """
 
 from __future__ import annotations
@@ -61,8 +66,8 @@ class _Shard:
     gather_complete: Stamp | None = None
     # With a gather dtype: per chunk j, the indices in it of members read outside a Linear (exact: sent in fp32)
     exact_idx: list[torch.Tensor] = field(default_factory=list)
-    sending: list[torch.Tensor] = field(default_factory=list)  # this rank's shard, narrowed, while it is sent
     rounded: bool = False  # the other ranks' chunks in P hold the narrowed values (the gather dtype's, widened)
+    scatter_narrowed: bool = False  # this step's reduce-scatter went narrowed
 
 
 @dataclass
@@ -91,6 +96,9 @@ class ShardedReducer(Reducer):
                  gather_dtype: torch.dtype | None = None, exact: set[str] = frozenset()):
         self.group, self.rank, self.replicated_group = group, rank, replicated_group
         self.gather_dtype, self.exact = gather_dtype, exact  # `exact`: names whose all-gather stays in fp32
+        # The step's gradients are not one backward's (micro-batches accumulated, or a module ran twice): their
+        # Linear members are sums of bf16 values, which bf16 does not hold, so the reduce-scatter goes in fp32
+        self.accumulated = False
         self.peers = [dist.get_global_rank(group, j) for j in range(world_size)]
         self.shards: list[_Shard] = []
         self.gather_pending = False  # shards may have changed since the last all-gather: launch one
@@ -175,10 +183,25 @@ class ShardedReducer(Reducer):
         st.launch_t = stamp(self.device)
         tag = 2 * st.bucket.index
         others = [j for j in range(self.world) if j != self.rank]
-        sh.scatter = exchange([(self.chunk(st, j), self.peers[j]) for j in others],
-                              [(buf, self.peers[j]) for j, buf in zip(others, sh.received)], self.group, tag)
+        sh.scatter_narrowed = bool(sh.exact_idx) and not self.accumulated
+        if sh.scatter_narrowed:  # each peer's chunk of this rank's gradient, and this rank's chunk from each peer
+            mine = sh.exact_idx[self.rank]
+            sh.scatter, widen = self._exchange_narrowed({j: self.chunk(st, j) for j in others},
+                                                        {j: sh.exact_idx[j] for j in others},
+                                                        {j: mine for j in others}, tag)
+
+            def then():
+                for j, buf in zip(others, sh.received):
+                    widen(j, buf)
+                self._reduce(st)
+        else:
+            sh.scatter = exchange([(self.chunk(st, j), self.peers[j]) for j in others],
+                                  [(buf, self.peers[j]) for j, buf in zip(others, sh.received)], self.group, tag)
+
+            def then():
+                self._reduce(st)
         st.work = sh.scatter
-        self.completions.put(sh.scatter, lambda: self._reduce(st), sh.reduced)
+        self.completions.put(sh.scatter, then, sh.reduced)
 
     def _reduce(self, st: _BucketState) -> None:
         st.complete_t = stamp(self.device)
@@ -194,10 +217,18 @@ class ShardedReducer(Reducer):
         else:
             self.shards[st.bucket.index].reduced.wait()  # the waiter thread's sum
 
+    def prepare(self, sync: bool) -> None:
+        if not sync or self.armed:  # a micro-batch that only accumulates, or a second one before finish()
+            self.accumulated = True
+        super().prepare(sync)
+
     def finish(self) -> None:
         """`Reducer.finish`, then: the local gradients are consumed, so they are zeroed for the next step's
         accumulation, and the next forward all-gathers the updated shards."""
+        if not self.armed:  # gradients of no synchronized forward: whatever backward left there
+            self.accumulated = True
         super().finish()
+        self.accumulated = False
         self.completions.check()
         for st, sh in zip(self.buckets, self.shards):
             if not sh.replicated:  # a replicated bucket's buffer is its parameter's `.grad`, for the optimizer
@@ -243,26 +274,42 @@ class ShardedReducer(Reducer):
             self._launch_order.append(i)
 
     def _launch_narrow(self, sh: _Shard, others: list[int], tag: int) -> None:
-        """The all-gather of a bucket with members to narrow: to each peer this rank's shard in `gather_dtype` and its
-        exact members in fp32; each peer's chunk received the same way and widened into P."""
-        s, own = sh.shard.numel(), sh.exact_idx[self.rank]
-        shard = sh.shard.detach()
-        sh.sending = [shard.to(self.gather_dtype), shard[own]]  # (s,) narrowed, (k,) exact
-        low = {j: shard.new_empty(s, dtype=self.gather_dtype) for j in others}
-        exact = {j: shard.new_empty(sh.exact_idx[j].numel()) for j in others}
-        sends = [(t, self.peers[j]) for j in others for t in sh.sending]
-        recvs = [(t, self.peers[j]) for j in others for t in (low[j], exact[j])]  # the sends' order, per peer
+        """The all-gather of a bucket with members to narrow: this rank's shard to each peer, each peer's chunk
+        widened into P."""
+        s, shard = sh.shard.numel(), sh.shard.detach()
+        sh.gather, widen = self._exchange_narrowed({j: shard for j in others},
+                                                   {j: sh.exact_idx[self.rank] for j in others},
+                                                   {j: sh.exact_idx[j] for j in others}, tag)
 
-        def widen():
+        def then():
             for j in others:
-                chunk = sh.params[j * s: (j + 1) * s]
-                chunk.copy_(low[j])
-                chunk.index_copy_(0, sh.exact_idx[j], exact[j])
-            sh.sending, sh.rounded = [], True
+                widen(j, sh.params[j * s: (j + 1) * s])
+            sh.rounded = True
             sh.gather_complete = stamp(self.device)
 
-        sh.gather = exchange(sends, recvs, self.group, tag)
-        self.completions.put(sh.gather, widen, sh.gathered)
+        self.completions.put(sh.gather, then, sh.gathered)
+
+    def _exchange_narrowed(self, sends: dict[int, torch.Tensor], send_idx: dict[int, torch.Tensor],
+                           recv_idx: dict[int, torch.Tensor], tag: int) -> tuple[list, Callable]:
+        """Post an exchange of (s,) fp32 chunks (`sends[j]` to peer j) in `gather_dtype`, each with the elements
+        that must stay exact (indices `send_idx[j]` of what goes to j, `recv_idx[j]` of what comes from j) beside it
+        in fp32. Returns the work and `widen(j, out)`, which writes what peer j sent into `out` (s,) once it is in."""
+        narrowed, low, exact, out_sends, out_recvs = [], {}, {}, [], []
+        for j, chunk in sends.items():
+            pair = [chunk.to(self.gather_dtype), chunk[send_idx[j]]]  # copies: what is sent stays as it was
+            narrowed += pair
+            out_sends += [(t, self.peers[j]) for t in pair]
+            low[j] = chunk.new_empty(chunk.numel(), dtype=self.gather_dtype)
+            exact[j] = chunk.new_empty(recv_idx[j].numel())
+            out_recvs += [(low[j], self.peers[j]), (exact[j], self.peers[j])]  # per peer, the sends' order
+        works = exchange(out_sends, out_recvs, self.group, tag)
+
+        def widen(j: int, out: torch.Tensor) -> None:
+            del narrowed[:]  # sent: the copies can go
+            out.copy_(low[j])
+            out.index_copy_(0, recv_idx[j], exact[j])
+
+        return works, widen
 
     def exact_params(self) -> None:
         """All-gather in fp32 the buckets last gathered narrowed, so that P holds every rank's exact parameters (a
@@ -300,7 +347,7 @@ class ShardedReducer(Reducer):
             if sh.gather_launch is None:
                 continue
             b = st.bucket
-            nbytes = self.gather_bytes(i) * (self.world - 1)  # received
+            nbytes = self.sent_bytes(i, scatter=False)
             out.append(BucketRecord(first_index + k, b.tensor_class, dtype=str(st.buffer.dtype)[6:],
                                     wire_dtype=self.gather_wire(i), tensors=len(st.params), numel=b.numel,
                                     nbytes=nbytes, ready_ms=record_ms(t0, sh.gather_launch),
@@ -311,13 +358,15 @@ class ShardedReducer(Reducer):
         return out
 
 
-    def gather_bytes(self, i: int) -> int:
-        """The bytes bucket `i`'s all-gather sends to each peer: its shard, narrowed where it may be."""
+    def sent_bytes(self, i: int, scatter: bool) -> int:
+        """The bytes bucket `i`'s reduce-scatter (`scatter`) or all-gather sends to all peers together: the chunks,
+        narrowed where they were."""
         sh = self.shards[i]
-        if not sh.exact_idx:
-            return sh.shard.numel() * sh.shard.element_size()
-        exact = sh.exact_idx[self.rank].numel()
-        return sh.shard.numel() * self.gather_dtype.itemsize + exact * sh.shard.element_size()
+        s, others = sh.shard.numel(), [j for j in range(self.world) if j != self.rank]
+        if not (sh.scatter_narrowed if scatter else sh.exact_idx):
+            return s * sh.shard.element_size() * len(others)
+        exact = [sh.exact_idx[j if scatter else self.rank].numel() for j in others]
+        return sum(s * self.gather_dtype.itemsize + k * sh.shard.element_size() for k in exact)
 
     def gather_wire(self, i: int) -> str:
         sh = self.shards[i]

@@ -103,7 +103,8 @@ def test_a_lookup_fetches_the_rows_of_every_ranks_tokens_from_their_owner(tmp_pa
 
 def _narrowed_gather_on_two_ranks(rank: int, init: str) -> None:
     """`gather_dtype: bf16`: the peer's chunk of each Linear's parameters arrives as its bf16 value, everything else
-    (LayerNorm) exact; a forward outside bf16 autocast refuses to read it; `wait_params` brings the exact values."""
+    (LayerNorm) exact; a forward outside bf16 autocast refuses to read it; `wait_params` brings the exact values; a
+    synchronized forward outside that autocast is refused even then (its gradients would be narrowed)."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     try:
         model = verify.tiny_model()
@@ -139,6 +140,10 @@ def _narrowed_gather_on_two_ranks(rank: int, init: str) -> None:
         for i in narrowed:
             sh, s = reducer.shards[i], reducer.shards[i].shard.numel()
             assert torch.equal(sh.params[peer * s: (peer + 1) * s], expected[i][peer]) and not sh.rounded
+        with pytest.raises(UserError, match="gather_dtype"):  # exact now, but its gradients would go narrowed
+            handle.module(src, tgt_in)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            handle.module(src, tgt_in)
     finally:
         dist.destroy_process_group()
 
@@ -205,15 +210,20 @@ def test_clipping_changes_the_update(tmp_path, straight_run):
 
 
 @pytest.mark.slow
-def test_bf16_gathered_training_equals_ddp_under_bf16_autocast(tmp_path):
-    """`gather_dtype: bf16` under bf16 autocast, with the split, clipped, 2 micro-batches a step, resumed at step 5:
-    DDP's parameters and optimizer state bit for bit (autocast reads the Linear weights in bf16 either way), and
-    the checkpoint written mid-run holds the exact parameters."""
+@pytest.mark.parametrize("accum", [1, 2])
+def test_bf16_gathered_training_equals_ddp_under_bf16_autocast(tmp_path, accum):
+    """`gather_dtype: bf16` under bf16 autocast, with the split, clipped, resumed at step 5: DDP's parameters and
+    optimizer state bit for bit (autocast reads the Linear weights in bf16 either way), and the checkpoint written
+    mid-run holds the exact parameters. With one micro-batch a step the Linear gradients are reduce-scattered in
+    bf16 (bf16 values widened: exact); with two, their sums are not bf16 values, and go in fp32."""
     r, diff, norms = resumed_sharded_against(
         tmp_path, ("--set", "sync.strategy=ddp"),
-        ("--set", "train.amp=bf16", "--set", "optim.clip_norm=0.5", "--set", "train.accum_steps=2"),
+        ("--set", "train.amp=bf16", "--set", "optim.clip_norm=0.5", "--set", f"train.accum_steps={accum}"),
         ("--set", "sync.gather_dtype=bf16", "--set", "sync.classes.embedding.tied_split=true"))
     assert "at step 5" in r.stdout
     assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
-    gathers = [b for b in records(tmp_path / "sharded" / "buckets.jsonl") if b.get("part") == "all_gather"]
+    recs = records(tmp_path / "sharded" / "buckets.jsonl")
+    gathers = [b for b in recs if b.get("part") == "all_gather"]
+    scatters = [b for b in recs if b.get("part") == "reduce_scatter"]
     assert gathers and all(b["wire_dtype"] == "bf16" for b in gathers)
+    assert scatters and all(b["wire_dtype"] == ("bf16" if accum == 1 else "fp32") for b in scatters)

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from analysis import simulate as sim
-from analysis.plans import bucket_plan, ready_params
+from analysis.plans import bucket_plan, narrowed_bytes, ready_params
 from analysis.runs import load_run, slowest_rank_records
 from analysis.simulate.__main__ import main
 from collectives import costmodel as cm
@@ -372,6 +372,31 @@ def test_an_embedding_sharded_by_rows_is_reduce_scattered_from_the_start_of_back
     durations = [d * b.numel / 1e6 for d, b in zip(dur, plan)]
     assert gather_stall(plan, durations, 1000.0) == gather_stall(plan[1:], durations[1:], 1000.0)
     assert optimizer_saving(plan, 100.0, 2) == pytest.approx(50.0)
+
+
+def test_a_narrowed_sharded_plan_moves_its_linear_members_in_bf16(tmp_path):
+    """sharded with gather_dtype bf16: a bucket's Linear members travel at 2 bytes an element, its LayerNorm members
+    at 4, the replicated embedding whole; the prediction's exchanges shrink with them, and its label says so."""
+    raw = {"model": {"preset": "small"}, "data": {"vocab_size": 8000}, "train": {"amp": "bf16"},
+           "sync": {"strategy": "sharded", "bucket_cap_mb": 2, "gather_dtype": "bf16",
+                    "classes": {"embedding": {"tied_split": True}}}}
+    cfg = config_mod.from_dict(raw, "test")
+    plan = bucket_plan(cfg).buckets
+    sizes = narrowed_bytes(cfg, plan, "bf16")
+    assert sizes[0] == plan[0].nbytes  # the replicated embedding: read by the lookups in fp32
+    assert all(b.nbytes / 2 < n < b.nbytes for b, n in zip(plan[1:], sizes[1:]) if "norm" in " ".join(b.names))
+    assert sum(sizes[1:]) < 0.51 * sum(b.nbytes for b in plan[1:])  # almost all of the rest is Linear weights
+    cfg_run, _ = _write_run(tmp_path / "run", strategy="sharded")
+    run = load_run(tmp_path / "run")
+    ref = sim.reference_step(run)
+    curve, cal = sim.ready_curve(run, ref), sim.calibrate(ref, _Flat())
+    narrowed = config_mod.from_dict({**run.cfg.to_dict(), "train": {"amp": "bf16"},
+                                     "sync": {"strategy": "sharded", "bucket_cap_mb": 0.25,
+                                              "gather_dtype": "bf16"}}, "test")
+    fp32 = sim.predict(run.cfg, ref, curve, _Flat(), cal, "sharded", 0.25, run.vocab)
+    low = sim.predict(narrowed, ref, curve, _Flat(), cal, "sharded", 0.25, run.vocab)
+    assert low.label == "sharded@0.25M+bf16" and fp32.label == "sharded@0.25M"
+    assert low.comm_ms < fp32.comm_ms and low.step_ms < fp32.step_ms  # the tiny model: mostly its fp32 embedding
 
 
 def test_a_collective_costs_backward_pro_rata_to_its_run_before_backward_ends():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from analysis.plans import bucket_plan, ready_params, sync_for
+from analysis.plans import bucket_plan, narrowed_bytes, ready_params, sync_for
 from analysis.simulate.calibration import Calibration
 from analysis.simulate.costs import host_ms
 from analysis.simulate.reference import ReferenceStep
@@ -39,11 +39,13 @@ class Prediction:
     run: str | None = None
     split: bool = False  # the tied embedding's gradient split (`tied_split`)
     rows: bool = False  # and that embedding sharded by rows (`sharded` with `shard_tied_split`)
+    narrowed: str | None = None  # `sharded` with `gather_dtype`: the Linear members' dtype in the exchanges
 
     @property
     def label(self) -> str:
         return (self.strategy + (f"@{self.cap_mb:g}M" if self.cap_mb is not None else "")
-                + ("+split" if self.split else "") + ("+rows" if self.rows else ""))
+                + ("+split" if self.split else "") + ("+rows" if self.rows else "")
+                + (f"+{self.narrowed}" if self.narrowed else ""))
 
 
 def requested_nccl(cfg, class_groups: bool):
@@ -85,20 +87,34 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     lat = [calib.comm_scale * model.allreduce_latency_ms(b.nbytes) for b in plan] if cost is None else None
     groups = [b.tensor_class for b in plan] if class_groups and calib.lanes > 1 else None
     sharded = strategies.planner(strategy).shards
+    scatter_bytes = gather_bytes = [b.nbytes for b in plan]
+    gather = dur
+    narrowed = sync_for(cfg, strategy, cap_mb, classes).gather_dtype if sharded else None
+    if narrowed:  # the Linear members narrowed in the all-gather, and in the reduce-scatter of a one-micro-batch step
+        gather_bytes = narrowed_bytes(cfg, plan, narrowed, vocab)
+        gather = [calib.comm_scale * one(n, *nccl_of(b)) for b, n in zip(plan, gather_bytes)]
+        if cfg.train.accum_steps == 1:
+            scatter_bytes, dur = gather_bytes, gather
     if sharded:
         # A reduce-scatter (and an all-gather) moves half an all-reduce's bytes: its latency and half the rest.
         alpha = lat or [0.0] * len(dur)
-        ready, dur = sharded_times(plan, ready, dur, lambda i, d: alpha[i] + (d - alpha[i]) / 2)
+
+        def half(i, d):
+            return alpha[i] + (d - alpha[i]) / 2
+
+        ready, dur = sharded_times(plan, ready, dur, half)
+        gather = [half(i, d) for i, d in enumerate(gather)]
     tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups)
     exposed = tl.exposed_ms + calib.post_ms
     if calib.host_base_ms is not None:  # more collectives during backward than the reference step: slower compute
-        compute += host_ms(model, [b.nbytes for b in plan], tl) - calib.host_base_ms
+        compute += host_ms(model, scatter_bytes, tl) - calib.host_base_ms
     if sharded:
-        compute += _sharded_extra_ms(cfg, ref, model, plan, dur, calib, getattr(model, "ranks", None) or 2)
+        compute += _sharded_extra_ms(ref, model, plan, gather, gather_bytes, calib,
+                                     getattr(model, "ranks", None) or 2)
     lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
     return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, len(plan), tl.comm_ms,
                       exposed, compute + exposed, lossless, split=_splits(cfg, strategy, classes),
-                      rows=any(b.row_size for b in plan))
+                      rows=any(b.row_size for b in plan), narrowed=narrowed)
 
 
 def _splits(cfg, strategy: str, classes: dict | None) -> bool:
@@ -107,16 +123,17 @@ def _splits(cfg, strategy: str, classes: dict | None) -> bool:
         c.tied_split for c in sync_for(cfg, strategy, classes=classes).classes.values())
 
 
-def _sharded_extra_ms(cfg, ref: ReferenceStep, model, plan, dur: list[float], calib: Calibration, world: int
-                      ) -> float:
+def _sharded_extra_ms(ref: ReferenceStep, model, plan, gather: list[float], gather_bytes: list[int],
+                      calib: Calibration, world: int) -> float:
     """What a sharded step adds to (or saves from) the reference step's compute: the next forward waiting for the
-    all-gathers (`collectives.timeline.gather_stall`), their host cost on a CPU machine, and the optimizer updating
-    1/world of the sharded parameters (`optimizer_saving`)."""
+    all-gathers (taking `gather` ms, of buckets of `gather_bytes`; `collectives.timeline.gather_stall`), their host
+    cost on a CPU machine, and the optimizer updating 1/world of the sharded parameters (`optimizer_saving`)."""
     forward = ref.forward_ms / ref.accum_steps  # the gathers delay only the first micro-batch's forward
-    extra = gather_stall(plan, dur, forward)
+    extra = gather_stall(plan, gather, forward)
     host = getattr(model, "host_us", None)
     if calib.host_base_ms is not None and host is not None and host(0) is not None:
-        extra += sum(host(b.nbytes) / 2 for b in plan if not b.replicated) / 1000.0  # half an all-reduce's bytes each
+        # half an all-reduce's bytes each
+        extra += sum(host(n) / 2 for b, n in zip(plan, gather_bytes) if not b.replicated) / 1000.0
     return extra - optimizer_saving(plan, ref.optimizer_ms, world)
 
 

@@ -21,8 +21,10 @@ holding the embedding's Parameter), so the all-gathers go in the order the first
 
 With `sync.gather_dtype: bf16` (training under bf16 autocast), the parameters that only `nn.Linear` modules read are
 all-gathered in bf16, half the bytes: autocast casts them to bf16 before any use, so the forward and backward see the
-same values as after an fp32 all-gather, and the trained parameters equal DDP's bit for bit (`collectives.shards`).
-A Linear about to read them outside that autocast is an error; `wait_params` gathers them again in fp32.
+same values as after an fp32 all-gather. Their gradients are reduce-scattered in bf16 too when a step is one backward
+of one micro-batch: each is then a bf16 product widened to fp32, which bf16 holds exactly, and the sum is taken in
+fp32. Either way the trained parameters equal DDP's bit for bit (`collectives.shards`). A Linear about to read them
+outside that autocast is an error; `wait_params` gathers them again in fp32.
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ class ShardedSync(PlannedSync):
                 buckets.discard(self.reducer.bucket_of(lookups[id(module)].name))
             self._pre_hooks.append(module.register_forward_pre_hook(
                 self._waiter(sorted(buckets), id(module) in lookups)))
+        # Linear modules holding parameters all-gathered narrowed, and how often each ran in this forward
+        exact = self.reducer.exact
+        self._narrowed = {id(m) for m in model.modules() if isinstance(m, nn.Linear) and any(
+            name_of[id(p)] not in exact for p in m.parameters(recurse=False))} if self.reducer.gather_dtype else set()
+        self._calls: dict[int, int] = {}
         # The buckets in the order the first synchronized forward waits for them, and where its lookups of a
         # sharded matrix come (LOOKUP): the all-gathers' waves from then on (None: not recorded).
         self._uses: list | None = [] if lookups else None
@@ -94,23 +101,28 @@ class ShardedSync(PlannedSync):
             if self._uses is not None and self.reducer.armed:
                 self._uses += [i for i in indices if i not in self._uses] + ([LOOKUP] if lookup else [])
             self.reducer.wait_gathered(indices)
-            if any(self.reducer.shards[i].rounded for i in indices):
+            narrowed = id(module) in self._narrowed
+            # it reads narrowed parameters, or its gradients will be reduce-scattered narrowed
+            if (narrowed and self.reducer.armed) or any(self.reducer.shards[i].rounded for i in indices):
                 self._check_autocast(module)
+            if narrowed:
+                self._calls[id(module)] = self._calls.get(id(module), 0) + 1
 
         return hook
 
     def _check_autocast(self, module: nn.Module) -> None:
-        """A module about to read narrowed parameters must cast them to that dtype itself, or it would compute with
-        other values than the fp32 parameters'."""
+        """A Linear with narrowed parameters must cast them to that dtype itself: else it would compute with other
+        values than the fp32 parameters', and its gradients would not be values of that dtype."""
         device = next(module.parameters()).device.type
         low = self.reducer.gather_dtype
         if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == low):
-            raise UserError(f"sync.gather_dtype: a {type(module).__name__} read parameters all-gathered in {low} "
+            raise UserError(f"sync.gather_dtype: a {type(module).__name__} whose parameters travel in {low} ran "
                             f"outside autocast to {low}; run the forward under that autocast (train.amp)")
 
     def before_forward(self) -> None:
         super().before_forward()
         self.reducer.gather()  # if the loop did not call stepped(): now
+        self._calls = {}
 
     def after_forward(self, out) -> None:
         super().after_forward(out)
@@ -118,6 +130,8 @@ class ShardedSync(PlannedSync):
             self.reducer.gather_waves = self._waves(self._uses)
             self._uses = None
         self.reducer.wait_params()  # buckets no module waited for (normally all are done)
+        if any(n > 1 for n in self._calls.values()):  # its weight's gradient: a sum of bf16 products, not one
+            self.reducer.accumulated = True
 
     def _waves(self, uses: list) -> list[list[int]]:
         """The all-gathers in the order the forward first waited for them, cut at each lookup of a sharded matrix:
@@ -160,7 +174,9 @@ class ShardedSync(PlannedSync):
         for r in self._records:
             if r.part in (None, "projection") and not self.reducer.shards[r.bucket].replicated:
                 r.part = r.part or "reduce_scatter"  # a sharded matrix's projection part keeps its name
-                r.nbytes = r.nbytes * (self.world - 1) // self.world  # each rank sends all chunks but its own
+                r.nbytes = self.reducer.sent_bytes(r.bucket, scatter=True)  # all chunks but its own
+                if self.reducer.shards[r.bucket].scatter_narrowed:
+                    r.wire_dtype = self.reducer.gather_wire(r.bucket)
         t0 = self.reducer.step_start()
         self._records += self.reducer.gather_records(t0, len(self._records))
 
