@@ -25,7 +25,7 @@ and the received chunk is widened back into P. This is exact for training under 
 casts its fp32 weight and bias to bf16 before using them, and bf16(fp32(w16)) = w16 = bf16(w), so forward and
 backward read the same values as with an fp32 all-gather (FSDP's `MixedPrecision(param_dtype=...)` gathers so too).
 Each rank's own shard stays exact, for its optimizer; the members read elsewhere (LayerNorm, an embedding) travel in
-fp32 in the same exchange. Before the parameters are read whole (validation, a checkpoint) `exact_params` gathers the
+fp32 in the same message. Before the parameters are read whole (validation, a checkpoint) `exact_params` gathers the
 rounded chunks again in fp32.
 
 The same members' gradients go through the reduce-scatter in that dtype too, when the step's gradient is one
@@ -291,23 +291,25 @@ class ShardedReducer(Reducer):
 
     def _exchange_narrowed(self, sends: dict[int, torch.Tensor], send_idx: dict[int, torch.Tensor],
                            recv_idx: dict[int, torch.Tensor], tag: int) -> tuple[list, Callable]:
-        """Post an exchange of (s,) fp32 chunks (`sends[j]` to peer j) in `gather_dtype`, each with the elements
-        that must stay exact (indices `send_idx[j]` of what goes to j, `recv_idx[j]` of what comes from j) beside it
-        in fp32. Returns the work and `widen(j, out)`, which writes what peer j sent into `out` (s,) once it is in."""
-        narrowed, low, exact, out_sends, out_recvs = [], {}, {}, [], []
+        """Post an exchange of (s,) fp32 chunks (`sends[j]` to peer j) in `gather_dtype`, with the elements that must
+        stay exact (indices `send_idx[j]` of what goes to j, `recv_idx[j]` of what comes from j) in the same message:
+        their fp32 bits as pairs of `gather_dtype` words, first, then the narrowed chunk. One message per peer, as
+        with fp32, since each costs the host a point-to-point operation. Returns the work and `widen(j, out)`, which
+        writes what peer j sent into `out` (s,) once it is in."""
+        low, bufs, out_sends, out_recvs = self.gather_dtype, {}, [], []
+        ratio = torch.float32.itemsize // low.itemsize
         for j, chunk in sends.items():
-            pair = [chunk.to(self.gather_dtype), chunk[send_idx[j]]]  # copies: what is sent stays as it was
-            narrowed += pair
-            out_sends += [(t, self.peers[j]) for t in pair]
-            low[j] = chunk.new_empty(chunk.numel(), dtype=self.gather_dtype)
-            exact[j] = chunk.new_empty(recv_idx[j].numel())
-            out_recvs += [(low[j], self.peers[j]), (exact[j], self.peers[j])]  # per peer, the sends' order
+            packed = torch.cat([chunk[send_idx[j]].view(low), chunk.to(low)])  # (ratio*k + s,), a copy
+            out_sends.append((packed, self.peers[j]))
+            bufs[j] = chunk.new_empty(ratio * recv_idx[j].numel() + chunk.numel(), dtype=low)
+            out_recvs.append((bufs[j], self.peers[j]))
         works = exchange(out_sends, out_recvs, self.group, tag)
 
         def widen(j: int, out: torch.Tensor) -> None:
-            del narrowed[:]  # sent: the copies can go
-            out.copy_(low[j])
-            out.index_copy_(0, recv_idx[j], exact[j])
+            out_sends.clear()  # sent: the packed copies can go
+            exact = ratio * recv_idx[j].numel()
+            out.copy_(bufs[j][exact:])
+            out.index_copy_(0, recv_idx[j], bufs[j][:exact].view(torch.float32))
 
         return works, widen
 
