@@ -46,8 +46,8 @@ from torch import nn
 
 from collectives.p2p import Completions, exchange, rank_order_sum
 from collectives.plan import Bucket
-from collectives.tensor_classes import WIRE_DTYPES
 from collectives.reducer import Reducer, _BucketState
+from collectives.tensor_classes import WIRE_DTYPES
 from collectives.timing import Stamp, record_ms, stamp
 from common.rundir import BucketRecord
 
@@ -358,7 +358,6 @@ class ShardedReducer(Reducer):
                                     wait_ms=None, part="all_gather"))
             sh.gather_launch = None
         return out
-
 
     def sent_bytes(self, i: int, scatter: bool) -> int:
         """The bytes bucket `i`'s reduce-scatter (`scatter`) or all-gather sends to all peers together: the chunks,

@@ -23,8 +23,9 @@ With `sync.gather_dtype: bf16` (training under bf16 autocast), the parameters th
 all-gathered in bf16, half the bytes: autocast casts them to bf16 before any use, so the forward and backward see the
 same values as after an fp32 all-gather. Their gradients are reduce-scattered in bf16 too when a step is one backward
 of one micro-batch: each is then a bf16 product widened to fp32, which bf16 holds exactly, and the sum is taken in
-fp32. Either way the trained parameters equal DDP's bit for bit (`collectives.shards`). A Linear about to read them
-outside that autocast is an error; `wait_params` gathers them again in fp32.
+fp32. Either way the trained parameters equal DDP's bit for bit (`collectives.shards`). Such a Linear running outside
+that autocast in a synchronized forward, or while its parameters are narrowed, is an error; `wait_params` gathers
+them again in fp32.
 """
 
 from __future__ import annotations
