@@ -180,21 +180,29 @@ def test_sharded_training_equals_ddp_with_clipping_and_accumulation(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("embedding", ["replicated", "sharded"])
 def test_sharded_split_training_equals_ddp(tmp_path, embedding):
-    """10 clipped steps: the split embedding (replicated, or with `shard_tied_split` sharded by rows, its lookups
-    fetching their rows in forward) with the rest of the model sharded gives stock DDP's parameters and optimizer
-    state bit for bit on 2 ranks, and the checkpoint resumes under it exactly. Two micro-batches a step for the
-    replicated embedding; one for the sharded, whose no_sync() micro-batches' lookups wait for the whole matrix (so
-    only a step's first forward fetches rows)."""
+    """10 clipped steps under bf16 autocast: the split embedding (replicated, or with `shard_tied_split` sharded by
+    rows, its lookups fetching their rows in forward) with the rest of the model sharded, its Linear parameters
+    exchanged in bf16 (`gather_dtype`), gives stock DDP's parameters and optimizer state bit for bit on 2 ranks, and
+    the checkpoint (written with the exact parameters) resumes under it exactly.
+
+    Two micro-batches a step for the replicated embedding: the Linear gradients are then sums of bf16 values and go
+    in fp32. One for the sharded embedding: they go in bf16 (bf16 values widened, exact); its no_sync()
+    micro-batches' lookups would wait for the whole matrix, so only a step's first forward fetches rows."""
     shard_rows = ("--set", "sync.shard_tied_split=true") if embedding == "sharded" else ()
-    accum = "1" if embedding == "sharded" else "2"
+    accum = 1 if embedding == "sharded" else 2
     r, diff, norms = resumed_sharded_against(
         tmp_path, ("--set", "sync.strategy=ddp"),
-        ("--set", "optim.clip_norm=0.5", "--set", f"train.accum_steps={accum}"),
-        ("--set", "sync.classes.embedding.tied_split=true", *shard_rows))
+        ("--set", "train.amp=bf16", "--set", "optim.clip_norm=0.5", "--set", f"train.accum_steps={accum}"),
+        ("--set", "sync.classes.embedding.tied_split=true", "--set", "sync.gather_dtype=bf16", *shard_rows))
     assert "at step 5" in r.stdout
     assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
     # The embedding's gradient counted once in the global norm, and the clip active.
     assert norms[0] == norms[1] and len(norms[0]) == 10 and max(norms[0]) > 0.5
+    recs = records(tmp_path / "sharded" / "buckets.jsonl")
+    wires = {part: {b["wire_dtype"] for b in recs if b.get("part") == part}
+             for part in ("all_gather", "reduce_scatter")}
+    assert "bf16" in wires["all_gather"]  # a sharded embedding's rows go in fp32
+    assert wires["reduce_scatter"] == {"bf16" if accum == 1 else "fp32"}
 
 
 @pytest.mark.slow
@@ -205,25 +213,3 @@ def test_clipping_changes_the_update(tmp_path, straight_run):
              *NO_EVAL)
     diff = checkpoint_diff(straight_run / "checkpoints" / "step-0000010.pt", tmp_path / "clipped")
     assert "max |A - B| over parameters: " in diff and "max |A - B| over parameters: 0 " not in diff, diff
-
-
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("accum", [1, 2])
-def test_bf16_gathered_training_equals_ddp_under_bf16_autocast(tmp_path, accum):
-    """`gather_dtype: bf16` under bf16 autocast, with the split, clipped, resumed at step 5: DDP's parameters and
-    optimizer state bit for bit (autocast reads the Linear weights in bf16 either way), and the checkpoint written
-    mid-run holds the exact parameters. With one micro-batch a step the Linear gradients are reduce-scattered in
-    bf16 (bf16 values widened: exact); with two, their sums are not bf16 values, and go in fp32."""
-    r, diff, norms = resumed_sharded_against(
-        tmp_path, ("--set", "sync.strategy=ddp"),
-        ("--set", "train.amp=bf16", "--set", "optim.clip_norm=0.5", "--set", f"train.accum_steps={accum}"),
-        ("--set", "sync.gather_dtype=bf16", "--set", "sync.classes.embedding.tied_split=true"))
-    assert "at step 5" in r.stdout
-    assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
-    recs = records(tmp_path / "sharded" / "buckets.jsonl")
-    gathers = [b for b in recs if b.get("part") == "all_gather"]
-    scatters = [b for b in recs if b.get("part") == "reduce_scatter"]
-    assert gathers and all(b["wire_dtype"] == "bf16" for b in gathers)
-    assert scatters and all(b["wire_dtype"] == ("bf16" if accum == 1 else "fp32") for b in scatters)
