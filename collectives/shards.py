@@ -99,6 +99,9 @@ class ShardedReducer(Reducer):
         # The step's gradients are not one backward's (micro-batches accumulated, or a module ran twice): their
         # Linear members are sums of bf16 values, which bf16 does not hold, so the reduce-scatter goes in fp32
         self.accumulated = False
+        # Replicated buckets whose gradient is one bf16 value each (a split embedding that only Linear modules read
+        # besides its lookups): exchanged whole in `gather_dtype` and summed here, instead of an fp32 all-reduce
+        self.narrow_whole: set[int] = set()
         self.peers = [dist.get_global_rank(group, j) for j in range(world_size)]
         self.shards: list[_Shard] = []
         self.gather_pending = False  # shards may have changed since the last all-gather: launch one
@@ -177,6 +180,10 @@ class ShardedReducer(Reducer):
 
     def _launch(self, st: _BucketState) -> None:
         sh = self.shards[st.bucket.index]
+        sh.scatter_narrowed = sh.replicated and st.bucket.index in self.narrow_whole and not self.accumulated
+        if sh.scatter_narrowed:
+            self._launch_whole_narrowed(st, sh)
+            return
         if sh.replicated:
             super()._launch(st)  # all-reduced and averaged in place: `.grad` is the bucket's view
             return
@@ -203,6 +210,27 @@ class ShardedReducer(Reducer):
         st.work = sh.scatter
         self.completions.put(sh.scatter, then, sh.reduced)
 
+    def _launch_whole_narrowed(self, st: _BucketState, sh: _Shard) -> None:
+        """A replicated bucket's gradient, a bf16 value widened (`narrow_whole`): the whole of it in `gather_dtype`
+        to every peer, each peer's widened on arrival, summed in rank order and divided as the all-reduce's callback
+        does. On 2 ranks half the bytes of an fp32 ring all-reduce, on 3 three quarters; more ranks are not given
+        it (`ShardedSync`)."""
+        st.launch_t = stamp(self.device)
+        others = [j for j in range(self.world) if j != self.rank]
+        none = torch.zeros(0, dtype=torch.long, device=st.buffer.device)  # every element is a bf16 value
+        sh.scatter, widen = self._exchange_narrowed({j: st.buffer for j in others}, {j: none for j in others},
+                                                    {j: none for j in others}, 2 * st.bucket.index)
+        received = [torch.empty_like(st.buffer) for _ in others]
+
+        def then():
+            for j, buf in zip(others, received):
+                widen(j, buf)
+            st.complete_t = stamp(self.device)
+            st.buffer.copy_(rank_order_sum(st.buffer, received, self.rank).div_(self.world))
+
+        st.work = sh.scatter
+        self.completions.put(sh.scatter, then, sh.reduced)
+
     def _reduce(self, st: _BucketState) -> None:
         st.complete_t = stamp(self.device)
         sh = self.shards[st.bucket.index]
@@ -212,7 +240,8 @@ class ShardedReducer(Reducer):
         sh.scatter = []
 
     def _wait(self, st: _BucketState) -> None:
-        if self.shards[st.bucket.index].replicated:
+        sh = self.shards[st.bucket.index]
+        if sh.replicated and not sh.scatter_narrowed:
             st.work.wait()
         else:
             self.shards[st.bucket.index].reduced.wait()  # the waiter thread's sum
@@ -351,7 +380,7 @@ class ShardedReducer(Reducer):
             b = st.bucket
             nbytes = self.sent_bytes(i, scatter=False)
             out.append(BucketRecord(first_index + k, b.tensor_class, dtype=str(st.buffer.dtype)[6:],
-                                    wire_dtype=self.gather_wire(i), tensors=len(st.params), numel=b.numel,
+                                    wire_dtype=self.wire(i, scatter=False), tensors=len(st.params), numel=b.numel,
                                     nbytes=nbytes, ready_ms=record_ms(t0, sh.gather_launch),
                                     launch_ms=record_ms(t0, sh.gather_launch),
                                     complete_ms=record_ms(t0, sh.gather_complete), wait_start_ms=None,
@@ -366,12 +395,15 @@ class ShardedReducer(Reducer):
         s, others = sh.shard.numel(), [j for j in range(self.world) if j != self.rank]
         if not (sh.scatter_narrowed if scatter else sh.exact_idx):
             return s * sh.shard.element_size() * len(others)
+        if sh.replicated:  # exchanged whole (`narrow_whole`)
+            return s * self.gather_dtype.itemsize * len(others)
         exact = [sh.exact_idx[j if scatter else self.rank].numel() for j in others]
         return sum(s * self.gather_dtype.itemsize + k * sh.shard.element_size() for k in exact)
 
-    def gather_wire(self, i: int) -> str:
+    def wire(self, i: int, scatter: bool) -> str:
+        """The wire dtype of bucket `i`'s last reduce-scatter (`scatter`) or all-gather, by its narrowed part."""
         sh = self.shards[i]
-        if not sh.exact_idx:
+        if not (sh.scatter_narrowed if scatter else sh.exact_idx):
             return self.buckets[i].bucket.settings.wire_dtype
         return next(name for name, t in WIRE_DTYPES.items() if t == self.gather_dtype)  # its exact members: fp32
 

@@ -178,18 +178,17 @@ def test_sharded_training_equals_ddp_with_clipping_and_accumulation(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("embedding", ["replicated", "sharded"])
-def test_sharded_split_training_equals_ddp(tmp_path, embedding):
+@pytest.mark.parametrize("embedding,accum", [("replicated", 1), ("replicated", 2), ("sharded", 1)])
+def test_sharded_split_training_equals_ddp(tmp_path, embedding, accum):
     """10 clipped steps under bf16 autocast: the split embedding (replicated, or with `shard_tied_split` sharded by
     rows, its lookups fetching their rows in forward) with the rest of the model sharded, its Linear parameters
     exchanged in bf16 (`gather_dtype`), gives stock DDP's parameters and optimizer state bit for bit on 2 ranks, and
     the checkpoint (written with the exact parameters) resumes under it exactly.
 
-    Two micro-batches a step for the replicated embedding: the Linear gradients are then sums of bf16 values and go
-    in fp32. One for the sharded embedding: they go in bf16 (bf16 values widened, exact); its no_sync()
-    micro-batches' lookups would wait for the whole matrix, so only a step's first forward fetches rows."""
+    One micro-batch a step: the Linear gradients, and the replicated embedding's projection part, go in bf16 (bf16
+    values widened, exact). Two: they are sums of bf16 values and go in fp32. (A sharded embedding's no_sync()
+    micro-batches' lookups would wait for the whole matrix, so only a step's first forward fetches rows.)"""
     shard_rows = ("--set", "sync.shard_tied_split=true") if embedding == "sharded" else ()
-    accum = 1 if embedding == "sharded" else 2
     r, diff, norms = resumed_sharded_against(
         tmp_path, ("--set", "sync.strategy=ddp"),
         ("--set", "train.amp=bf16", "--set", "optim.clip_norm=0.5", "--set", f"train.accum_steps={accum}"),
@@ -203,6 +202,9 @@ def test_sharded_split_training_equals_ddp(tmp_path, embedding):
              for part in ("all_gather", "reduce_scatter")}
     assert "bf16" in wires["all_gather"]  # a sharded embedding's rows go in fp32
     assert wires["reduce_scatter"] == {"bf16" if accum == 1 else "fp32"}
+    if embedding == "replicated":  # its projection part: exchanged whole
+        projection = {b["wire_dtype"] for b in recs if b.get("part") == "projection"}
+        assert projection == {"bf16" if accum == 1 else "fp32"}
 
 
 @pytest.mark.slow

@@ -90,27 +90,33 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     scatter_bytes = gather_bytes = [b.nbytes for b in plan]
     gather = dur
     narrowed = sync_for(cfg, strategy, cap_mb, classes).gather_dtype if sharded else None
+    world = getattr(model, "ranks", None) or 2
+    whole = [False] * len(plan)  # a replicated bucket exchanged whole in bf16 instead of all-reduced
     if narrowed:  # the Linear members narrowed in the all-gather, and in the reduce-scatter of a one-micro-batch step
         gather_bytes = narrowed_bytes(cfg, plan, narrowed, vocab)
         gather = [calib.comm_scale * one(n, *nccl_of(b)) for b, n in zip(plan, gather_bytes)]
         if cfg.train.accum_steps == 1:
             scatter_bytes, dur = gather_bytes, gather
+            if world <= 3:  # the split embedding's projection part (`ShardedSync`: this model's only Linear reads it)
+                whole = [b.replicated for b in plan]
+                scatter_bytes = [n // 2 if w else n for n, w in zip(scatter_bytes, whole)]
     if sharded:
-        # A reduce-scatter (and an all-gather) moves half an all-reduce's bytes: its latency and half the rest.
+        # A reduce-scatter (and an all-gather) moves half an all-reduce's bytes: its latency and half the rest. So
+        # does, on 2 ranks, a whole bucket sent once to the peer in half the bytes.
         alpha = lat or [0.0] * len(dur)
 
         def half(i, d):
             return alpha[i] + (d - alpha[i]) / 2
 
         ready, dur = sharded_times(plan, ready, dur, half)
+        dur = [half(i, d) if w else d for i, (d, w) in enumerate(zip(dur, whole))]
         gather = [half(i, d) for i, d in enumerate(gather)]
     tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups)
     exposed = tl.exposed_ms + calib.post_ms
     if calib.host_base_ms is not None:  # more collectives during backward than the reference step: slower compute
         compute += host_ms(model, scatter_bytes, tl) - calib.host_base_ms
     if sharded:
-        compute += _sharded_extra_ms(ref, model, plan, gather, gather_bytes, calib,
-                                     getattr(model, "ranks", None) or 2)
+        compute += _sharded_extra_ms(ref, model, plan, gather, gather_bytes, calib, world)
     lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
     return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, len(plan), tl.comm_ms,
                       exposed, compute + exposed, lossless, split=_splits(cfg, strategy, classes),

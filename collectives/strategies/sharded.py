@@ -74,14 +74,29 @@ class ShardedSync(PlannedSync):
                 buckets.discard(self.reducer.bucket_of(lookups[id(module)].name))
             self._pre_hooks.append(module.register_forward_pre_hook(
                 self._waiter(sorted(buckets), id(module) in lookups)))
-        # Linear modules holding parameters all-gathered narrowed, and how often each ran in this forward
+        # Linear modules whose parameters' gradients travel narrowed, and how often each ran in this forward
         exact = self.reducer.exact
         self._narrowed = {id(m) for m in model.modules() if isinstance(m, nn.Linear) and any(
             name_of[id(p)] not in exact for p in m.parameters(recurse=False))} if self.reducer.gather_dtype else set()
+        if self.reducer.gather_dtype and self.world <= 3:
+            self._narrow_splits(model)
         self._calls: dict[int, int] = {}
         # The buckets in the order the first synchronized forward waits for them, and where its lookups of a
         # sharded matrix come (LOOKUP): the all-gathers' waves from then on (None: not recorded).
         self._uses: list | None = [] if lookups else None
+
+    def _narrow_splits(self, model: nn.Module) -> None:
+        """A replicated split embedding whose only other holders are Linear modules (the pre-softmax projection)
+        gets its gradient from them alone, the lookups' rows going apart: a bf16 value under autocast, exchanged whole
+        in bf16 (`ShardedReducer.narrow_whole`). Up to 3 ranks, where that is fewer bytes than a ring all-reduce."""
+        for split in self.splits:
+            if isinstance(split, ShardedTiedSplit):
+                continue
+            holders = [m for m in model.modules() if any(p is split.param for p in m.parameters(recurse=False))]
+            linears = [m for m in holders if isinstance(m, nn.Linear)]
+            if linears and all(isinstance(m, (nn.Linear, nn.Embedding)) for m in holders):
+                self.reducer.narrow_whole.add(self.reducer.bucket_of(split.name))
+                self._narrowed |= {id(m) for m in linears}
 
     def _make_reducer(self, named_params, buckets, groups, process_group):
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
@@ -173,11 +188,14 @@ class ShardedSync(PlannedSync):
     def wait(self) -> None:
         super().wait()
         for r in self._records:
-            if r.part in (None, "projection") and not self.reducer.shards[r.bucket].replicated:
+            if r.part not in (None, "projection"):
+                continue
+            sh = self.reducer.shards[r.bucket]
+            if not sh.replicated:
                 r.part = r.part or "reduce_scatter"  # a sharded matrix's projection part keeps its name
-                r.nbytes = self.reducer.sent_bytes(r.bucket, scatter=True)  # all chunks but its own
-                if self.reducer.shards[r.bucket].scatter_narrowed:
-                    r.wire_dtype = self.reducer.gather_wire(r.bucket)
+            if not sh.replicated or sh.scatter_narrowed:
+                r.nbytes = self.reducer.sent_bytes(r.bucket, scatter=True)  # to all peers
+                r.wire_dtype = self.reducer.wire(r.bucket, scatter=True)
         t0 = self.reducer.step_start()
         self._records += self.reducer.gather_records(t0, len(self._records))
 
