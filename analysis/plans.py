@@ -22,11 +22,15 @@ from dtrain.model import Transformer
 
 
 @functools.lru_cache(maxsize=8)
+def _meta_model(model_cfg, vocab: int) -> Transformer:
+    with torch.device("meta"):
+        return Transformer.from_config(model_cfg, vocab)
+
+
+@functools.lru_cache(maxsize=8)
 def _ready_params(model_cfg, vocab: int) -> tuple:
     """The model's parameters as meta tensors, in the expected gradient-ready order (collectives.plan)."""
-    with torch.device("meta"):
-        model = Transformer.from_config(model_cfg, vocab)
-    return tuple(ready_order(model))
+    return tuple(ready_order(_meta_model(model_cfg, vocab)))
 
 
 def ready_params(cfg, vocab: int | None = None) -> tuple:
@@ -52,18 +56,13 @@ def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = 
     return strategies.plan_for(sync_for(cfg, strategy, bucket_cap_mb, classes), list(ready_params(cfg, vocab)))
 
 
-@functools.lru_cache(maxsize=8)
-def _exact_names(model_cfg, vocab: int) -> frozenset:
-    with torch.device("meta"):
-        return frozenset(not_cast_only(Transformer.from_config(model_cfg, vocab)))
-
-
 def narrowed_bytes(cfg, plan, gather_dtype: str, vocab: int | None = None) -> list[int]:
     """Per bucket of a sharded `plan` under `sync.gather_dtype`: the bytes of its chunks as they travel, the members
     only `nn.Linear` modules read in `gather_dtype`, the others in fp32 (`collectives.shards`). A replicated or
     row-sharded bucket (the tied embedding's) keeps its own."""
     vocab = vocab or cfg.data.vocab_size
-    exact, numel = _exact_names(cfg.model, vocab), {n: p.numel() for n, p in ready_params(cfg, vocab)}
+    exact = not_cast_only(_meta_model(cfg.model, vocab))
+    numel = {n: p.numel() for n, p in ready_params(cfg, vocab)}
     low = WIRE_DTYPES[gather_dtype].itemsize
     return [b.nbytes if b.replicated or b.row_size else
             sum(numel[n] * (b.nbytes // b.numel if n in exact else low) for n in b.names) for b in plan]

@@ -56,7 +56,8 @@ from common.rundir import BucketRecord
 class _Shard:
     params: torch.Tensor  # P (Np,): the members' parameters, back to back, zero-padded
     shard: nn.Parameter  # P[rank*s:(rank+1)*s], what this rank's optimizer updates
-    received: list[torch.Tensor]  # per peer, (s,): its partial sum of this rank's chunk
+    # per peer, (s,): its partial sum of this rank's chunk (a bucket exchanged whole, `narrow_whole`: its gradient)
+    received: list[torch.Tensor]
     scatter: list = field(default_factory=list)  # the reduce-scatter's sends and receives in flight
     gather: list = field(default_factory=list)  # the all-gather's
     reduced: threading.Event = field(default_factory=threading.Event)  # the shard's gradient is summed
@@ -103,6 +104,7 @@ class ShardedReducer(Reducer):
         # besides its lookups): exchanged whole in `gather_dtype` and summed here, instead of an fp32 all-reduce
         self.narrow_whole: set[int] = set()
         self.peers = [dist.get_global_rank(group, j) for j in range(world_size)]
+        self.others = [j for j in range(world_size) if j != rank]  # the peers' indices in `group`
         self.shards: list[_Shard] = []
         self.gather_pending = False  # shards may have changed since the last all-gather: launch one
         # bucket indices in the order the all-gathers go, in waves launched one after the other; None: one wave,
@@ -180,17 +182,17 @@ class ShardedReducer(Reducer):
 
     def _launch(self, st: _BucketState) -> None:
         sh = self.shards[st.bucket.index]
-        sh.scatter_narrowed = sh.replicated and st.bucket.index in self.narrow_whole and not self.accumulated
-        if sh.scatter_narrowed:
-            self._launch_whole_narrowed(st, sh)
-            return
+        sh.scatter_narrowed = not self.accumulated and (
+            st.bucket.index in self.narrow_whole if sh.replicated else bool(sh.exact_idx))
         if sh.replicated:
-            super()._launch(st)  # all-reduced and averaged in place: `.grad` is the bucket's view
+            if sh.scatter_narrowed:
+                self._launch_whole_narrowed(st, sh)
+            else:
+                super()._launch(st)  # all-reduced and averaged in place: `.grad` is the bucket's view
             return
         st.launch_t = stamp(self.device)
         tag = 2 * st.bucket.index
-        others = [j for j in range(self.world) if j != self.rank]
-        sh.scatter_narrowed = bool(sh.exact_idx) and not self.accumulated
+        others = self.others
         if sh.scatter_narrowed:  # each peer's chunk of this rank's gradient, and this rank's chunk from each peer
             mine = sh.exact_idx[self.rank]
             sh.scatter, widen = self._exchange_narrowed({j: self.chunk(st, j) for j in others},
@@ -216,17 +218,18 @@ class ShardedReducer(Reducer):
         does. On 2 ranks half the bytes of an fp32 ring all-reduce, on 3 three quarters; more ranks are not given
         it (`ShardedSync`)."""
         st.launch_t = stamp(self.device)
-        others = [j for j in range(self.world) if j != self.rank]
+        others = self.others
         none = torch.zeros(0, dtype=torch.long, device=st.buffer.device)  # every element is a bf16 value
         sh.scatter, widen = self._exchange_narrowed({j: st.buffer for j in others}, {j: none for j in others},
                                                     {j: none for j in others}, 2 * st.bucket.index)
-        received = [torch.empty_like(st.buffer) for _ in others]
+        if not sh.received:  # per peer, its gradient widened: kept from step to step
+            sh.received = [torch.empty_like(st.buffer) for _ in others]
 
         def then():
-            for j, buf in zip(others, received):
+            for j, buf in zip(others, sh.received):
                 widen(j, buf)
             st.complete_t = stamp(self.device)
-            st.buffer.copy_(rank_order_sum(st.buffer, received, self.rank).div_(self.world))
+            st.buffer.copy_(rank_order_sum(st.buffer, sh.received, self.rank).div_(self.world))
 
         st.work = sh.scatter
         self.completions.put(sh.scatter, then, sh.reduced)
@@ -286,17 +289,14 @@ class ShardedReducer(Reducer):
         fetched, so each fetch finds the link free of all-gathers)."""
         if not self._waves:
             return
-        others = [j for j in range(self.world) if j != self.rank]
         for i in self._waves.pop(0):
             sh = self.shards[i]
-            s = sh.shard.numel()
             tag = 2 * i + 1
             sh.gather_launch, sh.gather_complete = stamp(self.device), None
             if sh.exact_idx:
-                self._launch_narrow(sh, others, tag)
+                self._launch_narrow(sh, self.others, tag)
             else:
-                sh.gather = exchange([(sh.shard.detach(), self.peers[j]) for j in others],
-                                     [(sh.params[j * s: (j + 1) * s], self.peers[j]) for j in others], self.group, tag)
+                sh.gather = self._gather_exact(sh, tag)
                 self.completions.put(sh.gather, lambda sh=sh: setattr(sh, "gather_complete", stamp(self.device)),
                                      sh.gathered)
             self._unlaunched.discard(i)
@@ -345,17 +345,18 @@ class ShardedReducer(Reducer):
     def exact_params(self) -> None:
         """All-gather in fp32 the buckets last gathered narrowed, so that P holds every rank's exact parameters (a
         collective: every rank calls it at the same point; call after `wait_params`)."""
-        others = [j for j in range(self.world) if j != self.rank]
         rounded = [(i, sh) for i, sh in enumerate(self.shards) if sh.rounded]
-        works = []
-        for i, sh in rounded:
-            s = sh.shard.numel()
-            works += exchange([(sh.shard.detach(), self.peers[j]) for j in others],
-                              [(sh.params[j * s: (j + 1) * s], self.peers[j]) for j in others], self.group, 2 * i + 1)
+        works = [w for i, sh in rounded for w in self._gather_exact(sh, 2 * i + 1)]
         for w in works:
             w.wait()
         for _, sh in rounded:
             sh.rounded = False
+
+    def _gather_exact(self, sh: _Shard, tag: int) -> list:
+        """Post a bucket's all-gather in fp32: this rank's shard to each peer, each peer's straight into P."""
+        s = sh.shard.numel()
+        return exchange([(sh.shard.detach(), self.peers[j]) for j in self.others],
+                        [(sh.params[j * s: (j + 1) * s], self.peers[j]) for j in self.others], self.group, tag)
 
     def wait_gathered(self, indices) -> None:
         """Block until the parameters of buckets `indices` are all-gathered (launching their waves if need be)."""
@@ -392,18 +393,21 @@ class ShardedReducer(Reducer):
         """The bytes bucket `i`'s reduce-scatter (`scatter`) or all-gather sends to all peers together: the chunks,
         narrowed where they were."""
         sh = self.shards[i]
-        s, others = sh.shard.numel(), [j for j in range(self.world) if j != self.rank]
-        if not (sh.scatter_narrowed if scatter else sh.exact_idx):
-            return s * sh.shard.element_size() * len(others)
+        s = sh.shard.numel()
+        if not self._went_narrowed(sh, scatter):
+            return s * sh.shard.element_size() * len(self.others)
         if sh.replicated:  # exchanged whole (`narrow_whole`)
-            return s * self.gather_dtype.itemsize * len(others)
-        exact = [sh.exact_idx[j if scatter else self.rank].numel() for j in others]
+            return s * self.gather_dtype.itemsize * len(self.others)
+        exact = [sh.exact_idx[j if scatter else self.rank].numel() for j in self.others]
         return sum(s * self.gather_dtype.itemsize + k * sh.shard.element_size() for k in exact)
+
+    @staticmethod
+    def _went_narrowed(sh: _Shard, scatter: bool) -> bool:
+        return sh.scatter_narrowed if scatter else bool(sh.exact_idx)
 
     def wire(self, i: int, scatter: bool) -> str:
         """The wire dtype of bucket `i`'s last reduce-scatter (`scatter`) or all-gather, by its narrowed part."""
-        sh = self.shards[i]
-        if not (sh.scatter_narrowed if scatter else sh.exact_idx):
+        if not self._went_narrowed(self.shards[i], scatter):
             return self.buckets[i].bucket.settings.wire_dtype
         return next(name for name, t in WIRE_DTYPES.items() if t == self.gather_dtype)  # its exact members: fp32
 

@@ -207,7 +207,8 @@ class TiedEmbeddingSplit:
         self.param.grad.index_copy_(0, part.union, part.rows / self.world)
 
     def finish(self) -> None:
-        """Wait for each lookup's rows and add their mean into `.grad`, which holds the mean of the projection part.
+        """Wait for each lookup's rows; their mean over the ranks replaces those rows of `.grad`, which holds the mean
+        of the projection part.
         Once per synchronized step: a step whose forwards all ran under no_sync() has no rows here (its lookups wrote
         `.grad` themselves)."""
         if self.applied:

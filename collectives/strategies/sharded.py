@@ -104,7 +104,7 @@ class ShardedSync(PlannedSync):
         low = self.strategy.config.gather_dtype
         return ShardedReducer(named_params, buckets, self.world, group, dist.get_rank(group),
                               replicated_group=process_group, gather_dtype=low and WIRE_DTYPES[low],
-                              exact=not_cast_only(self.model) if low else set(named_params))
+                              exact=not_cast_only(self.model) if low else frozenset())
 
     def _make_split(self, model, name, process_group):
         if not self.strategy.config.shard_tied_split:
@@ -129,7 +129,7 @@ class ShardedSync(PlannedSync):
     def _check_autocast(self, module: nn.Module) -> None:
         """A Linear with narrowed parameters must cast them to that dtype itself: else it would compute with other
         values than the fp32 parameters', and its gradients would not be values of that dtype."""
-        device = next(module.parameters()).device.type
+        device = self.reducer.device.type
         low = self.reducer.gather_dtype
         if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == low):
             raise UserError(f"sync.gather_dtype: a {type(module).__name__} whose parameters travel in {low} ran "
