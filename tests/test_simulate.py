@@ -239,6 +239,41 @@ def test_every_step_pools_windows_of_consecutive_steps(tmp_path, capsys):
         sim.every_step(run, _Flat(), [run], False, 1, None, pool=9)
 
 
+def test_by_default_each_configuration_gets_its_median_prediction_over_the_steady_steps(tmp_path, capsys):
+    """No one step decides: every steady step with bucket records is replayed as the profiled step, and each
+    configuration's prediction is the median of its predictions; --step, --typical and --median replay one."""
+    _write_run(tmp_path / "a", "bucketed", 0.25, steps=8)
+    path = tmp_path / "a" / "steps.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r, fwd in zip(rows, (5, 5, 5, 3.0, 9.0, 4.0, 8.0, 30.0)):  # steady steps 4-8: forward 3, 9, 4, 8, 30 ms
+        r["forward_ms"] = fwd
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = load_run(tmp_path / "a")
+
+    def play(ref, curve, calib):
+        return [sim.predict(run.cfg, ref, curve, _Flat(), calib, "flat", None, run.vocab)]
+
+    per_step = sim.each_step(run, _Flat(), False, 1, None, play)
+    singles = [rows[0].step_ms for rows in per_step]
+    assert len(singles) == 5 and len(set(singles)) == 5  # the forward shifts each step's prediction
+    pooled = sim.pooled(per_step)[0]
+    assert pooled.step_ms == statistics.median(singles) == singles[3]  # step 7's (forward 8 ms)
+    assert per_step[4][0].step_ms - pooled.step_ms == pytest.approx(22.0)  # the 30 ms step moved nothing
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps([{"path": "reducer", "size": 8 * 4 ** k, "time_us": 1000.0 + 8 * 4 ** k / 1000.0}
+                                 for k in range(10)]))
+    argv = ["--run", str(tmp_path / "a"), "--topology", f"fit:{bench}", "--strategies", "noop", "--json"]
+    main(argv)
+    doc = json.loads(capsys.readouterr().out)
+    assert "median prediction over its 5 steady steps" in doc["notes"][0]
+    assert doc["rows"][0]["step_ms"] == pytest.approx(statistics.median(20.0 + f - 5.0 for f in (3, 9, 4, 8, 30)))
+    main([*argv, "--step", "8"])
+    assert json.loads(capsys.readouterr().out)["rows"][0]["step_ms"] == pytest.approx(45.0)
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--step", "8", "--typical"])
+    assert e.value.code == 2 and "give one of them" in capsys.readouterr().err
+
+
 def test_measured_runs_line_up_with_predictions(tmp_path, capsys):
     _write_run(tmp_path / "a", "bucketed", 0.25)
     _write_run(tmp_path / "b", "flat", None)

@@ -19,8 +19,8 @@ Everything it prints is modeled.
 """
 
 from analysis.simulate.calibration import Calibration, calibrate
-from analysis.simulate.check import (EveryStep, Ranking, every_step, measured_runs, median_ci, paired, ranking,
-                                     run_level, speed_probe)
+from analysis.simulate.check import (EveryStep, Ranking, each_step, every_step, measured_runs, median_ci, paired,
+                                     pooled, ranking, recorded_steps, run_level, speed_probe)
 from analysis.simulate.costs import default_lanes, host_ms
 from analysis.simulate.paper import flop_step, flop_timeline, paper_profile
 from analysis.simulate.predict import Prediction, predict, requested_nccl, sweep
@@ -28,6 +28,7 @@ from analysis.simulate.reference import ReferenceStep, ready_curve, reference_st
 from collectives.timeline import GLOO_LANES, ReadyCurve, Timeline, play_timeline, through
 
 __all__ = ["GLOO_LANES", "Calibration", "EveryStep", "Prediction", "Ranking", "ReadyCurve", "ReferenceStep",
-           "Timeline", "calibrate", "default_lanes", "every_step", "flop_step", "flop_timeline", "host_ms",
-           "measured_runs", "median_ci", "paired", "paper_profile", "play_timeline", "predict", "ranking",
-           "ready_curve", "reference_step", "requested_nccl", "run_level", "speed_probe", "sweep", "through"]
+           "Timeline", "calibrate", "default_lanes", "each_step", "every_step", "flop_step", "flop_timeline",
+           "host_ms", "measured_runs", "median_ci", "paired", "paper_profile", "play_timeline", "pooled", "predict",
+           "ranking", "ready_curve", "recorded_steps", "reference_step", "requested_nccl", "run_level", "speed_probe",
+           "sweep", "through"]

@@ -23,11 +23,14 @@ from analysis.simulate.calibration import Calibration, calibrate
 from analysis.simulate.check import (
     PREDICTED_TIE,
     EveryStep,
+    each_step,
     error_pct,
     every_step,
     measured_runs,
     paired,
+    pooled,
     ranking,
+    recorded_steps,
     speed_probe,
 )
 from analysis.simulate.costs import default_lanes
@@ -115,8 +118,11 @@ def parser() -> ArgumentParser:
                                        "nccl-log:<NCCL_DEBUG log>")
     ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES))
     ap.add_argument("--bucket-sizes", default=",".join(f"{c:g}" for c in DEFAULT_CAPS_MB), help="MiB, comma list")
-    ap.add_argument("--step", type=int, help="the step to replay (default: the most typical steady step)")
-    ap.add_argument("--median", action="store_true", help="replay the medians of the steady steps instead of one")
+    ap.add_argument("--step", type=int, help="replay this step only (default: every steady step with bucket records "
+                                             "replayed, each configuration's median prediction)")
+    ap.add_argument("--typical", action="store_true",
+                    help="replay only the run's most typical steady step (nearest its medians in every phase)")
+    ap.add_argument("--median", action="store_true", help="replay one synthetic step of the steady steps' medians")
     ap.add_argument("--warmup", type=int, help="steps dropped as warm-up (default max(3, 10%%))")
     ap.add_argument("--no-calibrate", action="store_true", help="do not scale the model by the profiled step")
     ap.add_argument("--no-host-cost", action="store_true",
@@ -160,8 +166,8 @@ def _check(args) -> tuple[list[str], list[float]]:
         raise UserError("--pool applies to --every-step (for one pooled profiled step of all steady steps: --median)")
     if args.warmup is not None and args.warmup < 0:
         raise UserError("--warmup must be at least 0")
-    if args.median and args.step is not None:
-        raise UserError("--median replays the medians of the steady steps, --step one step: give one of them")
+    if sum((args.median, args.step is not None, args.typical)) > 1:
+        raise UserError("--step, --typical and --median each choose the one step replayed: give one of them")
     strategies = _parse_list(args.strategies)
     if not strategies:
         raise UserError("--strategies: give at least one strategy")
@@ -209,24 +215,43 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
     model = cm.load_model(args.topology)
     if model.ranks and run.world > 1 and model.ranks != run.world:
         print(f"# note: the cost model has {model.ranks} ranks, the run {run.world}", file=sys.stderr)
-    ref = reference_step(run, args.step, args.warmup, args.median)
-    curve = ready_curve(run, ref)
     on_cpu = str(run.header.get("device", "cpu")).startswith("cpu")
     lanes = args.lanes or default_lanes(str(run.header.get("backend", "gloo")), model)
+    measured_dirs = [load_run(p) for p in args.measured]
     class_groups = bucket_plan(run.cfg).class_groups
     host_cost = on_cpu and not args.no_host_cost
-    calib = (Calibration(note="off", lanes=lanes) if args.no_calibrate
-             else calibrate(ref, model, host_cost, lanes, class_groups))
-    rows = sweep(run.cfg, ref, curve, model, calib, strategies, caps, run.vocab)
-    measured_dirs = [load_run(p) for p in args.measured]
-    measured = measured_runs(measured_dirs, run, ref, curve, model, calib, args.warmup)
-    rows += measured
-    which = "medians of its steady steps" if args.median else f"step {ref.step}"
+    calibs = []
+
+    def play(ref, curve, calib):
+        calibs.append(calib)
+        return (sweep(run.cfg, ref, curve, model, calib, strategies, caps, run.vocab)
+                + measured_runs(measured_dirs, run, ref, curve, model, calib, args.warmup))
+
+    one_step = args.step is not None or args.median or args.typical or not any(
+        run.buckets.get(s["step"]) for s in run.steady_steps(args.warmup))  # no records: the typical step alone
+    if one_step:
+        ref = reference_step(run, args.step, args.warmup, args.median)
+        curve = ready_curve(run, ref)
+        calib = (Calibration(note="off", lanes=lanes) if args.no_calibrate
+                 else calibrate(ref, model, host_cost, lanes, class_groups))
+        rows = play(ref, curve, calib)
+        which = "medians of its steady steps" if args.median else f"step {ref.step}"
+        notes = [f"ready times: {curve.source}", f"calibration: {calib.note}"]
+    else:  # the default: every recorded steady step replayed, each configuration's median prediction
+        per_step = each_step(run, model, host_cost, lanes, args.warmup, play, not args.no_calibrate)
+        rows = pooled(per_step)
+        ref = reference_step(run, warmup=args.warmup, steps=[s["step"] for s in recorded_steps(run, args.warmup)])
+        which = (f"each configuration's median prediction over its {len(per_step)} steady steps with bucket "
+                 f"records, each replayed as the profiled step; their medians")
+        slow = sorted(c.slowdown for c in calibs)
+        notes = [f"ready times: {ready_curve(run, ref).source}, per step",
+                 f"calibration: per step (the first: {calibs[0].note}); collectives x{slow[0]:.3f}-{slow[-1]:.3f} "
+                 f"slower while backward computes (median x{statistics.median(slow):.3f})"]
+    measured = [r for r in rows if r.measured_step_ms is not None]
     header = [f"MODELED from run {run.path} (strategy {run.strategy}, world {run.world}), {which}: "
               f"data {ref.data_ms:.1f} + forward {ref.forward_ms:.1f} + backward {ref.backward_ms:.1f} + "
               f"optimizer {ref.optimizer_ms:.1f} ms (measured {ref.step_ms:.1f} ms, exposed "
-              f"{ref.exposed_ms:.1f})", f"ready times: {curve.source}", f"calibration: {calib.note}",
-              *model.header(), *ref.notes]
+              f"{ref.exposed_ms:.1f})", *notes, *model.header(), *ref.notes]
     if measured:
         header.append(speed_probe(ref, measured))
     robust = (every_step(run, model, measured_dirs, host_cost, lanes, args.warmup, args.pool) if args.every_step

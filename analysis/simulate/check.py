@@ -6,7 +6,9 @@ reference step.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from analysis.plans import bucket_plan
@@ -155,12 +157,13 @@ class EveryStep:
     discordant: list[int]  # per reference step: pairs ordered differently
     separated: list[int]  # per reference step: pairs measurement and model both order
     frequent: list[tuple[str, str, int]]  # the discordant pairs, with how many reference steps they are discordant in
-    pool: int = 1  # consecutive steady steps pooled into each reference step
+    pool: int = 1  # consecutive steady steps whose predictions are pooled (`pooled`) in each window
 
     def lines(self) -> list[str]:
         e, d = sorted(self.max_err), self.discordant
-        what = "step" if self.pool == 1 else f"window of {self.pool} steps (their medians)"
-        return [f"every steady {what} of the profiled run as the profiled step ({self.steps}): max |err| median "
+        what = ("step of the profiled run as the profiled step" if self.pool == 1 else
+                f"window of {self.pool} steps of the profiled run, the median of their steps' predictions")
+        return [f"every steady {what} ({self.steps}): max |err| median "
                 f"{statistics.median(e):.1f}% (range {e[0]:.1f}-{e[-1]:.1f}%), within 15% for "
                 f"{sum(x <= 15 for x in e)}; discordant pairs mean {statistics.mean(d):.2f} (none for "
                 f"{sum(x == 0 for x in d)}, at most one for {sum(x <= 1 for x in d)}) of "
@@ -168,25 +171,60 @@ class EveryStep:
                 *(f"  discordant with {n} of {self.steps} profiled steps: {a} vs {b}" for a, b, n in self.frequent[:5])]
 
 
-def every_step(run: Run, model, measured: list[Run], host_cost: bool, lanes: int,
-               warmup: int | None, pool: int = 1) -> EveryStep:
-    """`EveryStep` over the reference run's steady steps that have bucket records; with `pool` > 1, over each window
-    of that many consecutive such steps, replayed as their medians (`reference_step(steps=...)`)."""
-    class_groups = bucket_plan(run.cfg).class_groups
-    errs, disc, sep, count = [], [], [], {}
+def recorded_steps(run: Run, warmup: int | None) -> list[dict]:
+    """The run's steady steps that have bucket records: the steps a prediction can be played on."""
     recorded = [s for s in run.steady_steps(warmup) if run.buckets.get(s["step"])]
     if not recorded:
         raise UserError(f"{run.path}: no steady step with bucket records to profile")
+    return recorded
+
+
+def each_step(run: Run, model, host_cost: bool, lanes: int, warmup: int | None,
+              play: Callable[[ReferenceStep, ReadyCurve, Calibration], list[Prediction]],
+              calibrated: bool = True) -> list[list[Prediction]]:
+    """`play`'s predictions with each of the run's `recorded_steps` as the reference step (its ready curve, and its
+    own calibration unless not `calibrated`), in step order."""
+    class_groups = bucket_plan(run.cfg).class_groups
+    out = []
+    for s in recorded_steps(run, warmup):
+        ref = reference_step(run, s["step"], warmup)
+        calib = (calibrate(ref, model, host_cost, lanes, class_groups) if calibrated
+                 else Calibration(note="off", lanes=lanes))
+        out.append(play(ref, ready_curve(run, ref), calib))
+    return out
+
+
+def pooled(per_step: list[list[Prediction]]) -> list[Prediction]:
+    """Each configuration's median prediction over several reference steps (`per_step`: one list of predictions
+    per step, the configurations in the same order). A measured median step is the median over steps that each ran
+    on their own batch at that minute's machine speed; each reference step's prediction carries the same for that
+    step (in an interleaved job, the very batch and minute of the measured configurations' same step), so the median
+    of the predictions is what the measured median is to be set against, and no one step decides it."""
+    out = []
+    for rows in zip(*per_step):
+        p = dataclasses.replace(rows[0])
+        p.step_ms, p.comm_ms, p.exposed_ms = (statistics.median(getattr(r, k) for r in rows)
+                                              for k in ("step_ms", "comm_ms", "exposed_ms"))
+        out.append(p)
+    return out
+
+
+def every_step(run: Run, model, measured: list[Run], host_cost: bool, lanes: int,
+               warmup: int | None, pool: int = 1) -> EveryStep:
+    """`EveryStep` over the reference run's steady steps that have bucket records; with `pool` > 1, over each window
+    of that many consecutive such steps, each configuration's prediction the median over the window's steps
+    (`pooled`)."""
+    def play(ref, curve, calib):
+        return measured_runs(measured, run, ref, curve, model, calib, warmup)
+
+    recorded = recorded_steps(run, warmup)
     if pool > len(recorded):
         raise UserError(f"{run.path}: --pool {pool} needs that many steady steps with bucket records, it has "
                         f"{len(recorded)}")
-    for i in range(len(recorded) - pool + 1):
-        window = recorded[i: i + pool]
-        ref = (reference_step(run, window[0]["step"], warmup) if pool == 1
-               else reference_step(run, warmup=warmup, steps=[s["step"] for s in window]))
-        curve = ready_curve(run, ref)
-        calib = calibrate(ref, model, host_cost, lanes, class_groups)
-        rows = measured_runs(measured, run, ref, curve, model, calib, warmup)
+    per_step = each_step(run, model, host_cost, lanes, warmup, play)
+    errs, disc, sep, count = [], [], [], {}
+    for i in range(len(per_step) - pool + 1):
+        rows = pooled(per_step[i: i + pool])
         rk = ranking(rows)
         errs.append(max(abs(error_pct(r.step_ms, r.measured_step_ms)) for r in rows))
         disc.append(len(rk.discordant))
