@@ -214,7 +214,7 @@ def test_every_step_repeats_the_check_with_each_steady_step_as_reference(tmp_pat
     _write_run(tmp_path / "a", "bucketed", 0.25, steps=8)
     _write_run(tmp_path / "b", "flat", None, steps=8)
     run = load_run(tmp_path / "a")
-    es = sim.every_step(run, _Flat(), [run, load_run(tmp_path / "b")], False, 1, None)
+    es = sim.every_step([run], _Flat(), [run, load_run(tmp_path / "b")], False, 1, None)
     assert es.steps == len(run.steady_steps()) == 5  # 8 steps, the first 3 warm-up
     # Every step of these runs is the same hand-built timeline, replayed exactly by the flat model.
     assert max(es.max_err) < 1e-6 and es.discordant == [0] * 5 and len(es.separated) == 5
@@ -228,7 +228,7 @@ def test_every_step_pools_windows_of_consecutive_steps(tmp_path, capsys):
     _write_run(tmp_path / "a", "bucketed", 0.25, steps=8)
     _write_run(tmp_path / "b", "flat", None, steps=8)
     run = load_run(tmp_path / "a")
-    es = sim.every_step(run, _Flat(), [run, load_run(tmp_path / "b")], False, 1, None, pool=3)
+    es = sim.every_step([run], _Flat(), [run, load_run(tmp_path / "b")], False, 1, None, pool=3)
     assert es.steps == 3 and es.pool == 3  # 5 steady steps: windows 4-6, 5-7, 6-8
     assert max(es.max_err) < 1e-6 and "window of 3 steps" in es.lines()[0]
     for args, msg in ((["--pool", "0"], "--pool must be at least 1"), (["--pool", "2"], "--pool applies to")):
@@ -236,7 +236,7 @@ def test_every_step_pools_windows_of_consecutive_steps(tmp_path, capsys):
             main(["--run", str(tmp_path / "a"), "--topology", "h100x8", "--measured", str(tmp_path / "b"), *args])
         assert e.value.code == 2 and msg in capsys.readouterr().err
     with pytest.raises(UserError, match="--pool 9 needs that many steady steps"):
-        sim.every_step(run, _Flat(), [run], False, 1, None, pool=9)
+        sim.every_step([run], _Flat(), [run], False, 1, None, pool=9)
 
 
 def test_by_default_each_configuration_gets_its_median_prediction_over_the_steady_steps(tmp_path, capsys):
@@ -265,13 +265,26 @@ def test_by_default_each_configuration_gets_its_median_prediction_over_the_stead
     argv = ["--run", str(tmp_path / "a"), "--topology", f"fit:{bench}", "--strategies", "noop", "--json"]
     main(argv)
     doc = json.loads(capsys.readouterr().out)
-    assert "median prediction over its 5 steady steps" in doc["notes"][0]
+    assert "median prediction over 5 steady steps with bucket records, each" in doc["notes"][0]
     assert doc["rows"][0]["step_ms"] == pytest.approx(statistics.median(20.0 + f - 5.0 for f in (3, 9, 4, 8, 30)))
     main([*argv, "--step", "8"])
     assert json.loads(capsys.readouterr().out)["rows"][0]["step_ms"] == pytest.approx(45.0)
-    with pytest.raises(SystemExit) as e:
-        main([*argv, "--step", "8", "--typical"])
-    assert e.value.code == 2 and "give one of them" in capsys.readouterr().err
+    # The same configuration's run in a second job, on a machine 40 ms slower every step: pooled with the first.
+    shutil.copytree(tmp_path / "a", tmp_path / "a2")
+    (tmp_path / "a2" / "steps.jsonl").write_text("".join(
+        json.dumps(r | {"forward_ms": r["forward_ms"] + 40.0}) + "\n" for r in rows))
+    main([*argv[:2], str(tmp_path / "a2"), *argv[2:]])
+    doc = json.loads(capsys.readouterr().out)
+    assert "over 10 steady steps with bucket records of 2 runs" in doc["notes"][0]
+    assert doc["rows"][0]["step_ms"] == pytest.approx(statistics.median(
+        [15.0 + f for f in (3, 9, 4, 8, 30)] + [55.0 + f for f in (3, 9, 4, 8, 30)]))
+    _write_run(tmp_path / "b", "flat", None, steps=8)
+    for extra, msg in ((["--step", "8", "--typical"], "give one of them"),
+                       (["--run", str(tmp_path / "a"), str(tmp_path / "a2"), "--step", "8"], "give one --run"),
+                       (["--run", str(tmp_path / "a"), str(tmp_path / "b")], "is not the configuration of")):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, *extra])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
 def test_measured_runs_line_up_with_predictions(tmp_path, capsys):

@@ -113,7 +113,8 @@ def parser() -> ArgumentParser:
                         description="Predict step time and exposed communication per strategy and bucket size from "
                                     "one profiled step and a cost model (modeled, not measured).",
                         epilog=f"examples:\n{EXAMPLES}")
-    ap.add_argument("--run", help="a run directory (config.yaml, run.json, steps.jsonl, buckets.jsonl)")
+    ap.add_argument("--run", nargs="+", help="a run directory (config.yaml, run.json, steps.jsonl, buckets.jsonl), "
+                    "or several runs of one configuration (its runs in several interleaved jobs), pooled")
     ap.add_argument("--topology", help="cost model: a preset (h100x8 ...), fit:<bench.csv|json|fit.json> or "
                                        "nccl-log:<NCCL_DEBUG log>")
     ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES))
@@ -207,11 +208,16 @@ def _plan(args) -> list[str]:
 
 
 def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Prediction], list[str], EveryStep | None]:
-    """A recorded run's reference step played with every strategy and cap, and the measured runs beside: rows,
-    header, and with --every-step the check repeated over its steady steps."""
+    """Recorded runs of one configuration played with every strategy and cap, and the measured runs beside: rows,
+    header, and with --every-step the check repeated over their steady steps."""
     if not args.run or not args.topology:
         raise UserError("give --run and --topology (or --paper)")
-    run = load_run(args.run)
+    runs = [load_run(p) for p in args.run]
+    run = runs[0]
+    other = next((r for r in runs if r.cfg.config_hash() != run.cfg.config_hash()), None)
+    if other is not None:
+        raise UserError(f"--run: {other.path} is not the configuration of {run.path}: the profiled runs pooled "
+                        "must be runs of one configuration (e.g. its runs in several interleaved jobs)")
     model = cm.load_model(args.topology)
     if model.ranks and run.world > 1 and model.ranks != run.world:
         print(f"# note: the cost model has {model.ranks} ranks, the run {run.world}", file=sys.stderr)
@@ -222,39 +228,45 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
     host_cost = on_cpu and not args.no_host_cost
     calibs = []
 
-    def play(ref, curve, calib):
-        calibs.append(calib)
-        return (sweep(run.cfg, ref, curve, model, calib, strategies, caps, run.vocab)
-                + measured_runs(measured_dirs, run, ref, curve, model, calib, args.warmup))
+    def player(this):
+        def play(ref, curve, calib):
+            calibs.append(calib)
+            return (sweep(this.cfg, ref, curve, model, calib, strategies, caps, this.vocab)
+                    + measured_runs(measured_dirs, this, ref, curve, model, calib, args.warmup))
+        return play
 
     one_step = args.step is not None or args.median or args.typical or not any(
         run.buckets.get(s["step"]) for s in run.steady_steps(args.warmup))  # no records: the typical step alone
     if one_step:
+        if len(runs) > 1:
+            raise UserError("--step, --typical and --median replay one step of one run: give one --run")
         ref = reference_step(run, args.step, args.warmup, args.median)
         curve = ready_curve(run, ref)
         calib = (Calibration(note="off", lanes=lanes) if args.no_calibrate
                  else calibrate(ref, model, host_cost, lanes, class_groups))
-        rows = play(ref, curve, calib)
+        rows = player(run)(ref, curve, calib)
         which = "medians of its steady steps" if args.median else f"step {ref.step}"
         notes = [f"ready times: {curve.source}", f"calibration: {calib.note}"]
     else:  # the default: every recorded steady step replayed, each configuration's median prediction
-        per_step = each_step(run, model, host_cost, lanes, args.warmup, play, not args.no_calibrate)
+        per_step = [rows for r in runs
+                    for rows in each_step(r, model, host_cost, lanes, args.warmup, player(r), not args.no_calibrate)]
         rows = pooled(per_step)
         ref = reference_step(run, warmup=args.warmup, steps=[s["step"] for s in recorded_steps(run, args.warmup)])
-        which = (f"each configuration's median prediction over its {len(per_step)} steady steps with bucket "
-                 f"records, each replayed as the profiled step; their medians")
+        which = (f"each configuration's median prediction over {len(per_step)} steady steps with bucket records"
+                 + (f" of {len(runs)} runs" if len(runs) > 1 else "") + ", each replayed as the profiled step; "
+                 + ("the first run's medians" if len(runs) > 1 else "their medians"))
         slow = sorted(c.slowdown for c in calibs)
         notes = [f"ready times: {ready_curve(run, ref).source}, per step",
                  f"calibration: per step (the first: {calibs[0].note}); collectives x{slow[0]:.3f}-{slow[-1]:.3f} "
                  f"slower while backward computes (median x{statistics.median(slow):.3f})"]
     measured = [r for r in rows if r.measured_step_ms is not None]
-    header = [f"MODELED from run {run.path} (strategy {run.strategy}, world {run.world}), {which}: "
-              f"data {ref.data_ms:.1f} + forward {ref.forward_ms:.1f} + backward {ref.backward_ms:.1f} + "
-              f"optimizer {ref.optimizer_ms:.1f} ms (measured {ref.step_ms:.1f} ms, exposed "
+    header = [f"MODELED from run {', '.join(str(r.path) for r in runs)} (strategy {run.strategy}, world "
+              f"{run.world}), {which}: data {ref.data_ms:.1f} + forward {ref.forward_ms:.1f} + backward "
+              f"{ref.backward_ms:.1f} + optimizer {ref.optimizer_ms:.1f} ms (measured {ref.step_ms:.1f} ms, exposed "
               f"{ref.exposed_ms:.1f})", *notes, *model.header(), *ref.notes]
     if measured:
         header.append(speed_probe(ref, measured))
-    robust = (every_step(run, model, measured_dirs, host_cost, lanes, args.warmup, args.pool) if args.every_step
+    robust = (every_step(runs, model, measured_dirs, host_cost, lanes, args.warmup, args.pool) if args.every_step
               else None)
     return rows, header, robust
 

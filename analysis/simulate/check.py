@@ -209,28 +209,30 @@ def pooled(per_step: list[list[Prediction]]) -> list[Prediction]:
     return out
 
 
-def every_step(run: Run, model, measured: list[Run], host_cost: bool, lanes: int,
+def every_step(runs: list[Run], model, measured: list[Run], host_cost: bool, lanes: int,
                warmup: int | None, pool: int = 1) -> EveryStep:
-    """`EveryStep` over the reference run's steady steps that have bucket records; with `pool` > 1, over each window
-    of that many consecutive such steps, each configuration's prediction the median over the window's steps
-    (`pooled`)."""
-    def play(ref, curve, calib):
-        return measured_runs(measured, run, ref, curve, model, calib, warmup)
-
-    recorded = recorded_steps(run, warmup)
-    if pool > len(recorded):
-        raise UserError(f"{run.path}: --pool {pool} needs that many steady steps with bucket records, it has "
-                        f"{len(recorded)}")
-    per_step = each_step(run, model, host_cost, lanes, warmup, play)
+    """`EveryStep` over the reference runs' steady steps that have bucket records; with `pool` > 1, over each window
+    of that many consecutive such steps of one run, each configuration's prediction the median over the window's
+    steps (`pooled`)."""
     errs, disc, sep, count = [], [], [], {}
-    for i in range(len(per_step) - pool + 1):
-        rows = pooled(per_step[i: i + pool])
-        rk = ranking(rows)
-        errs.append(max(abs(error_pct(r.step_ms, r.measured_step_ms)) for r in rows))
-        disc.append(len(rk.discordant))
-        sep.append(rk.pairs - rk.ties)
-        for pair in rk.discordant:
-            count[pair] = count.get(pair, 0) + 1
+    for run in runs:
+        recorded = recorded_steps(run, warmup)
+        if pool > len(recorded):
+            raise UserError(f"{run.path}: --pool {pool} needs that many steady steps with bucket records, it has "
+                            f"{len(recorded)}")
+
+        def play(ref, curve, calib, run=run):
+            return measured_runs(measured, run, ref, curve, model, calib, warmup)
+
+        per_step = each_step(run, model, host_cost, lanes, warmup, play)
+        for i in range(len(per_step) - pool + 1):
+            rows = pooled(per_step[i: i + pool])
+            rk = ranking(rows)
+            errs.append(max(abs(error_pct(r.step_ms, r.measured_step_ms)) for r in rows))
+            disc.append(len(rk.discordant))
+            sep.append(rk.pairs - rk.ties)
+            for pair in rk.discordant:
+                count[pair] = count.get(pair, 0) + 1
     frequent = sorted(((a, b, n) for (a, b), n in count.items()), key=lambda t: -t[2])
     return EveryStep(len(errs), errs, disc, sep, frequent, pool)
 
