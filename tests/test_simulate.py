@@ -287,6 +287,36 @@ def test_by_default_each_configuration_gets_its_median_prediction_over_the_stead
         assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
+def test_a_split_embedding_is_played_as_the_reducer_runs_it_where_the_profile_recorded_its_rows(tmp_path):
+    """From a profiled step with a split tied embedding's records (its projection part and each lookup's rows): the
+    ready curve is the other buckets' (the parts are not where the embedding sits in ready order), and a
+    configuration with the split launches the embedding's bucket first and each lookup's rows when recorded, so that
+    backward ends with the rows' small all-reduce, not the whole matrix's."""
+    _, exposed = _write_run(tmp_path / "a", "bucketed", 0.05)  # the 128 kB embedding in a bucket of its own, last
+    run = load_run(tmp_path / "a")
+    ref = sim.reference_step(run)
+    plain_curve = sim.ready_curve(run, ref)
+    ref.records = [{"bucket": 99, "class": "embedding", "part": "projection", "numel": 32000, "bytes": 128000,
+                    "ready_ms": 0.1, "launch_ms": 0.1, "complete_ms": 1.3, "wait_start_ms": 10.0}, *ref.records,
+                   *({"bucket": 100 + i, "class": "embedding", "part": "lookup", "numel": 100, "bytes": 400,
+                      "ready_ms": t, "launch_ms": t, "complete_ms": t + 1.0, "wait_start_ms": 10.0}
+                     for i, t in enumerate((5.0, 10.0)))]
+    curve = sim.ready_curve(run, ref)
+    assert (curve.xs, curve.ts) == (plain_curve.xs, plain_curve.ts)
+    split = {"embedding": {"tied_split": True}}
+    cal = sim.Calibration()
+    plain = sim.predict(run.cfg, ref, curve, _Flat(), cal, "bucketed", 0.05, run.vocab)
+    with_split = sim.predict(run.cfg, ref, curve, _Flat(), cal, "bucketed", 0.05, run.vocab, classes=split)
+    assert with_split.split and not plain.split
+    assert plain.exposed_ms == pytest.approx(exposed - 0.2)  # the recorded timeline, without wait()'s 0.2 ms
+    # Split: the matrix's bucket goes first, and backward ends with the encoder lookup's 400 bytes alone, launched at
+    # 10 ms: 1.0004 ms on the flat model.
+    assert with_split.exposed_ms == pytest.approx(1.0004) and plain.exposed_ms > 1.1
+    ref.records = [r for r in ref.records if r.get("part") != "lookup"]  # no rows recorded: the plain plan
+    assert sim.predict(run.cfg, ref, curve, _Flat(), cal, "bucketed", 0.05, run.vocab,
+                       classes=split).exposed_ms == pytest.approx(plain.exposed_ms)
+
+
 def test_measured_runs_line_up_with_predictions(tmp_path, capsys):
     _write_run(tmp_path / "a", "bucketed", 0.25)
     _write_run(tmp_path / "b", "flat", None)

@@ -10,7 +10,7 @@ from analysis.plans import bucket_plan, narrowed_bytes, ready_params, sync_for
 from analysis.simulate.calibration import Calibration
 from analysis.simulate.costs import host_ms
 from analysis.simulate.reference import ReferenceStep
-from collectives import nccl, strategies
+from collectives import nccl, strategies, tensor_classes
 from collectives.timeline import ReadyCurve, gather_stall, optimizer_saving, play_timeline, sharded_times, through
 from common.errors import UserError
 
@@ -69,9 +69,9 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     """Predicted step of `cfg`'s model under `strategy` (bucket cap, per-class overrides), played on the reference
     step. `cost(nbytes, algo, proto) -> ms` replaces the model's cost of one all-reduce; `nccl_of(bucket)` gives
     the (algo, proto) a bucket is forced to (default: what the profile requests). A split tied embedding
-    (`tied_split`) is played as its plain plan under the all-reducing strategies (docs/simulator.md says why); under
-    `sharded` its bucket is replicated or sharded by rows, played by `sharded_times` (a lookup's fetch of its rows in
-    the next forward is not played)."""
+    (`tied_split`) under the all-reducing strategies is played as the reducer runs it (`_split_first`, and each
+    lookup's rows one more all-reduce) where the profiled step recorded its lookups' rows, else as its plain plan; under `sharded` its bucket is replicated or
+    sharded by rows, played by `sharded_times` (a lookup's fetch of its rows in the next forward is not played)."""
     if strategy == "powersgd":
         raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
     compute = ref.compute_ms
@@ -81,12 +81,18 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     plan, overlap, class_groups = bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
     params = ready_params(cfg, vocab)
     ready = [curve.at(x) for x in through(plan, params)]
+    sharded = strategies.planner(strategy).shards
+    split = _split_classes(cfg, strategy, classes)
+    # The lookups' rows of a split embedding, where the profiled step recorded them: (ready ms, bytes)
+    rows = [(r["ready_ms"], r["bytes"]) for r in ref.records if r.get("part") == "lookup" and r.get("ready_ms")
+            is not None] if split and not sharded and overlap else []
+    if rows:
+        plan, ready = _split_first(cfg, strategy, cap_mb, classes, vocab, curve, split)
     one = cost or (lambda n, a, p: model.allreduce_ms(n, a, p))
     nccl_of = nccl_of or requested_nccl(cfg, class_groups)
     dur = [calib.comm_scale * one(b.nbytes, *nccl_of(b)) for b in plan]
     lat = [calib.comm_scale * model.allreduce_latency_ms(b.nbytes) for b in plan] if cost is None else None
     groups = [b.tensor_class for b in plan] if class_groups and calib.lanes > 1 else None
-    sharded = strategies.planner(strategy).shards
     scatter_bytes = gather_bytes = [b.nbytes for b in plan]
     gather = dur
     narrowed = sync_for(cfg, strategy, cap_mb, classes).gather_dtype if sharded else None
@@ -111,6 +117,15 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
         ready, dur = sharded_times(plan, ready, dur, half)
         dur = [half(i, d) if w else d for i, (d, w) in enumerate(zip(dur, whole))]
         gather = [half(i, d) for i, d in enumerate(gather)]
+    if rows:  # each lookup's rows one more all-reduce, launched when that lookup's backward ended
+        entries = list(zip(ready, dur, lat or [0.0] * len(plan), groups or [None] * len(plan), scatter_bytes))
+        for at, nbytes in sorted(rows):
+            i = next((i for i in range(len(entries)) if entries[i][0] > at), len(entries))
+            entries.insert(i, (at, calib.comm_scale * one(nbytes, *nccl_of(plan[0])),
+                               calib.comm_scale * model.allreduce_latency_ms(nbytes) if lat else 0.0,
+                               plan[0].tensor_class if groups else None, nbytes))
+        ready, dur, lats, grps, scatter_bytes = (list(c) for c in zip(*entries))
+        lat, groups = (lats if lat else None), (grps if groups else None)
     tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups)
     exposed = tl.exposed_ms + calib.post_ms
     if calib.host_base_ms is not None:  # more collectives during backward than the reference step: slower compute
@@ -119,14 +134,33 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
         compute += _sharded_extra_ms(ref, model, plan, gather, gather_bytes, calib, world)
     lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
     return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, len(plan), tl.comm_ms,
-                      exposed, compute + exposed, lossless, split=_splits(cfg, strategy, classes),
+                      exposed, compute + exposed, lossless, split=bool(split),
                       rows=any(b.row_size for b in plan), narrowed=narrowed)
 
 
-def _splits(cfg, strategy: str, classes: dict | None) -> bool:
-    """Whether `strategy` splits the tied embedding's gradient under `cfg`'s classes with the overrides `classes`."""
-    return "classes.tied_split" in strategies.get(strategy).sync_keys and any(
-        c.tied_split for c in sync_for(cfg, strategy, classes=classes).classes.values())
+def _split_classes(cfg, strategy: str, classes: dict | None) -> set[str]:
+    """The classes whose tied embedding `strategy` splits under `cfg`'s classes with the overrides `classes`."""
+    if "classes.tied_split" not in strategies.get(strategy).sync_keys:
+        return set()
+    return {name for name, c in sync_for(cfg, strategy, classes=classes).classes.items() if c.tied_split}
+
+
+def _split_first(cfg, strategy: str, cap_mb: float | None, classes: dict | None, vocab: int | None,
+                 curve: ReadyCurve, split: set[str]) -> tuple[list, list[float]]:
+    """The plan of an all-reducing strategy as its reducer re-plans it with a split tied embedding (`tied_split`),
+    in the order gradients became ready in its first backward: the embedding first (its gradient is then the
+    projection part, the first computed), the others in their expected order. And each bucket's ready time: the
+    embedding's at the start of backward, the others' where the reference step's curve puts them."""
+    sync = sync_for(cfg, strategy, cap_mb, classes)
+    params = list(ready_params(cfg, vocab))
+    class_of = tensor_classes.from_config(sync).assign(params)
+    at, x = {}, 0
+    for name, p in params:
+        x += p.numel()
+        at[name] = 0.0 if class_of[name] in split else curve.at(x)
+    first = [(n, p) for n, p in params if class_of[n] in split]
+    plan = strategies.plan_for(sync, first + [(n, p) for n, p in params if class_of[n] not in split]).buckets
+    return plan, [max(at[n] for n in b.names) for b in plan]
 
 
 def _sharded_extra_ms(ref: ReferenceStep, model, plan, gather: list[float], gather_bytes: list[int],

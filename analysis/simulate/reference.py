@@ -16,6 +16,8 @@ from analysis.runs import Run, slowest_rank_records, typical_step
 from collectives.timeline import ReadyCurve, through
 from common.errors import UserError
 
+SPLIT_PARTS = ("projection", "lookup")  # the `part` of a split tied embedding's records (`collectives.tied_split`)
+
 
 @dataclass
 class ReferenceStep:
@@ -111,7 +113,10 @@ def ready_curve(run: Run, ref: ReferenceStep) -> ReadyCurve:
     plan matches the recorded bucket sizes, else the buckets are taken as contiguous in ready order."""
     params = ready_params(run.cfg, run.vocab)
     total = sum(p.numel() for _, p in params)
-    recs = [r for r in ref.records if r.get("ready_ms") is not None]
+    # A split tied embedding's parts (`tied_split`) are not where the embedding sits in ready order: its projection
+    # part is ready first, its lookups' rows as each lookup's backward ends. The curve is the rest's; the embedding
+    # keeps its place at the end of the ready order (its encoder lookup, the last gradient computed).
+    recs = [r for r in ref.records if r.get("ready_ms") is not None and r.get("part") not in SPLIT_PARTS]
     if not recs:
         ref.notes.append("no per-bucket ready times: gradients assumed ready uniformly over backward")
         return ReadyCurve.uniform(total, ref.sync_backward_ms)
