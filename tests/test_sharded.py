@@ -152,25 +152,39 @@ def test_a_narrowed_all_gather_rounds_only_what_autocast_rounds(tmp_path):
     mp.spawn(_narrowed_gather_on_two_ranks, args=(str(tmp_path / "init"),), nprocs=2, join=True)
 
 
-def resumed_sharded_against(tmp_path, reference: tuple, same: tuple, sharded: tuple = ()):
-    """10 steps of `reference`, and of `sharded` (with `sharded`'s extra settings) stopped after 5 and resumed, both
-    with `same`: (the resume's torchrun result, the checkpoint diff of the two, [reference's grad norms,
-    sharded's])."""
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    """10 steps of stock DDP with given settings, run once per distinct settings in this module (two tests compare
+    against the same one): settings -> its run directory."""
+    done = {}
+
+    def run(same: tuple):
+        if same not in done:
+            done[same] = tmp_path_factory.mktemp("ddp") / "run"
+            torchrun("--run-dir", str(done[same]), "--set", "sync.strategy=ddp", "--set", "train.max_steps=10", *same)
+        return done[same]
+
+    return run
+
+
+def resumed_sharded_against(tmp_path, ddp_reference, same: tuple, sharded: tuple = ()):
+    """10 steps of stock DDP, and of `sharded` (with `sharded`'s extra settings) stopped after 5 and resumed, both
+    with `same`: (the resume's torchrun result, the checkpoint diff of the two, [DDP's grad norms, sharded's])."""
     same = (*same, *NO_EVAL)
-    torchrun("--run-dir", str(tmp_path / "reference"), *reference, "--set", "train.max_steps=10", *same)
+    reference = ddp_reference(same)
     run = tmp_path / "sharded"
     torchrun("--run-dir", str(run), *SHARDED, *sharded, "--set", "train.max_steps=5", *same)
     r = torchrun("--run-dir", str(run), *SHARDED, *sharded, "--resume", "--set", "train.max_steps=10", *same)
-    norms = [[s["grad_norm"] for s in records(d / "steps.jsonl")] for d in (tmp_path / "reference", run)]
-    return r, checkpoint_diff(tmp_path / "reference", run), norms
+    norms = [[s["grad_norm"] for s in records(d / "steps.jsonl")] for d in (reference, run)]
+    return r, checkpoint_diff(reference, run), norms
 
 
 @pytest.mark.slow
-def test_sharded_training_equals_ddp_with_clipping_and_accumulation(tmp_path):
+def test_sharded_training_equals_ddp_with_clipping_and_accumulation(tmp_path, ddp_reference):
     """10 steps, clipped by the global norm, 2 micro-batches a step, stopped after 5 and resumed from the checkpoint:
     the same parameters and optimizer state as 10 steps of stock DDP, bit for bit (2 ranks). The checkpoint holds
     the whole optimizer state, which the shards are cut from again."""
-    r, diff, norms = resumed_sharded_against(tmp_path, ("--set", "sync.strategy=ddp"),
+    r, diff, norms = resumed_sharded_against(tmp_path, ddp_reference,
                                              ("--set", "optim.clip_norm=0.5", "--set", "train.accum_steps=2"))
     assert "at step 5" in r.stdout
     assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
@@ -179,7 +193,7 @@ def test_sharded_training_equals_ddp_with_clipping_and_accumulation(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("embedding,accum", [("replicated", 1), ("replicated", 2), ("sharded", 1)])
-def test_sharded_split_training_equals_ddp(tmp_path, embedding, accum):
+def test_sharded_split_training_equals_ddp(tmp_path, ddp_reference, embedding, accum):
     """10 clipped steps under bf16 autocast: the split embedding (replicated, or with `shard_tied_split` sharded by
     rows, its lookups fetching their rows in forward) with the rest of the model sharded, its Linear parameters
     exchanged in bf16 (`gather_dtype`), gives stock DDP's parameters and optimizer state bit for bit on 2 ranks, and
@@ -190,7 +204,7 @@ def test_sharded_split_training_equals_ddp(tmp_path, embedding, accum):
     micro-batches' lookups would wait for the whole matrix, so only a step's first forward fetches rows.)"""
     shard_rows = ("--set", "sync.shard_tied_split=true") if embedding == "sharded" else ()
     r, diff, norms = resumed_sharded_against(
-        tmp_path, ("--set", "sync.strategy=ddp"),
+        tmp_path, ddp_reference,
         ("--set", "train.amp=bf16", "--set", "optim.clip_norm=0.5", "--set", f"train.accum_steps={accum}"),
         ("--set", "sync.classes.embedding.tied_split=true", "--set", "sync.gather_dtype=bf16", *shard_rows))
     assert "at step 5" in r.stdout
