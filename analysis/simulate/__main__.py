@@ -1,9 +1,11 @@
-"""Command line of the step-time simulator: predictions per strategy and bucket size for one recorded run, its check
-against measured runs, or the paper's base configuration projected on a preset. Everything it prints is modeled.
+"""Command line of the step-time simulator: predictions per strategy and bucket size from recorded runs of one
+configuration (every steady step replayed, each configuration's median prediction), their check against measured
+runs, or the paper's base configuration projected on a preset. Everything it prints is modeled.
 
     python -m analysis.simulate --run runs/m30k --topology fit:bench.json --strategies flat,bucketed,per_class
     python -m analysis.simulate --run runs/m30k --topology fit:bench.json --measured runs/flat runs/b5 runs/b25
-    python -m analysis.simulate --run runs/m30k --topology fit:bench.json --median   # medians of steady steps
+    python -m analysis.simulate --run il/j1/b2 il/j2/b2 --topology fit:bench.json --measured il/j*/* --every-step
+    python -m analysis.simulate --run runs/m30k --topology fit:bench.json --typical  # one step: the most typical
     python -m analysis.simulate --paper                  # the paper's base configuration projected on 8 P100
     python -m analysis.simulate --plan --profile profiles/wmt14-en-de-base.yaml --topology h100x8-ib:2  # a run's plan
 """
@@ -111,7 +113,7 @@ def _parse_list(text: str, kind=str) -> list:
 def parser() -> ArgumentParser:
     ap = ArgumentParser(prog=f"python -m {PROG}", formatter_class=argparse.RawDescriptionHelpFormatter,
                         description="Predict step time and exposed communication per strategy and bucket size from "
-                                    "one profiled step and a cost model (modeled, not measured).",
+                                    "a run's profiled steps and a cost model (modeled, not measured).",
                         epilog=f"examples:\n{EXAMPLES}")
     ap.add_argument("--run", nargs="+", help="a run directory (config.yaml, run.json, steps.jsonl, buckets.jsonl), "
                     "or several runs of one configuration (its runs in several interleaved jobs), pooled")

@@ -70,8 +70,9 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     step. `cost(nbytes, algo, proto) -> ms` replaces the model's cost of one all-reduce; `nccl_of(bucket)` gives
     the (algo, proto) a bucket is forced to (default: what the profile requests). A split tied embedding
     (`tied_split`) under the all-reducing strategies is played as the reducer runs it (`_split_first`, and each
-    lookup's rows one more all-reduce) where the profiled step recorded its lookups' rows, else as its plain plan; under `sharded` its bucket is replicated or
-    sharded by rows, played by `sharded_times` (a lookup's fetch of its rows in the next forward is not played)."""
+    lookup's rows one more all-reduce) where the profiled step recorded its lookups' rows, else as its plain plan;
+    under `sharded` its bucket is replicated or sharded by rows, played by `sharded_times` (a lookup's fetch of its
+    rows in the next forward is not played)."""
     if strategy == "powersgd":
         raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
     compute = ref.compute_ms
@@ -83,9 +84,10 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     ready = [curve.at(x) for x in through(plan, params)]
     sharded = strategies.planner(strategy).shards
     split = _split_classes(cfg, strategy, classes)
-    # The lookups' rows of a split embedding, where the profiled step recorded them: (ready ms, bytes)
-    rows = [(r["ready_ms"], r["bytes"]) for r in ref.records if r.get("part") == "lookup" and r.get("ready_ms")
-            is not None] if split and not sharded and overlap else []
+    rows = []  # a split embedding's lookups' rows, where the profiled step recorded them: (ready ms, bytes)
+    if split and not sharded and overlap:
+        rows = [(r["ready_ms"], r["bytes"]) for r in ref.records
+                if r.get("part") == "lookup" and r.get("ready_ms") is not None]
     if rows:
         plan, ready = _split_first(cfg, strategy, cap_mb, classes, vocab, curve, split)
     one = cost or (lambda n, a, p: model.allreduce_ms(n, a, p))
