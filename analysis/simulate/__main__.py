@@ -166,7 +166,7 @@ def _check(args) -> tuple[list[str], list[float]]:
     if args.pool < 1:
         raise UserError("--pool must be at least 1")
     if args.pool > 1 and not args.every_step:
-        raise UserError("--pool applies to --every-step (for one pooled profiled step of all steady steps: --median)")
+        raise UserError("--pool applies to --every-step (without it every steady step is pooled already)")
     if args.warmup is not None and args.warmup < 0:
         raise UserError("--warmup must be at least 0")
     if sum((args.median, args.step is not None, args.typical)) > 1:
@@ -228,18 +228,19 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
     measured_dirs = [load_run(p) for p in args.measured]
     class_groups = bucket_plan(run.cfg).class_groups
     host_cost = on_cpu and not args.no_host_cost
-    calibs = []
+    calibs, sources = [], []  # of every step played
 
     def player(this):
         def play(ref, curve, calib):
             calibs.append(calib)
+            sources.append(curve.source)
             return (sweep(this.cfg, ref, curve, model, calib, strategies, caps, this.vocab)
                     + measured_runs(measured_dirs, this, ref, curve, model, calib, args.warmup))
         return play
 
-    one_step = args.step is not None or args.median or args.typical or not any(
-        run.buckets.get(s["step"]) for s in run.steady_steps(args.warmup))  # no records: the typical step alone
-    if one_step:
+    recorded = recorded_steps(run, args.warmup)
+    per_run = None  # with the default: per run and step, the measured configurations' predictions
+    if args.step is not None or args.median or args.typical or not recorded:  # no records: the typical step alone
         if len(runs) > 1:
             raise UserError("--step, --typical and --median replay one step of one run: give one --run")
         ref = reference_step(run, args.step, args.warmup, args.median)
@@ -250,15 +251,17 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
         which = "medians of its steady steps" if args.median else f"step {ref.step}"
         notes = [f"ready times: {curve.source}", f"calibration: {calib.note}"]
     else:  # the default: every recorded steady step replayed, each configuration's median prediction
-        per_step = [rows for r in runs
-                    for rows in each_step(r, model, host_cost, lanes, args.warmup, player(r), not args.no_calibrate)]
+        played = [each_step(r, model, host_cost, lanes, args.warmup, player(r), not args.no_calibrate) for r in runs]
+        per_step = [rows for steps in played for rows in steps]
         rows = pooled(per_step)
-        ref = reference_step(run, warmup=args.warmup, steps=[s["step"] for s in recorded_steps(run, args.warmup)])
+        if not args.no_calibrate:  # --every-step's check calibrates every step, as these were
+            per_run = [[[r for r in rows if r.measured_step_ms is not None] for rows in steps] for steps in played]
+        ref = reference_step(run, warmup=args.warmup, steps=[s["step"] for s in recorded])
         which = (f"each configuration's median prediction over {len(per_step)} steady steps with bucket records"
                  + (f" of {len(runs)} runs" if len(runs) > 1 else "") + ", each replayed as the profiled step; "
                  + ("the first run's medians" if len(runs) > 1 else "their medians"))
         slow = sorted(c.slowdown for c in calibs)
-        notes = [f"ready times: {ready_curve(run, ref).source}, per step",
+        notes = [f"ready times: {', '.join(dict.fromkeys(sources))}, per step",
                  f"calibration: per step (the first: {calibs[0].note}); collectives x{slow[0]:.3f}-{slow[-1]:.3f} "
                  f"slower while backward computes (median x{statistics.median(slow):.3f})"]
     measured = [r for r in rows if r.measured_step_ms is not None]
@@ -268,8 +271,8 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
               f"{ref.exposed_ms:.1f})", *notes, *model.header(), *ref.notes]
     if measured:
         header.append(speed_probe(ref, measured))
-    robust = (every_step(runs, model, measured_dirs, host_cost, lanes, args.warmup, args.pool) if args.every_step
-              else None)
+    robust = (every_step(runs, model, measured_dirs, host_cost, lanes, args.warmup, args.pool, per_run)
+              if args.every_step else None)
     return rows, header, robust
 
 

@@ -172,21 +172,22 @@ class EveryStep:
 
 
 def recorded_steps(run: Run, warmup: int | None) -> list[dict]:
-    """The run's steady steps that have bucket records: the steps a prediction can be played on."""
-    recorded = [s for s in run.steady_steps(warmup) if run.buckets.get(s["step"])]
-    if not recorded:
-        raise UserError(f"{run.path}: no steady step with bucket records to profile")
-    return recorded
+    """The run's steady steps that have bucket records: the steps a prediction can be played on (none: a run that
+    recorded no buckets, whose typical step alone can be replayed, from its phases)."""
+    return [s for s in run.steady_steps(warmup) if run.buckets.get(s["step"])]
 
 
 def each_step(run: Run, model, host_cost: bool, lanes: int, warmup: int | None,
               play: Callable[[ReferenceStep, ReadyCurve, Calibration], list[Prediction]],
-              calibrated: bool = True) -> list[list[Prediction]]:
-    """`play`'s predictions with each of the run's `recorded_steps` as the reference step (its ready curve, and its
-    own calibration unless not `calibrated`), in step order."""
+              calibrated: bool = True, steps: list[dict] | None = None) -> list[list[Prediction]]:
+    """`play`'s predictions with each of `steps` (default: the run's `recorded_steps`) as the reference step (its
+    ready curve, and its own calibration unless not `calibrated`), in step order."""
+    steps = recorded_steps(run, warmup) if steps is None else steps
+    if not steps:
+        raise UserError(f"{run.path}: no steady step with bucket records to profile")
     class_groups = bucket_plan(run.cfg).class_groups
     out = []
-    for s in recorded_steps(run, warmup):
+    for s in steps:
         ref = reference_step(run, s["step"], warmup)
         calib = (calibrate(ref, model, host_cost, lanes, class_groups) if calibrated
                  else Calibration(note="off", lanes=lanes))
@@ -210,23 +211,25 @@ def pooled(per_step: list[list[Prediction]]) -> list[Prediction]:
 
 
 def every_step(runs: list[Run], model, measured: list[Run], host_cost: bool, lanes: int,
-               warmup: int | None, pool: int = 1) -> EveryStep:
+               warmup: int | None, pool: int = 1, per_run: list[list[list[Prediction]]] | None = None) -> EveryStep:
     """`EveryStep` over the reference runs' steady steps that have bucket records; with `pool` > 1, over each window
     of that many consecutive such steps of one run, each configuration's prediction the median over the window's
-    steps (`pooled`)."""
+    steps (`pooled`). `per_run`: the measured configurations' predictions per run and step where they were already
+    played (`each_step` with calibration), else they are played here."""
     errs, disc, sep, count = [], [], [], {}
-    for run in runs:
-        recorded = recorded_steps(run, warmup)
-        if pool > len(recorded):
+    for i, run in enumerate(runs):
+        steps = recorded_steps(run, warmup)
+        if steps and pool > len(steps):
             raise UserError(f"{run.path}: --pool {pool} needs that many steady steps with bucket records, it has "
-                            f"{len(recorded)}")
+                            f"{len(steps)}")
 
         def play(ref, curve, calib, run=run):
             return measured_runs(measured, run, ref, curve, model, calib, warmup)
 
-        per_step = each_step(run, model, host_cost, lanes, warmup, play)
-        for i in range(len(per_step) - pool + 1):
-            rows = pooled(per_step[i: i + pool])
+        per_step = per_run[i] if per_run is not None else each_step(run, model, host_cost, lanes, warmup, play,
+                                                                     steps=steps)
+        for j in range(len(per_step) - pool + 1):
+            rows = pooled(per_step[j: j + pool])
             rk = ranking(rows)
             errs.append(max(abs(error_pct(r.step_ms, r.measured_step_ms)) for r in rows))
             disc.append(len(rk.discordant))

@@ -80,8 +80,6 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
         return Prediction("noop", None, 0, 0.0, 0.0, compute - (calib.host_base_ms or 0.0), lossless=False,
                           communicates=False)
     plan, overlap, class_groups = bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
-    params = ready_params(cfg, vocab)
-    ready = [curve.at(x) for x in through(plan, params)]
     sharded = strategies.planner(strategy).shards
     split = _split_classes(cfg, strategy, classes)
     rows = []  # a split embedding's lookups' rows, where the profiled step recorded them: (ready ms, bytes)
@@ -90,6 +88,8 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
                 if r.get("part") == "lookup" and r.get("ready_ms") is not None]
     if rows:
         plan, ready = _split_first(cfg, strategy, cap_mb, classes, vocab, curve, split)
+    else:
+        ready = [curve.at(x) for x in through(plan, ready_params(cfg, vocab))]
     one = cost or (lambda n, a, p: model.allreduce_ms(n, a, p))
     nccl_of = nccl_of or requested_nccl(cfg, class_groups)
     dur = [calib.comm_scale * one(b.nbytes, *nccl_of(b)) for b in plan]
