@@ -1,10 +1,13 @@
 """The reducer: executes a bucketing plan, issuing the planned strategies' gradient all-reduces.
 
 Each bucket owns one flat buffer and the parameters' `.grad` are views into it, so backward accumulates straight into
-the buffer and no copy is made. Post-accumulate-grad hooks count a bucket's gradients down; a complete bucket is
-launched asynchronously (in bucket order, the same on every rank), averaged and cast back from its wire dtype in the
-collective's completion callback; `finish()` waits for all of them and leaves per-bucket timing records. Times are
-`collectives.timing` stamps: host clock on CPU, CUDA events on a GPU, where hooks and callbacks fire at enqueue time.
+the buffer. After `zero_grad(set_to_none=True)` the views are not re-attached before the forward: backward creates
+the gradients, and a bucket's launch copies them in, as stock DDP copies gradients into its buckets (one pass over
+the bytes instead of zeroing the buffer before the forward and adding into it in backward). Post-accumulate-grad
+hooks count a bucket's gradients down; a complete bucket is launched asynchronously (in bucket order, the same on
+every rank), averaged and cast back from its wire dtype in the collective's completion callback; `finish()` waits
+for all of them and leaves per-bucket timing records. Times are `collectives.timing` stamps: host clock on CPU, CUDA
+events on a GPU, where hooks and callbacks fire at enqueue time.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class _BucketState:
     work: object = None  # the future of the all-reduce followed by the averaging
     wire: torch.Tensor | None = None  # what goes on the wire: the buffer itself, or its cast to the wire dtype
     seen: set = field(default_factory=set)
+    lazy: bool = False  # the members' `.grad` were all unset at forward: copied into the buffer at launch
 
 
 class Reducer:
@@ -94,22 +98,27 @@ class Reducer:
     # -- every forward ----------------------------------------------------------------------------------------
 
     def attach_grads(self) -> None:
-        """Point every `.grad` back at its bucket view. `optimizer.zero_grad(set_to_none=True)` drops them (the view
-        then starts from zero); a gradient someone replaced is copied in."""
+        """Point every `.grad` back at its bucket view; a gradient someone replaced is copied in.
+
+        After `optimizer.zero_grad(set_to_none=True)` every `.grad` of a bucket is unset. Zeroing the buffer here and
+        letting backward add into it would write the whole buffer before the forward and read it again in backward;
+        instead the bucket stays `lazy`: backward creates each gradient as it would without a reducer, and the
+        launch copies them in (as stock DDP copies gradients into its buckets), zeros for a member without one."""
         for st in self.buckets:
             grads = [p.grad for p in st.params]
-            if all(g is None for g in grads):
-                st.buffer.zero_()
-                for p, v in zip(st.params, st.views):
-                    p.grad = v
-                continue
-            for p, v, g in zip(st.params, st.views, grads):
-                if g is None:
-                    v.zero_()
-                    p.grad = v
-                elif g.data_ptr() != v.data_ptr():
-                    v.copy_(g)
-                    p.grad = v
+            st.lazy = all(g is None for g in grads)
+            if not st.lazy:
+                self._into_buffer(st)
+
+    @staticmethod
+    def _into_buffer(st: _BucketState) -> None:
+        for p, v in zip(st.params, st.views):
+            if p.grad is None:
+                v.zero_()
+                p.grad = v
+            elif p.grad.data_ptr() != v.data_ptr():
+                v.copy_(p.grad)
+                p.grad = v
 
     def prepare(self, sync: bool) -> None:
         """Called at each forward: re-attach the views; arm the hooks if this micro-batch's backward synchronizes."""
@@ -156,8 +165,14 @@ class Reducer:
     def _launch_ready(self) -> None:
         # In bucket order only: every rank must issue the same collectives in the same order on each group.
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            self._launch(self.buckets[self._next])
+            self._start(self.buckets[self._next])
             self._next += 1
+
+    def _start(self, st: _BucketState) -> None:
+        if st.lazy:  # its gradients were created by backward, outside the buffer
+            self._into_buffer(st)
+            st.lazy = False
+        self._launch(st)
 
     def _launch(self, st: _BucketState) -> None:
         st.launch_t = stamp(self.device)
@@ -198,7 +213,7 @@ class Reducer:
             self.prepare(True)
         self.wait_t = stamp(self.device)
         for st in self.buckets[self._next:]:
-            self._launch(st)
+            self._start(st)
         self._next = len(self.buckets)
         for st in self.buckets:
             t0 = time.perf_counter()
