@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 GLOO_LANES = 2  # collectives one gloo process group runs at once: ProcessGroupGloo's worker threads (default 2)
 
@@ -53,12 +54,14 @@ def launch_times(ready_ms: list[float], backward_ms: float, overlap: bool = True
 
 def play_timeline(ready_ms: list[float], durations_ms: list[float], backward_ms: float, overlap: bool = True,
                   slowdown: float = 1.0, lanes: int = 1, latency_ms: list[float] | None = None,
-                  groups: list | None = None) -> Timeline:
+                  groups: list | None = None, link_efficiency: Callable[[int], float] | None = None) -> Timeline:
     """The collectives of one backward played onto a timeline. A launched bucket waits in its process group's queue
     (`groups`, one group if None) until one of the group's `lanes` is free, then runs: first its latency part
     (`latency_ms`, at most its duration; none if None), which does not use the link, then its transfer part, which
     shares the link: equally between the groups transferring at that moment (each group is its own set of
     connections, and TCP shares a link between connections), and equally between the transfers of one group.
+    `link_efficiency(k)`: the share of the link's rate that k groups transferring at once get together (1 for one;
+    measured by `collectives.bench --groups`): on the testbed several groups' connections move less than one.
     Everything runs `slowdown` times slower while backward computes (on CPUs, compute and gloo share the cores).
     With one lane and one group this is a single stream: a bucket starts when launched and the previous one is done.
 
@@ -91,7 +94,8 @@ def play_timeline(ready_ms: list[float], durations_ms: list[float], backward_ms:
         # group is its own connection), and equal between a group's transfers.
         sending = {g: sum(1 for i in on if left[i][0] <= eps) for g, on in running.items()}
         groups_sending = sum(1 for k in sending.values() if k) or 1
-        share = {i: 1.0 / (groups_sending * sending[g]) for g, on in running.items() for i in on
+        link = link_efficiency(groups_sending) if link_efficiency and groups_sending > 1 else 1.0
+        share = {i: link / (groups_sending * sending[g]) for g, on in running.items() for i in on
                  if left[i][0] <= eps}
         horizon = [launch[nxt] - now] if nxt < n else []
         if now < backward_ms and slowdown != 1.0:

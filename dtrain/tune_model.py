@@ -105,7 +105,7 @@ def predict_ms(sync, model: torch.nn.Module, probe: Probe, net: FittedModel, wor
         ready, dur = sharded_times(plan.buckets, ready, dur, lambda i, d: d / 2)
     lanes = GLOO_LANES if backend == "gloo" else 1
     groups = [b.tensor_class for b in plan.buckets] if plan.class_groups and lanes > 1 else None
-    tl = play_timeline(ready, dur, backward, plan.overlap, 1.0, lanes, None, groups)
+    tl = play_timeline(ready, dur, backward, plan.overlap, 1.0, lanes, None, groups, net.link_efficiency)
     step = probe.step_ms + tl.exposed_ms
     if sharded:
         step += gather_stall(plan.buckets, dur, probe.forward_ms / probe.accum_steps)

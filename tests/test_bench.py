@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import bench
+from collectives.costmodel.measurements import read_measurements
 from conftest import REPO
 from common.errors import UserError
 from common.units import bus_factor
@@ -47,7 +48,9 @@ def test_dtypes_and_ops():
                                       (["-b", "8", "-e", "1K", "-f", "inf"], "-f must be a finite number"),
                                       (["--json", "/nonexistent/dir/x.json"], "does not exist"),
                                       (["--csv", "."], "is a directory"),
-                                      (["--path", "nope"], "argument --path: invalid choice")])
+                                      (["--path", "nope"], "argument --path: invalid choice"),
+                                      (["--groups", "1"], "--groups must be at least 2"),
+                                      (["--groups", "2", "--class", "ffn"], "--groups makes world groups")])
 def test_bad_input_is_one_line_and_exit_2(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
@@ -253,3 +256,27 @@ def test_two_rank_sweep_on_loopback(tmp_path):
     assert "# overlap: 16 reducer all-reduces launched during a matmul block" in r.stdout
     csv_lines = (tmp_path / "bench.csv").read_text().splitlines()
     assert csv_lines[0] == ",".join(bench.FIELDS) and len(csv_lines) == len(rows) + 1
+
+
+@pytest.mark.slow
+def test_groups_time_several_process_groups_at_once(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "collectives.bench", "-b", "64K", "-e", "256K", "-f", "4", "-w", "1", "-n", "2", "--path", "raw",
+           "--groups", "3", "--json", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    together = [row for row in rows if row["path"] == "groups"]
+    # k = 1, 2, 3 groups, each all-reducing the sweep's largest size; the others are the sweep's rows
+    assert [row["groups"] for row in together] == [1, 2, 3]
+    assert {row["size"] for row in together} == {256 << 10}
+    assert all(row["groups"] is None for row in rows if row["path"] != "groups")
+    for row in together:
+        assert row["time_us"] > 0 and row["algbw"] == pytest.approx(row["groups"] * row["size"] / row["time_us"] / 1e3)
+    assert "# groups: k process groups, each all-reducing 262144 B of float at once" in r.stdout
+    # read back as measurements: the sweep's rows fitted, the groups' rows the link's share per count
+    ms = read_measurements(out)
+    assert {m.size for m in ms.rows} == {64 << 10, 256 << 10} and set(ms.link_efficiency) == {1, 2, 3}
+    assert ms.link_efficiency[1] == 1.0

@@ -263,6 +263,30 @@ def test_a_benchmark_with_median_operations_is_fitted_to_them_not_to_the_mean(tm
     assert cm.Measurement(8, 900.0).typical_us == 900.0
 
 
+def test_the_benchmarks_groups_rows_give_the_links_share_and_are_not_fitted(tmp_path):
+    # --groups: 1, 2 and 4 groups each all-reducing 8 MiB at once: two move twice the bytes at 2 x 70 / 160 =
+    # 0.875 of one group's rate, four at 4 x 70 / 350 = 0.8.
+    sizes = [8 * 4 ** k for k in range(12)]
+    rows = [{"path": "reducer", "size": s, "time_us": 200.0 + s / 100.0, "groups": None} for s in sizes]
+    rows += [{"path": "groups", "size": 8 << 20, "time_us": t, "median_us": t, "groups": k}
+             for k, t in ((1, 70.0), (2, 160.0), (4, 350.0))]
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    ms = cm.read_measurements(tmp_path / "b.json")
+    assert len(ms.rows) == len(sizes) and ms.link_efficiency == {1: 1.0, 2: 0.875, 4: 0.8}
+    fm = cm.FittedModel.from_measurements(ms)
+    assert fm.time_us(1 << 24) == pytest.approx(200.0 + (1 << 24) / 100, rel=1e-3)  # the groups' rows not in it
+    # between measured counts interpolated, beyond the largest its share, one group (or none measured) 1
+    assert [fm.link_efficiency(k) for k in (1, 2, 3, 4, 6)] == pytest.approx([1.0, 0.875, 0.8375, 0.8, 0.8])
+    assert "k=2 0.875" in "\n".join(fm.header())
+    again = cm.FittedModel.from_dict(json.loads(json.dumps(fm.to_dict())))
+    assert again.link_efficiency(3) == pytest.approx(0.8375)
+    assert cm.FittedModel.from_measurements(cm.read_measurements(DATA / "bench_gloo_synthetic.csv")
+                                            ).link_efficiency(5) == 1.0
+    # without the one-group row there is nothing to compare with
+    (tmp_path / "c.json").write_text(json.dumps(rows[:len(sizes)] + rows[-2:]))
+    assert cm.read_measurements(tmp_path / "c.json").link_efficiency is None
+
+
 def test_read_nccl_tests_sample_and_fit():
     ms = cm.read_measurements(DATA / "all_reduce_perf_synthetic.log")
     assert ms.coll == "allreduce" and ms.ranks == 8 and len(ms.rows) == 28

@@ -67,6 +67,14 @@ def test_two_lanes_overlap_latency_and_share_the_links_bandwidth():
     # replay of per_class's buckets shows: analysis.replay).
     tl = sim.play_timeline([0.0, 0.0, 0.0], [10.0, 10.0, 10.0], 100.0, lanes=2, groups=["a", "a", "b"])
     assert tl.end == pytest.approx([30.0, 30.0, 20.0])
+    # Two groups transferring at once reach 0.8 of the link together (the benchmark's --groups): each 0.4 of it,
+    # so a's and b's 10 ms transfers take 25; one group alone is not slowed.
+    tl = sim.play_timeline([0.0, 0.0], [10.0, 10.0], 100.0, lanes=2, groups=["a", "b"],
+                           link_efficiency=lambda k: 0.8)
+    assert tl.end == pytest.approx([25.0, 25.0])
+    tl = sim.play_timeline([0.0, 0.0], [10.0, 10.0], 100.0, lanes=2, groups=["a", "a"],
+                           link_efficiency=lambda k: 0.8)
+    assert tl.end == pytest.approx([20.0, 20.0])
     # Twice slower while backward computes (until 2): 1 ms of the 3 ms latency done by then, 2 ms after.
     tl = sim.play_timeline([0.0, 0.0], [3.0, 3.0], 2.0, slowdown=2.0, lanes=2, latency_ms=[3.0, 3.0])
     assert tl.end == pytest.approx([4.0, 4.0])

@@ -128,7 +128,8 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
                                plan[0].tensor_class if groups else None, nbytes))
         ready, dur, lats, grps, scatter_bytes = (list(c) for c in zip(*entries))
         lat, groups = (lats if lat else None), (grps if groups else None)
-    tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups)
+    tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups,
+                       model.link_efficiency)
     exposed = tl.exposed_ms + calib.post_ms
     if calib.host_base_ms is not None:  # more collectives during backward than the reference step: slower compute
         compute += host_ms(model, scatter_bytes, tl) - calib.host_base_ms

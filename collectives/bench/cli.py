@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from collectives import dist as ddist
 from collectives import nccl, tensor_classes
+from collectives.bench.groups import measure_groups
 from collectives.bench.measure import Row, measure
 from collectives.bench.output import extra_lines, footer, header, line, to_csv, to_json, write_out
 from collectives.bench.overlap import measure_overlap
@@ -87,6 +88,9 @@ def parse_args(argv=None):
     ap.add_argument("--overlap", nargs="?", const="2M", metavar="MAX",
                     help="CPU only: also measure how much longer a computation takes per reducer all-reduce launched "
                          "during it, at the sweep's sizes up to MAX (default 2M); the simulator's host cost")
+    ap.add_argument("--groups", type=int, metavar="K",
+                    help="also measure k = 1..K process groups all-reducing the sweep's largest size at once: the "
+                         "share of one group's rate they reach together (what per_class's groups get of a link)")
     ap.add_argument("--csv", metavar="FILE", help="also write the rows as CSV ('-': stdout, instead of the table)")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list ('-': stdout, instead of the "
                                                      "table)")
@@ -115,6 +119,10 @@ def main(argv=None) -> int:
         dtypes = parse_dtypes(args.datatype)
         if args.iters < 1 or args.warmup < 0:
             raise UserError("-n must be at least 1 and -w at least 0")
+        if args.groups is not None and args.tensor_class:
+            raise UserError("--groups makes world groups of its own: drop --class")
+        if args.groups is not None and args.groups < 2:
+            raise UserError(f"--groups must be at least 2 (one group is the baseline), not {args.groups}")
         if args.profile and not args.tensor_class:
             raise UserError("--profile gives a tensor class's settings: use it with --class")
         for option, dest in (("--json", args.json), ("--csv", args.csv)):
@@ -205,6 +213,8 @@ def _bench(args, sizes: list[int], dtypes: list[str], device, backend: str, comm
         emit(f)
     if args.overlap is not None:
         measure_overlap(rows, args.overlap, group, nranks, device, emit)
+    if args.groups is not None:
+        rows += measure_groups(args.groups, max(sizes), dtypes[0], args.warmup, nranks, device, emit)
     if main_rank:
         if args.json:
             write_out(args.json, to_json(rows), "--json")

@@ -40,6 +40,8 @@ class Row:
     host_us: float | None = None
     # nccl-tests' column group: "out-of-place" (the raw path's result in another buffer) or "in-place"
     place: str = "in-place"
+    # --groups: this many process groups all-reduced `size` each at once (time_us: until all were done)
+    groups: int | None = None
 
 
 def bandwidths(nbytes: int, time_us: float, nranks: int) -> tuple[float, float]:

@@ -66,3 +66,8 @@ class CollectiveCost:
         collectives in flight only the rest shares the bandwidth. 0 here: all of it shared (NCCL's models run one
         stream, where nothing shares the link)."""
         return 0.0
+
+    def link_efficiency(self, k: int) -> float:
+        """The share of the link's rate that `k` process groups transferring at once reach together: 1 here (NCCL's
+        models run one stream); a fit to the benchmark's --groups rows says what it measured."""
+        return 1.0

@@ -178,10 +178,12 @@ class FittedModel(CollectiveCost):
 
     def __init__(self, fits: dict[str, list[Regime]], coll: str = "allreduce", ranks: int | None = None,
                  name: str = "local", source: str = "", cpu: dict[str, tuple[float, float]] | None = None,
-                 host: dict[str, tuple[float, float]] | None = None):
+                 host: dict[str, tuple[float, float]] | None = None,
+                 link_efficiency: dict[int, float] | None = None):
         self.fits, self.coll, self.ranks, self.name, self.source = fits, coll, ranks, name, source
         self.cpu = cpu or {}  # label -> (µs per operation, µs per byte): the process's CPU time, where measured
         self.host = host or {}  # label -> (µs per operation, µs per byte): computation lost per overlapped one
+        self.together = dict(sorted((link_efficiency or {}).items()))  # k groups -> their share of the link
 
     @classmethod
     def from_measurements(cls, ms: MeasurementSet, name: str = "local", max_regimes: int = 4) -> "FittedModel":
@@ -195,7 +197,7 @@ class FittedModel(CollectiveCost):
                if all(m.cpu_us is not None for m in rows)}
         host = {lab: fit_per_op(pts) for lab, rows in sorted(groups.items())
                 if (pts := [(m.size, m.host_us) for m in rows if m.host_us is not None])}
-        return cls(fits, ms.coll, ms.ranks, name, ms.source, cpu, host)
+        return cls(fits, ms.coll, ms.ranks, name, ms.source, cpu, host, ms.link_efficiency)
 
     @staticmethod
     def _per_op(table: dict[str, tuple[float, float]], nbytes: float) -> float | None:
@@ -215,6 +217,19 @@ class FittedModel(CollectiveCost):
         """How much longer a computation takes per all-reduce of `nbytes` launched during it (the benchmark's
         --overlap, CPU); None where it was not measured."""
         return self._per_op(self.host, nbytes)
+
+    def link_efficiency(self, k: int) -> float:
+        """The share of the link's rate that `k` process groups transferring at once get together (the benchmark's
+        --groups): interpolated between the measured counts, the largest's beyond it; 1 where not measured."""
+        if not self.together or k <= 1:
+            return 1.0
+        ks = list(self.together)
+        if k >= ks[-1]:
+            return self.together[ks[-1]]
+        hi = next(i for i, m in enumerate(ks) if m >= k)
+        k0, k1 = ks[hi - 1], ks[hi]
+        e0, e1 = self.together[k0], self.together[k1]
+        return e0 + (e1 - e0) * (k - k0) / (k1 - k0)
 
     def _regime(self, label: str, nbytes: float) -> Regime:
         return next(r for r in self.fits[label] if nbytes <= r.max_bytes)
@@ -273,13 +288,17 @@ class FittedModel(CollectiveCost):
         if self.host_us(0) is not None:
             lines.append(f"computation lost per all-reduce launched during it (benchmark --overlap): "
                          f"{self.host_us(0):.0f} us + {(self.host_us(1 << 20) - self.host_us(0)):.0f} us per MiB")
+        if self.together:
+            lines.append("the link's rate that k process groups all-reducing at once reach together, of one group's "
+                         "(benchmark --groups): " + ", ".join(f"k={k} {e:.3f}" for k, e in self.together.items()))
         return lines
 
     def to_dict(self) -> dict:
         return {"kind": "fitted", "name": self.name, "coll": self.coll, "ranks": self.ranks, "source": self.source,
                 "fits": {lab: [regime_dict(r) for r in regs] for lab, regs in self.fits.items()},
                 "cpu": {lab: {"per_op_us": round(a, 4), "per_byte_us": b} for lab, (a, b) in self.cpu.items()},
-                "host": {lab: {"per_op_us": round(a, 4), "per_byte_us": b} for lab, (a, b) in self.host.items()}}
+                "host": {lab: {"per_op_us": round(a, 4), "per_byte_us": b} for lab, (a, b) in self.host.items()},
+                **({"link_efficiency": {str(k): e for k, e in self.together.items()}} if self.together else {})}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "") -> "FittedModel":
@@ -289,7 +308,8 @@ class FittedModel(CollectiveCost):
                     for lab, regs in d["fits"].items()}
             cpu, host = ({lab: (float(c["per_op_us"]), float(c["per_byte_us"])) for lab, c in (d.get(k) or {}).items()}
                          for k in ("cpu", "host"))
-        except (KeyError, TypeError, ValueError) as e:
+            together = {int(k): float(e) for k, e in (d.get("link_efficiency") or {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UserError(f"{where}: not a fitted cost model ({e})") from e
         return cls(fits, d.get("coll", "allreduce"), d.get("ranks"), d.get("name", "local"), d.get("source", where),
-                   cpu, host)
+                   cpu, host, together)

@@ -61,6 +61,9 @@ class MeasurementSet:
     ranks: int | None = None
     source: str = ""
     skipped: int = 0  # rows dropped because their correctness check failed (#wrong > 0)
+    # The benchmark's --groups: k -> the share of one group's rate that k process groups all-reducing at once
+    # reach together (k x one group's time / k groups' time, at one size)
+    link_efficiency: dict[int, float] | None = None
     avg_busbw: float | None = None  # an nccl-tests table's footer: the mean busbw over both column groups
 
 
@@ -149,6 +152,8 @@ def _collect(dicts: list[dict], where: str) -> MeasurementSet:
     """Rows to fit: out-of-place (or per code path), the sum reduction when several were run, none that failed
     the correctness check (#wrong > 0, counted) or that a path could not run (N/A, dropped)."""
     rows, skipped = [], 0
+    together = [d for d in dicts if d.get("groups") not in (None, "")]  # --groups: not sizes to fit
+    dicts = [d for d in dicts if d.get("groups") in (None, "")]
     ops = {str(d.get("redop", "")).lower() for d in dicts}
     for d in _by_path(dicts):
         if len(ops) > 1 and str(d.get("redop", "")).lower() != "sum":
@@ -165,7 +170,20 @@ def _collect(dicts: list[dict], where: str) -> MeasurementSet:
     coll.discard("")
     ranks = {int(d["world_size"]) for d in dicts if d.get("world_size") not in (None, "")}
     return MeasurementSet(rows, coll.pop() if len(coll) == 1 else "allreduce",
-                          ranks.pop() if len(ranks) == 1 else None, skipped=skipped)
+                          ranks.pop() if len(ranks) == 1 else None, skipped=skipped,
+                          link_efficiency=_link_efficiency(together, where))
+
+
+def _link_efficiency(dicts: list[dict], where) -> dict[int, float] | None:
+    """The benchmark's --groups rows (k groups, each all-reducing `size` at once, in `median_us` or `time_us`) as
+    k -> k x one group's time / k groups' time; None without them, or without the one-group row to compare with."""
+    try:
+        times = {int(float(d["groups"])): _num(d.get("median_us")) or _num(d["time_us"]) for d in dicts}
+    except (KeyError, ValueError, TypeError) as e:
+        raise UserError(f"{where}: bad --groups row ({e.__class__.__name__}: {e})") from e
+    if 1 not in times or any(not t or t <= 0 for t in times.values()) or min(times) < 1:
+        return None
+    return {k: round(k * times[1] / t, 4) for k, t in sorted(times.items())}
 
 
 def _read_bench_csv(body: list[str], where) -> MeasurementSet:

@@ -1,0 +1,70 @@
+"""`--groups K`: what several process groups all-reducing at once get of the link together.
+
+`per_class` gives each tensor class its own process group, so its classes' buckets cross the network on connections
+of their own, at the same time. The simulator shares the link between the groups transferring; this measures how
+much of one group's rate they reach together: k groups (1..K), each all-reducing the same size at the same moment,
+against one group alone. The counts are alternated within each repeat, so that a drift of the machine's speed hits
+them alike. Rows: path "groups", `size` each group's bytes, `groups` k, the time until all k are done.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from collectives.bench.measure import Row, bandwidths
+from collectives.bench.paths import DTYPES
+from common.errors import UserError
+
+GROUPS_REPEATS = 7  # rounds, each timing every count once
+
+
+def _together(tensors: list[torch.Tensor], groups: list) -> float:
+    """Seconds from launching one all-reduce on each group until every one is done."""
+    t0 = time.perf_counter()
+    works = [dist.all_reduce(t, group=g, async_op=True) for t, g in zip(tensors, groups)]
+    for w in works:
+        w.wait()
+    return time.perf_counter() - t0
+
+
+def measure_groups(max_groups: int, nbytes: int, dtype_name: str, warmup: int, nranks: int, device,
+                   emit) -> list[Row]:
+    """One row per count k = 1..max_groups: the median over GROUPS_REPEATS rounds of the time k groups (of every
+    rank) take to all-reduce `nbytes` each at once, mean over ranks."""
+    dtype = DTYPES[dtype_name]
+    count = nbytes // dtype.itemsize
+    if count == 0:
+        raise UserError(f"--groups: {nbytes} bytes is less than one {dtype_name} element")
+    ranks = list(range(dist.get_world_size()))
+    groups = [dist.new_group(ranks) for _ in range(max_groups)]  # collective: every rank, the same order
+    tensors = [torch.zeros(count, dtype=dtype, device=device) for _ in range(max_groups)]
+    for _ in range(max(1, warmup)):  # every group's connections set up before anything is timed
+        _together(tensors, groups)
+    times: dict[int, list[float]] = {k: [] for k in range(1, max_groups + 1)}
+    for _ in range(GROUPS_REPEATS):
+        for k in times:
+            dist.barrier()
+            times[k].append(_together(tensors[:k], groups[:k]))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    medians = torch.tensor([statistics.median(times[k]) * 1e6 for k in times], dtype=torch.float64)
+    dist.all_reduce(medians)
+    medians /= nranks
+    emit(f"# groups: k process groups, each all-reducing {nbytes} B of {dtype_name} at once, {GROUPS_REPEATS} "
+         "repeats (median); their rate together as a share of one group's")
+    emit(f"#  {'k':>3}  {'time (us)':>12}  {'share':>6}")
+    rows = []
+    one = float(medians[0])
+    for k, t in zip(times, medians.tolist()):
+        algbw, busbw = bandwidths(k * nbytes, t, nranks)
+        rows.append(Row("groups", nbytes, count, dtype_name, "sum", round(t, 3), algbw, busbw, None,
+                        median_us=round(t, 3), groups=k))
+        share = k * one / t if t > 0 else math.nan
+        emit(f"#  {k:>3}  {t:12.1f}  {share:6.3f}", flush=True)
+    emit("#")
+    return rows
