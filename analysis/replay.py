@@ -123,7 +123,7 @@ def modeled(sched: Schedule, topology: str) -> tuple[list[float], list[str]]:
     lanes = default_lanes(sched.backend, model)
     groups = sched.classes if sched.class_groups and lanes > 1 else None
     tl = play_timeline(sched.launch_ms, [model.allreduce_ms(n) for n in sched.nbytes], 0.0, True, 1.0, lanes,
-                       [model.allreduce_latency_ms(n) for n in sched.nbytes], groups, model.link_efficiency)
+                       [model.allreduce_latency_ms(n) for n in sched.nbytes], groups)
     return tl.end, model.header()
 
 

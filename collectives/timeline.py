@@ -60,8 +60,9 @@ def play_timeline(ready_ms: list[float], durations_ms: list[float], backward_ms:
     (`latency_ms`, at most its duration; none if None), which does not use the link, then its transfer part, which
     shares the link: equally between the groups transferring at that moment (each group is its own set of
     connections, and TCP shares a link between connections), and equally between the transfers of one group.
-    `link_efficiency(k)`: the share of the link's rate that k groups transferring at once get together (1 for one;
-    measured by `collectives.bench --groups`): on the testbed several groups' connections move less than one.
+    `link_efficiency(k)`: the share of the link's rate that k groups transferring at once get together while
+    backward computes (1 for one; measured by `collectives.bench --groups` beside computation); after backward the
+    whole link.
     Everything runs `slowdown` times slower while backward computes (on CPUs, compute and gloo share the cores).
     With one lane and one group this is a single stream: a bucket starts when launched and the previous one is done.
 
@@ -89,16 +90,17 @@ def play_timeline(ready_ms: list[float], durations_ms: list[float], backward_ms:
         active = [i for on in running.values() for i in on]
         if not active and nxt == n:
             break
-        rate = 1.0 / slowdown if now < backward_ms else 1.0
+        computing = now < backward_ms
+        rate = 1.0 / slowdown if computing else 1.0
         # The link's share of each transfer (`share[i]` of the link): equal between the groups transferring (each
         # group is its own connection), and equal between a group's transfers.
         sending = {g: sum(1 for i in on if left[i][0] <= eps) for g, on in running.items()}
         groups_sending = sum(1 for k in sending.values() if k) or 1
-        link = link_efficiency(groups_sending) if link_efficiency and groups_sending > 1 else 1.0
+        link = link_efficiency(groups_sending) if link_efficiency and groups_sending > 1 and computing else 1.0
         share = {i: link / (groups_sending * sending[g]) for g, on in running.items() for i in on
                  if left[i][0] <= eps}
         horizon = [launch[nxt] - now] if nxt < n else []
-        if now < backward_ms and slowdown != 1.0:
+        if computing and (slowdown != 1.0 or link != 1.0):  # the rates change when backward ends
             horizon.append(backward_ms - now)
         for i in active:
             horizon.append(left[i][0] / rate if i not in share else left[i][1] / (rate * share[i]))

@@ -67,11 +67,14 @@ def test_two_lanes_overlap_latency_and_share_the_links_bandwidth():
     # replay of per_class's buckets shows: analysis.replay).
     tl = sim.play_timeline([0.0, 0.0, 0.0], [10.0, 10.0, 10.0], 100.0, lanes=2, groups=["a", "a", "b"])
     assert tl.end == pytest.approx([30.0, 30.0, 20.0])
-    # Two groups transferring at once reach 0.8 of the link together (the benchmark's --groups): each 0.4 of it,
-    # so a's and b's 10 ms transfers take 25; one group alone is not slowed.
+    # Two groups transferring at once while backward computes reach 0.8 of the link together (the benchmark's
+    # --groups): each 0.4 of it, so a's and b's 10 ms transfers take 25; one group alone is not slowed.
     tl = sim.play_timeline([0.0, 0.0], [10.0, 10.0], 100.0, lanes=2, groups=["a", "b"],
                            link_efficiency=lambda k: 0.8)
     assert tl.end == pytest.approx([25.0, 25.0])
+    # Backward ends at 5: 2 ms of each done by then (0.4 x 5), the other 8 at half the link each, 16 ms more.
+    tl = sim.play_timeline([0.0, 0.0], [10.0, 10.0], 5.0, lanes=2, groups=["a", "b"], link_efficiency=lambda k: 0.8)
+    assert tl.end == pytest.approx([21.0, 21.0])
     tl = sim.play_timeline([0.0, 0.0], [10.0, 10.0], 100.0, lanes=2, groups=["a", "a"],
                            link_efficiency=lambda k: 0.8)
     assert tl.end == pytest.approx([20.0, 20.0])

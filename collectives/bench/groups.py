@@ -1,10 +1,12 @@
 """`--groups K`: what several process groups all-reducing at once get of the link together.
 
 `per_class` gives each tensor class its own process group, so its classes' buckets cross the network on connections
-of their own, at the same time. The simulator shares the link between the groups transferring; this measures how
-much of one group's rate they reach together: k groups (1..K), each all-reducing the same size at the same moment,
-against one group alone. The counts are alternated within each repeat, so that a drift of the machine's speed hits
-them alike. Rows: path "groups", `size` each group's bytes, `groups` k, the time until all k are done.
+of their own, at the same time, while backward computes. The simulator shares the link between the groups
+transferring; this measures how much of one group's rate they reach together: k groups (1..K), each all-reducing the
+same size at the same moment, against one group alone. On a CPU device the rank multiplies matrices until all k are
+done, as backward computes beside them: there the groups' threads compete with the computation for the cores, which
+an idle rank would not show. The counts are alternated within each repeat, so that a drift of the machine's speed
+hits them alike. Rows: path "groups", `size` each group's bytes, `groups` k, the time until all k are done.
 """
 
 from __future__ import annotations
@@ -23,10 +25,15 @@ from common.errors import UserError
 GROUPS_REPEATS = 7  # rounds, each timing every count once
 
 
-def _together(tensors: list[torch.Tensor], groups: list) -> float:
-    """Seconds from launching one all-reduce on each group until every one is done."""
+def _together(tensors: list[torch.Tensor], groups: list, compute: torch.Tensor | None) -> float:
+    """Seconds from launching one all-reduce on each group until every one is done; with `compute` (a 256 x 256
+    matrix), multiplying it meanwhile."""
     t0 = time.perf_counter()
     works = [dist.all_reduce(t, group=g, async_op=True) for t, g in zip(tensors, groups)]
+    if compute is not None:
+        out = torch.empty_like(compute)
+        while not all(w.is_completed() for w in works):
+            torch.mm(compute, compute, out=out)
     for w in works:
         w.wait()
     return time.perf_counter() - t0
@@ -43,20 +50,22 @@ def measure_groups(max_groups: int, nbytes: int, dtype_name: str, warmup: int, n
     ranks = list(range(dist.get_world_size()))
     groups = [dist.new_group(ranks) for _ in range(max_groups)]  # collective: every rank, the same order
     tensors = [torch.zeros(count, dtype=dtype, device=device) for _ in range(max_groups)]
+    compute = torch.randn(256, 256) if device.type == "cpu" else None  # a GPU computes elsewhere
     for _ in range(max(1, warmup)):  # every group's connections set up before anything is timed
-        _together(tensors, groups)
+        _together(tensors, groups, compute)
     times: dict[int, list[float]] = {k: [] for k in range(1, max_groups + 1)}
     for _ in range(GROUPS_REPEATS):
         for k in times:
             dist.barrier()
-            times[k].append(_together(tensors[:k], groups[:k]))
+            times[k].append(_together(tensors[:k], groups[:k], compute))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
     medians = torch.tensor([statistics.median(times[k]) * 1e6 for k in times], dtype=torch.float64)
     dist.all_reduce(medians)
     medians /= nranks
-    emit(f"# groups: k process groups, each all-reducing {nbytes} B of {dtype_name} at once, {GROUPS_REPEATS} "
-         "repeats (median); their rate together as a share of one group's")
+    beside = ", the rank computing meanwhile" if compute is not None else ""
+    emit(f"# groups: k process groups, each all-reducing {nbytes} B of {dtype_name} at once{beside}, "
+         f"{GROUPS_REPEATS} repeats (median); their rate together as a share of one group's")
     emit(f"#  {'k':>3}  {'time (us)':>12}  {'share':>6}")
     rows = []
     one = float(medians[0])
