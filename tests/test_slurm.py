@@ -16,12 +16,12 @@ import pytest
 
 from conftest import NO_EVAL, REPO, records
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one Slurm cluster at a time
+pytestmark = pytest.mark.slow
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol", "squeue", "scancel")
 MISSING = [p for p in PROGRAMS if shutil.which(p) is None]
 if MISSING:
-    pytestmark = [*pytestmark, pytest.mark.skip(reason=f"Slurm not installed (no {', '.join(MISSING)}; "
+    pytestmark = [pytestmark, pytest.mark.skip(reason=f"Slurm not installed (no {', '.join(MISSING)}; "
                                                       "apt-get install slurm-wlm munge)")]
 
 SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"

@@ -28,8 +28,6 @@ def _why_not() -> str | None:
 
 
 needs_netns = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
-# One worker runs this module: its tests compare the host's links before and after a testbed of their own.
-pytestmark = pytest.mark.xdist_group("testbed")
 
 
 # ---- everywhere --------------------------------------------------------------------------------------------------
