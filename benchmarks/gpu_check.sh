@@ -13,7 +13,8 @@
 #    in the step records, bucket timelines from CUDA events.
 # 4. CUDA training steps on one rank, checkpoint averaging, beam search and sacreBLEU on test 2016.
 # 4b. The same one-rank steps with torch.compile (train.compile: default): tokens/s and GPU utilization.
-# 5. `collectives.bench` over the two ranks with NCCL's pick (NCCL_DEBUG=INFO), two-rank ddp training and the same
+# 5. `collectives.bench` over the two ranks with NCCL's pick (NCCL_DEBUG=INFO; with --groups 3: one to three NCCL
+#    communicators all-reducing at once), two-rank ddp training and the same
 #    with the tied embedding's gradient split, with the sharded strategy, with both, with the embedding sharded by
 #    rows too, and with the Linear parameters all-gathered in bf16 (parameters compared), then
 #    the bench with NCCL_PROTO forced to LL, LL128, Simple (socket transport: the network path's bandwidth, not
@@ -89,7 +90,8 @@ part train-1rank-compiled 150 python3 -m dtrain.train --profile profiles/base.ya
 
 BENCH="-m collectives.bench -b 8 -e ${GPU_CHECK_MAXBYTES:-256M} -f 4 -n 10"
 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV,TUNING NCCL_DEBUG_FILE="$OUT_DIR/bench-nccl.%h.%p.log" \
-    part bench-nccl-pick 75 two_ranks 29611 $BENCH --path all --json "$OUT_DIR/bench.json" --csv "$OUT_DIR/bench.csv"
+    part bench-nccl-pick 75 two_ranks 29611 $BENCH --path all --groups 3 --json "$OUT_DIR/bench.json" \
+    --csv "$OUT_DIR/bench.csv"
 part train-2rank-ddp 100 two_ranks 29613 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
     --run-dir "$OUT_DIR/train-2rank-ddp"
 # The tied embedding's split gradient on NCCL (its V-byte mask all-reduce in uint8 MAX, then each lookup's touched

@@ -36,6 +36,8 @@ def _together(tensors: list[torch.Tensor], groups: list, compute: torch.Tensor |
             torch.mm(compute, compute, out=out)
     for w in works:
         w.wait()
+    if tensors[0].is_cuda:  # on NCCL wait() only orders the stream: the collectives are done when it is
+        torch.cuda.synchronize(tensors[0].device)
     return time.perf_counter() - t0
 
 
@@ -58,8 +60,6 @@ def measure_groups(max_groups: int, nbytes: int, dtype_name: str, warmup: int, n
         for k in times:
             dist.barrier()
             times[k].append(_together(tensors[:k], groups[:k], compute))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
     medians = torch.tensor([statistics.median(times[k]) * 1e6 for k in times], dtype=torch.float64)
     dist.all_reduce(medians)
     medians /= nranks
