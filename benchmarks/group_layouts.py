@@ -1,0 +1,60 @@
+"""The same all-reduces launched at once over three layouts of process groups: all on one group, one group per
+tensor class (as `per_class` runs them, two of them with two collectives), and one group each; the time until all
+are done, the median over rounds that alternate the layouts.
+
+The default sizes are the buckets per_class@8 MiB still has in flight when backward ends on the multi30k-cpu
+profile (ffn 8 MiB and 4 MiB, projection 8 MiB and 1 MiB, norm_bias 96 KiB, embedding 7.8 MiB).
+
+    python -m analysis.testbed run --nodes 2 --nproc-per-node 1 -- benchmarks/group_layouts.py [--rounds 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+BUCKETS = [("projection", 8388608), ("ffn", 4194304), ("projection", 1048576), ("norm_bias", 98304),
+           ("embedding", 8192000)]  # (class, bytes)
+
+
+def together(tensors: list[torch.Tensor], groups: list) -> float:
+    t0 = time.perf_counter()
+    works = [dist.all_reduce(t, group=g, async_op=True) for t, g in zip(tensors, groups)]
+    for w in works:
+        w.wait()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=9)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    ranks = list(range(dist.get_world_size()))
+    one = dist.new_group(ranks)
+    by_class = {c: dist.new_group(ranks) for c in dict.fromkeys(c for c, _ in BUCKETS)}
+    each = [dist.new_group(ranks) for _ in BUCKETS]
+    tensors = [torch.zeros(n // 4) for _, n in BUCKETS]
+    layouts = {"one group": [one] * len(BUCKETS), "a group per class": [by_class[c] for c, _ in BUCKETS],
+               "a group each": each}
+    for groups in layouts.values():  # every group's connections set up first
+        together(tensors, groups)
+    times = {name: [] for name in layouts}
+    for _ in range(args.rounds):
+        for name, groups in layouts.items():
+            dist.barrier()
+            times[name].append(together(tensors, groups))
+    if dist.get_rank() == 0:
+        total = sum(n for _, n in BUCKETS)
+        for name, t in times.items():
+            m = statistics.median(t)
+            print(f"{name:18s} {m * 1e3:8.1f} ms  {total / 1e6 / m:6.1f} MB/s")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
