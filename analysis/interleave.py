@@ -107,6 +107,7 @@ def main(argv=None) -> int:
             if ddist.is_main():
                 print(f"{len(trainers)} configurations x {steps} steps, interleaved, in {out}", flush=True)
         finally:
+            trainers = tr = None  # their models and strategies hold the process groups (`ddist.cleanup`)
             ddist.cleanup()
     return 0
 

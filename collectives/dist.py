@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import torch
@@ -101,5 +102,14 @@ def main_decides(fn):
 
 
 def cleanup() -> None:
+    """Destroy every process group while the interpreter is fully alive.
+
+    A process group lives as long as something references it: DDP's reducer, a strategy's handle, a module's hooks.
+    Such objects often sit in reference cycles, which only the garbage collector frees; left to the interpreter's
+    finalization, a gloo group is destroyed there, its worker threads still holding work whose tensors need the GIL,
+    and the process aborts after its work is done ("terminate called without an active exception": the atexit
+    approach in pytorch/pytorch#179291 describes the same). So the caller drops its references to models and
+    handles first, and the cycles are collected here before the groups are destroyed."""
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

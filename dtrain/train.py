@@ -115,6 +115,7 @@ def main(argv=None) -> int:
                 print("done: " + ", ".join(f"{k}={v}" for k, v in summary.items()) + f"; run directory {run_dir}",
                       flush=True)
         finally:
+            trainer = None  # it holds the model and the strategy's handle, and through them the process groups
             ddist.cleanup()
     return 0
 

@@ -15,6 +15,7 @@ Prints the last loss and checks that every rank ends with the same parameters; `
 """
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,10 @@ def main() -> None:
         print(f"{label}: last loss {loss.item():.4f}; parameters equal on every rank: {largest.item() == 0.0}")
         if args.save:
             torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, args.save)
+    # The handle and the model hold the process groups, often through reference cycles: free them while the
+    # interpreter is alive, then destroy the groups (left to its shutdown, a gloo group can abort the process).
+    model = forward = wait = stepped = settle = optimizer = params = ddp = state = hook = handle = None
+    gc.collect()
     dist.destroy_process_group()
 
 
