@@ -12,21 +12,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
+from collectives.bench.groups import all_reduce_together
+
 BUCKETS = [("projection", 8388608), ("ffn", 4194304), ("projection", 1048576), ("norm_bias", 98304),
            ("embedding", 8192000)]  # (class, bytes)
-
-
-def together(tensors: list[torch.Tensor], groups: list) -> float:
-    t0 = time.perf_counter()
-    works = [dist.all_reduce(t, group=g, async_op=True) for t, g in zip(tensors, groups)]
-    for w in works:
-        w.wait()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -42,12 +35,12 @@ def main() -> None:
     layouts = {"one group": [one] * len(BUCKETS), "a group per class": [by_class[c] for c, _ in BUCKETS],
                "a group each": each}
     for groups in layouts.values():  # every group's connections set up first
-        together(tensors, groups)
+        all_reduce_together(tensors, groups)
     times = {name: [] for name in layouts}
     for _ in range(args.rounds):
         for name, groups in layouts.items():
             dist.barrier()
-            times[name].append(together(tensors, groups))
+            times[name].append(all_reduce_together(tensors, groups))
     if dist.get_rank() == 0:
         total = sum(n for _, n in BUCKETS)
         for name, t in times.items():

@@ -41,7 +41,6 @@ class _BucketState:
     work: object = None  # the future of the all-reduce followed by the averaging
     wire: torch.Tensor | None = None  # what goes on the wire: the buffer itself, or its cast to the wire dtype
     seen: set = field(default_factory=set)
-    lazy: bool = False  # the members' `.grad` were all unset at forward: copied into the buffer at launch
 
 
 class Reducer:
@@ -102,16 +101,15 @@ class Reducer:
 
         After `optimizer.zero_grad(set_to_none=True)` every `.grad` of a bucket is unset. Zeroing the buffer here and
         letting backward add into it would write the whole buffer before the forward and read it again in backward;
-        instead the bucket stays `lazy`: backward creates each gradient as it would without a reducer, and the
-        launch copies them in (as stock DDP copies gradients into its buckets), zeros for a member without one."""
+        instead backward creates each gradient as it would without a reducer, and the launch copies them in (as
+        stock DDP copies gradients into its buckets), zeros for a member without one."""
         for st in self.buckets:
-            grads = [p.grad for p in st.params]
-            st.lazy = all(g is None for g in grads)
-            if not st.lazy:
+            if any(p.grad is not None for p in st.params):
                 self._into_buffer(st)
 
     @staticmethod
     def _into_buffer(st: _BucketState) -> None:
+        """Every member's `.grad` the bucket's view: copied in if backward made it elsewhere, zeros if none."""
         for p, v in zip(st.params, st.views):
             if p.grad is None:
                 v.zero_()
@@ -169,9 +167,7 @@ class Reducer:
             self._next += 1
 
     def _start(self, st: _BucketState) -> None:
-        if st.lazy:  # its gradients were created by backward, outside the buffer
-            self._into_buffer(st)
-            st.lazy = False
+        self._into_buffer(st)  # gradients backward created outside the buffer (after set_to_none) move in
         self._launch(st)
 
     def _launch(self, st: _BucketState) -> None:

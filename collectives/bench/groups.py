@@ -25,7 +25,7 @@ from common.errors import UserError
 GROUPS_REPEATS = 7  # rounds, each timing every count once
 
 
-def _together(tensors: list[torch.Tensor], groups: list, compute: torch.Tensor | None) -> float:
+def all_reduce_together(tensors: list[torch.Tensor], groups: list, compute: torch.Tensor | None = None) -> float:
     """Seconds from launching one all-reduce on each group until every one is done; with `compute` (a 256 x 256
     matrix), multiplying it meanwhile."""
     t0 = time.perf_counter()
@@ -54,12 +54,12 @@ def measure_groups(max_groups: int, nbytes: int, dtype_name: str, warmup: int, n
     tensors = [torch.zeros(count, dtype=dtype, device=device) for _ in range(max_groups)]
     compute = torch.randn(256, 256) if device.type == "cpu" else None  # a GPU computes elsewhere
     for _ in range(max(1, warmup)):  # every group's connections set up before anything is timed
-        _together(tensors, groups, compute)
+        all_reduce_together(tensors, groups, compute)
     times: dict[int, list[float]] = {k: [] for k in range(1, max_groups + 1)}
     for _ in range(GROUPS_REPEATS):
         for k in times:
             dist.barrier()
-            times[k].append(_together(tensors[:k], groups[:k], compute))
+            times[k].append(all_reduce_together(tensors[:k], groups[:k], compute))
     medians = torch.tensor([statistics.median(times[k]) * 1e6 for k in times], dtype=torch.float64)
     dist.all_reduce(medians)
     medians /= nranks
