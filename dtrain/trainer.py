@@ -73,7 +73,7 @@ class StopRequest:
     one, and the agent escalates to SIGKILL on its own when the workers take too long."""
 
     def __init__(self):
-        self.signal: str | None = None
+        self.signum = 0  # 0: none yet; else the first signal's number
 
     def install(self) -> StopRequest:
         for s in STOP_SIGNALS:
@@ -81,8 +81,8 @@ class StopRequest:
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.signal is None:
-            self.signal = signal.Signals(signum).name
+        if not self.signum:
+            self.signum = int(signum)
 
 
 def samples_file(rank: int) -> str:
@@ -376,20 +376,19 @@ class Trainer:
         return self.recorded_step()
 
     def stop_agreed(self) -> str | None:
-        """After a step: whether any rank was asked to stop (the signal's name, or "signal" when only another rank
-        knows which). One all-reduce of one number per step, only while a handler is installed; every rank calls it
-        after the same step, so all agree on the step they stop after."""
+        """After a step: the name of the signal some rank was asked to stop by, or None. One all-reduce of one number
+        per step (the largest signal number any rank holds, 0 for none), only while a handler is installed; every
+        rank calls it after the same step, so all agree on the step they stop after and name the same signal, even
+        when a signal forwarded to every worker has reached only some of them yet."""
         if self.stop is None:
             return None
-        mine = self.stop.signal
+        signum = self.stop.signum
         if self.world > 1:
-            flag = torch.tensor([1.0 if mine else 0.0], device=self.device)
+            flag = torch.tensor([float(signum)], device=self.device)
             self.phase = "stop-request all-reduce"
             self._guarded(dist.all_reduce, flag, dist.ReduceOp.MAX)
-            if flag.item() > 0:
-                return mine or "signal"
-            return None
-        return mine
+            signum = int(flag.item())
+        return signal.Signals(signum).name if signum else None
 
     def fit(self) -> dict:
         with sdpa_backend(self.cfg.train.sdpa_backend, self.device):

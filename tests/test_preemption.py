@@ -115,7 +115,7 @@ def test_sigusr1_to_one_worker_stops_both(preempted):
     """Only rank 1 is signalled; rank 0 learns of it from the per-step all-reduce. torchrun reports both workers'
     exit status 75."""
     by_term, by_usr1, last_out, _ = preempted
-    assert by_usr1.name == "signal"  # rank 0, which prints, was not the rank signalled
+    assert by_usr1.name == "SIGUSR1"  # rank 0, which prints, was not signalled: it learned the signal's number
     assert f"exitcode  : {PREEMPTED_EXIT}" in by_usr1.err, by_usr1.err[-3000:]
     check_stopped_together(by_usr1, by_term.step + 4)
     assert f"at step {by_usr1.step} (0 recorded steps" in last_out, last_out
