@@ -37,6 +37,7 @@ over micro-batches it is no longer a bf16 value, and that step's reduce-scatter 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -65,6 +66,7 @@ class _Shard:
     replicated: bool = False  # all-reduced whole; `shard` is then the model's parameter itself
     gather_launch: Stamp | None = None
     gather_complete: Stamp | None = None
+    gather_wait_s: float = 0.0  # how long the forward blocked on this all-gather (the host's wait)
     # With a gather dtype: per chunk j, the indices in it of members read outside a Linear (exact: sent in fp32)
     exact_idx: list[torch.Tensor] = field(default_factory=list)
     rounded: bool = False  # the other ranks' chunks in P hold the narrowed values (the gather dtype's, widened)
@@ -363,7 +365,11 @@ class ShardedReducer(Reducer):
         for i in indices:
             while i in self._unlaunched:
                 self.launch_wave()
-            self.shards[i].gathered.wait()
+            sh = self.shards[i]
+            if not sh.gathered.is_set():
+                t = time.perf_counter()
+                sh.gathered.wait()
+                sh.gather_wait_s += time.perf_counter() - t
         self.completions.check()
 
     def wait_params(self) -> None:
@@ -372,7 +378,7 @@ class ShardedReducer(Reducer):
 
     def gather_records(self, t0: Stamp | None, first_index: int) -> list[BucketRecord]:
         """One record per bucket's all-gather, the part of its communication that ran in this step's forward;
-        times in ms from `t0` (negative: before backward started)."""
+        times in ms from `t0` (negative: before backward started); `wait_ms`: how long the forward blocked on it."""
         out = []
         for k, i in enumerate(self._launch_order):
             st, sh = self.buckets[i], self.shards[i]
@@ -385,8 +391,8 @@ class ShardedReducer(Reducer):
                                     nbytes=nbytes, ready_ms=record_ms(t0, sh.gather_launch),
                                     launch_ms=record_ms(t0, sh.gather_launch),
                                     complete_ms=record_ms(t0, sh.gather_complete), wait_start_ms=None,
-                                    wait_ms=None, part="all_gather"))
-            sh.gather_launch = None
+                                    wait_ms=round(sh.gather_wait_s * 1000, 3), part="all_gather"))
+            sh.gather_launch, sh.gather_wait_s = None, 0.0
         return out
 
     def sent_bytes(self, i: int, scatter: bool) -> int:

@@ -215,6 +215,8 @@ def test_sharded_split_training_equals_ddp(tmp_path, ddp_reference, embedding, a
     wires = {part: {b["wire_dtype"] for b in recs if b.get("part") == part}
              for part in ("all_gather", "reduce_scatter")}
     assert "bf16" in wires["all_gather"]  # a sharded embedding's rows go in fp32
+    # How long the forward blocked on each all-gather: measured on every one, never negative.
+    assert all(b["wait_ms"] >= 0 for b in recs if b.get("part") == "all_gather")
     assert wires["reduce_scatter"] == {"bf16" if accum == 1 else "fp32"}
     if embedding == "replicated":  # its projection part: exchanged whole
         projection = {b["wire_dtype"] for b in recs if b.get("part") == "projection"}
