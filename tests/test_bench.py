@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import bench
+from collectives.bench.groups import all_reduce_together
 from collectives.costmodel.measurements import read_measurements
 from conftest import REPO
 from common.errors import UserError
@@ -280,3 +281,12 @@ def test_groups_time_several_process_groups_at_once(tmp_path):
     ms = read_measurements(out)
     assert {m.size for m in ms.rows} == {64 << 10, 256 << 10} and set(ms.link_efficiency) == {1, 2, 3}
     assert ms.link_efficiency[1] == 1.0
+
+
+def test_all_reduce_together_launches_at_the_given_offsets(one_rank_group):
+    """`benchmarks/group_layouts.py --offsets`: the second all-reduce goes 50 ms after the first, the rank computing
+    meanwhile, and the time runs from the first launch to the last completion; each sum is still right."""
+    tensors = [torch.ones(1000), torch.full((10,), 2.0)]
+    seconds = all_reduce_together(tensors, [None, None], torch.randn(256, 256), offsets=[0.0, 0.05])
+    assert seconds >= 0.05
+    assert torch.equal(tensors[0], torch.ones(1000)) and torch.equal(tensors[1], torch.full((10,), 2.0))

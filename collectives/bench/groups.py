@@ -25,13 +25,20 @@ from common.errors import UserError
 GROUPS_REPEATS = 7  # rounds, each timing every count once
 
 
-def all_reduce_together(tensors: list[torch.Tensor], groups: list, compute: torch.Tensor | None = None) -> float:
-    """Seconds from launching one all-reduce on each group until every one is done; with `compute` (a 256 x 256
-    matrix), multiplying it meanwhile."""
+def all_reduce_together(tensors: list[torch.Tensor], groups: list, compute: torch.Tensor | None = None,
+                        offsets: list[float] | None = None) -> float:
+    """Seconds from launching the first all-reduce (one on each group) until every one is done; with `compute` (a
+    256 x 256 matrix), multiplying it meanwhile. `offsets`: each launch's seconds after the first (default all 0),
+    as backward launches its buckets one after another."""
+    out = torch.empty_like(compute) if compute is not None else None
     t0 = time.perf_counter()
-    works = [dist.all_reduce(t, group=g, async_op=True) for t, g in zip(tensors, groups)]
-    if compute is not None:
-        out = torch.empty_like(compute)
+    works = []
+    for t, g, at in zip(tensors, groups, offsets or [0.0] * len(tensors)):
+        while time.perf_counter() - t0 < at:
+            if out is not None:
+                torch.mm(compute, compute, out=out)
+        works.append(dist.all_reduce(t, group=g, async_op=True))
+    if out is not None:
         while not all(w.is_completed() for w in works):
             torch.mm(compute, compute, out=out)
     for w in works:
