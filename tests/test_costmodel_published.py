@@ -61,6 +61,26 @@ def held_out_errors(name: str, tmp_path: Path) -> dict[int, dict[int, float]]:
     return out
 
 
+def interpolated_errors(name: str) -> dict[int, float]:
+    """{size: relative error} at held-out sizes >= 1 MiB of the straight line through the two training sizes around
+    each (the same halves as `held_out_errors`; the mean time)."""
+    measured = {}
+    for m in read_measurements(PUBLISHED / f"{name}.txt").rows:
+        measured.setdefault(m.size, m.time_us)
+    sizes = sorted(measured)
+    out = {}
+    for half in (0, 1):
+        train = sizes[half::2]
+        for s in sizes:
+            if s < MIB or s in train:
+                continue
+            hi = next((x for x in train if x > s), None)
+            lo, hi = (train[-2], train[-1]) if hi is None else (train[train.index(hi) - 1], hi)
+            t = measured[lo] + (measured[hi] - measured[lo]) * (s - lo) / (hi - lo)
+            out[s] = t / measured[s] - 1  # each size is held out by one half
+    return out
+
+
 def error_by_range(errors: dict[int, dict[int, float]]) -> dict[str, tuple[float, float]]:
     """(median, max) |relative error| per size range, both halves together."""
     ranges = {"< 64 KiB": (0, 64 << 10), "64 KiB - 1 MiB": (64 << 10, MIB), ">= 1 MiB": (MIB, float("inf"))}
@@ -80,11 +100,12 @@ def preset_comparison(name: str) -> tuple[int, float, float, str]:
 
 
 def _doc_rows(section: str) -> dict[str, list[str]]:
-    """The rows of the first table under `## <section>` in docs/costmodel.md: first cell -> the other cells."""
+    """The rows of the table under `## <section>` in docs/costmodel.md, up to the next heading: first cell -> the
+    other cells."""
     text = DOC.read_text().split(f"## {section}", 1)[1]
     rows = {}
     for line in text.splitlines():
-        if line.startswith("## "):
+        if line.startswith("#"):
             break
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("|") and not set(cells[0]) <= set("-: "):
@@ -128,3 +149,15 @@ def test_the_matching_preset_against_the_log_is_what_the_docs_say(name):
     assert doc[4] == f"{err:+.1f}"
     # Within 15 % or explained: the docs give a reason for every preset further off than that.
     assert abs(err) <= 15 or len(doc[5]) > 40, (name, err)
+
+
+@pytest.mark.parametrize("name", LOGS)
+def test_interpolation_between_training_sizes_is_what_the_docs_say(name, tmp_path, capsys):
+    """docs/costmodel.md's comparison: the worst held-out size >= 1 MiB interpolated, beside the fit's worst."""
+    interp = interpolated_errors(name)
+    worst = max(interp, key=lambda s: abs(interp[s]))
+    fit = max(abs(e) for errs in held_out_errors(name, tmp_path).values() for s, e in errs.items() if s >= MIB)
+    capsys.readouterr()
+    doc = _doc_rows("Against interpolation")[name]
+    where = f" ({worst // MIB} MiB)" if abs(interp[worst]) > 0.10 else ""
+    assert doc == [f"{100 * abs(interp[worst]):.1f} %{where}", f"{100 * fit:.1f} %"], (doc, interp)
