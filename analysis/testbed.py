@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--last-call", type=int, metavar="S",
                        help="with --min-nodes: seconds the rendezvous waits for more nodes once N are there "
                             "(torch's last_call_timeout; default 30)")
+    p_run.add_argument("--pin-cpus", action="store_true",
+                       help="each node's ranks on CPUs of their own (the machine's CPUs divided between the nodes), "
+                            "as separate machines have; default: every node's ranks may run on every CPU")
     p_drop = sub.add_parser("drop", help="take a node away: kill every process on it at once (elastic jobs)")
     p_drop.add_argument("node", type=int)
     args = ap.parse_args(argv)
@@ -112,7 +115,7 @@ def _command(args, job: list[str]) -> int:
         private = private_paths(args.private_path) if args.private_fs else None
         with signals_as_interrupt():
             return run(names, args.nodes, args.nproc_per_node, job, args.port, args.log_dir, private=private,
-                       min_nodes=args.min_nodes, last_call_s=args.last_call)
+                       min_nodes=args.min_nodes, last_call_s=args.last_call, pin_cpus=args.pin_cpus)
     return 0
 
 

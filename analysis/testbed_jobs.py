@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,9 +21,16 @@ from common.errors import UserError
 DEFAULT_PORT = 29500
 
 
+def node_cpus(i: int, nodes: int, ncpu: int) -> list[int]:
+    """The CPUs node i is pinned to under `--pin-cpus`: ncpu // nodes of them (at least one), consecutive, node after
+    node; with more nodes than CPUs, the nodes take the CPUs in turn and share them."""
+    k = max(1, ncpu // nodes)
+    return [(i * k + j) % ncpu for j in range(k)]
+
+
 def agent_command(names: Names, i: int, nodes: int, nproc: int, port: int, run_id: str, args: list[str],
                   mounts: list[tuple[Path, Path]] = (), min_nodes: int | None = None,
-                  last_call_s: int | None = None) -> list[str]:
+                  last_call_s: int | None = None, cpus: list[int] | None = None) -> list[str]:
     """The torchrun agent of node i, inside its namespace. c10d ranks agents by their address, and node 0's is
     the lowest (10.77.0.1 sorts first, also as a string), so global rank 0 is always on node 0.
 
@@ -32,9 +40,14 @@ def agent_command(names: Names, i: int, nodes: int, nproc: int, port: int, run_i
 
     With `min_nodes` the job is elastic (torchrun's `--nnodes=MIN:MAX`): after a node is lost, the others meet again
     at the rendezvous and go on with fewer once `min_nodes` are there, after waiting `last_call_s` for more (torch's
-    c10d rendezvous `last_call_timeout`, 30 s by default)."""
+    c10d rendezvous `last_call_timeout`, 30 s by default).
+
+    With `cpus`, the agent and everything it starts (its workers, their gloo threads) run on those CPUs only
+    (`taskset`), as a separate machine's processes run on its own cores."""
     rdzv_conf = f"is_host={int(i == 0)}" + (f",last_call_timeout={last_call_s}" if last_call_s is not None else "")
     prefix = ["ip", "netns", "exec", names.node(i)]
+    if cpus:
+        prefix += ["taskset", "-c", ",".join(str(c) for c in cpus)]
     if mounts:
         binds = [f"mount --bind {shlex.quote(str(s))} {shlex.quote(str(t))}" for s, t in mounts]
         prefix += ["sh", "-c", " && ".join([*binds, 'exec "$@"']), "sh"]
@@ -59,8 +72,10 @@ def agent_env(nodes: int, nproc: int) -> dict[str, str]:
 
 def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int = DEFAULT_PORT,
         log_dir: str | None = None, grace_s: float = 5.0, private: list[Path] | None = None,
-        min_nodes: int | None = None, last_call_s: int | None = None) -> int:
+        min_nodes: int | None = None, last_call_s: int | None = None, pin_cpus: bool = False) -> int:
     """Launch the job; stream node 0's rank 0, log the other nodes to files; return the job's exit code.
+    `pin_cpus`: each node's processes on CPUs of its own (`node_cpus`); else the scheduler spreads every node's
+    processes over all the machine's CPUs, so that the emulated nodes also share cores, which real ones do not.
     `private`: paths that nodes 1.. see on their own disks (`private_paths`); None: every node sees the host's.
     `min_nodes`: an elastic job (`agent_command`), whose exit code is node 0's: losing another node is the job's
     business (`drop`), not a failure; `last_call_s`: how long its rendezvous waits for more than `min_nodes`."""
@@ -83,8 +98,14 @@ def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int 
     logs.mkdir(parents=True, exist_ok=True)
     run_id = f"{names.prefix}-{os.getpid()}-{int(time.time())}"
     env = agent_env(nodes, nproc)
+    cpus = {i: node_cpus(i, nodes, os.cpu_count() or 1) if pin_cpus else None for i in range(nodes)}
+    if pin_cpus and shutil.which("taskset") is None:
+        raise UserError("--pin-cpus needs taskset (util-linux), not found on PATH")
+    pinned = ("CPUs " + "; ".join(f"node {i}: {','.join(map(str, c))}" for i, c in cpus.items()) + ", "
+              if pin_cpus else "")
     print(f"{PROG}: {nodes} node(s) x {nproc} rank(s), rendezvous {names.address(0)}:{port}, "
-          f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, logs of nodes 1.. in {logs}", file=sys.stderr, flush=True)
+          f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, {pinned}logs of nodes 1.. in {logs}", file=sys.stderr,
+          flush=True)
     mounts = {i: private_mounts(names.disk(i), private) if private is not None and i > 0 else [] for i in range(nodes)}
     for i in range(1, nodes):
         if mounts[i]:
@@ -101,7 +122,8 @@ def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int 
                 out = open(logs / f"node{i}.log", "w")
                 files.append(out)
             # Its own session per agent: Ctrl-C reaches only us, and we stop each agent's tree deliberately.
-            command = agent_command(names, i, nodes, nproc, port, run_id, args, mounts[i], min_nodes, last_call_s)
+            command = agent_command(names, i, nodes, nproc, port, run_id, args, mounts[i], min_nodes, last_call_s,
+                                    cpus[i])
             procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                           start_new_session=True))
         if min_nodes is not None:

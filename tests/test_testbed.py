@@ -358,3 +358,37 @@ def test_an_elastic_job_goes_on_when_a_node_is_taken_away(bed, tmp_path):
     assert [json.loads(line)["step"] for line in (run / "steps.jsonl").read_text().splitlines()] == list(range(1, 21))
     header = json.loads((run / "run.json").read_text())
     assert header["world_size"] == 1  # the attempt that finished ran on node 0 alone
+
+
+def test_node_cpus_divide_the_machine_between_the_nodes():
+    assert [testbed_jobs.node_cpus(i, 2, 2) for i in range(2)] == [[0], [1]]
+    assert [testbed_jobs.node_cpus(i, 2, 16) for i in range(2)] == [list(range(8)), list(range(8, 16))]
+    assert [testbed_jobs.node_cpus(i, 3, 2) for i in range(3)] == [[0], [1], [0]]  # more nodes than CPUs: in turn
+
+
+def test_agent_command_pins_before_mounting():
+    names = testbed_net.Names("dtb")
+    cmd = testbed_jobs.agent_command(names, 1, 2, 1, 29600, "rid", ["-m", "x"], [(Path("/d/t"), Path("/t"))],
+                                     cpus=[2, 3])
+    assert cmd[:8] == ["ip", "netns", "exec", "dtb-n1", "taskset", "-c", "2,3", "sh"]
+
+
+AFFINITY_SCRIPT = """
+import json, os, sys
+with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump(sorted(os.sched_getaffinity(0)), f)
+"""
+
+
+@needs_netns
+def test_pin_cpus_runs_each_node_on_its_own_cpus(bed, tmp_path):
+    testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
+    cmd = [sys.executable, "-m", "analysis.testbed", "--name", bed.prefix, "run", "--pin-cpus", "--log-dir",
+           str(tmp_path / "logs"), "--", "--no-python", sys.executable, "-c", AFFINITY_SCRIPT, str(tmp_path)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    ncpu = os.cpu_count()
+    for i in range(2):
+        assert json.loads((tmp_path / f"rank{i}.json").read_text()) == testbed_jobs.node_cpus(i, 2, ncpu)
+    assert "CPUs node 0: " in r.stderr
+    _no_processes_left(bed)
