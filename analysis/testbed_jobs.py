@@ -21,11 +21,13 @@ from common.errors import UserError
 DEFAULT_PORT = 29500
 
 
-def node_cpus(i: int, nodes: int, ncpu: int) -> list[int]:
-    """The CPUs node i is pinned to under `--pin-cpus`: ncpu // nodes of them (at least one), consecutive, node after
-    node; with more nodes than CPUs, the nodes take the CPUs in turn and share them."""
-    k = max(1, ncpu // nodes)
-    return [(i * k + j) % ncpu for j in range(k)]
+def node_cpus(i: int, nodes: int, available: list[int]) -> list[int]:
+    """The CPUs node i is pinned to under `--pin-cpus`, of the `available` ones (this process's affinity):
+    len(available) // nodes of them (at least one), consecutive, node after node; with more nodes than CPUs, the
+    nodes take the CPUs in turn and share them."""
+    n = len(available)
+    k = max(1, n // nodes)
+    return [available[(i * k + j) % n] for j in range(k)]
 
 
 def agent_command(names: Names, i: int, nodes: int, nproc: int, port: int, run_id: str, args: list[str],
@@ -98,7 +100,8 @@ def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int 
     logs.mkdir(parents=True, exist_ok=True)
     run_id = f"{names.prefix}-{os.getpid()}-{int(time.time())}"
     env = agent_env(nodes, nproc)
-    cpus = {i: node_cpus(i, nodes, os.cpu_count() or 1) if pin_cpus else None for i in range(nodes)}
+    available = sorted(os.sched_getaffinity(0))
+    cpus = {i: node_cpus(i, nodes, available) if pin_cpus else None for i in range(nodes)}
     if pin_cpus and shutil.which("taskset") is None:
         raise UserError("--pin-cpus needs taskset (util-linux), not found on PATH")
     pinned = ("CPUs " + "; ".join(f"node {i}: {','.join(map(str, c))}" for i, c in cpus.items()) + ", "

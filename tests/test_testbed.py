@@ -361,9 +361,10 @@ def test_an_elastic_job_goes_on_when_a_node_is_taken_away(bed, tmp_path):
 
 
 def test_node_cpus_divide_the_machine_between_the_nodes():
-    assert [testbed_jobs.node_cpus(i, 2, 2) for i in range(2)] == [[0], [1]]
-    assert [testbed_jobs.node_cpus(i, 2, 16) for i in range(2)] == [list(range(8)), list(range(8, 16))]
-    assert [testbed_jobs.node_cpus(i, 3, 2) for i in range(3)] == [[0], [1], [0]]  # more nodes than CPUs: in turn
+    assert [testbed_jobs.node_cpus(i, 2, [0, 1]) for i in range(2)] == [[0], [1]]
+    assert [testbed_jobs.node_cpus(i, 2, list(range(16))) for i in range(2)] == [list(range(8)), list(range(8, 16))]
+    assert [testbed_jobs.node_cpus(i, 3, [0, 1]) for i in range(3)] == [[0], [1], [0]]  # more nodes than CPUs
+    assert [testbed_jobs.node_cpus(i, 2, [4, 5, 6]) for i in range(2)] == [[4], [5]]  # of the CPUs allowed
 
 
 def test_agent_command_pins_before_mounting():
@@ -387,8 +388,8 @@ def test_pin_cpus_runs_each_node_on_its_own_cpus(bed, tmp_path):
            str(tmp_path / "logs"), "--", "--no-python", sys.executable, "-c", AFFINITY_SCRIPT, str(tmp_path)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    ncpu = os.cpu_count()
+    available = sorted(os.sched_getaffinity(0))
     for i in range(2):
-        assert json.loads((tmp_path / f"rank{i}.json").read_text()) == testbed_jobs.node_cpus(i, 2, ncpu)
+        assert json.loads((tmp_path / f"rank{i}.json").read_text()) == testbed_jobs.node_cpus(i, 2, available)
     assert "CPUs node 0: " in r.stderr
     _no_processes_left(bed)
