@@ -100,12 +100,13 @@ def run(names: Names, nodes: int | None, nproc: int, args: list[str], port: int 
     logs.mkdir(parents=True, exist_ok=True)
     run_id = f"{names.prefix}-{os.getpid()}-{int(time.time())}"
     env = agent_env(nodes, nproc)
-    available = sorted(os.sched_getaffinity(0))
-    cpus = {i: node_cpus(i, nodes, available) if pin_cpus else None for i in range(nodes)}
-    if pin_cpus and shutil.which("taskset") is None:
-        raise UserError("--pin-cpus needs taskset (util-linux), not found on PATH")
-    pinned = ("CPUs " + "; ".join(f"node {i}: {','.join(map(str, c))}" for i, c in cpus.items()) + ", "
-              if pin_cpus else "")
+    cpus, pinned = {i: None for i in range(nodes)}, ""
+    if pin_cpus:
+        if shutil.which("taskset") is None:
+            raise UserError("--pin-cpus needs taskset (util-linux), not found on PATH")
+        available = sorted(os.sched_getaffinity(0))
+        cpus = {i: node_cpus(i, nodes, available) for i in range(nodes)}
+        pinned = "CPUs " + "; ".join(f"node {i}: {','.join(map(str, c))}" for i, c in cpus.items()) + ", "
     print(f"{PROG}: {nodes} node(s) x {nproc} rank(s), rendezvous {names.address(0)}:{port}, "
           f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, {pinned}logs of nodes 1.. in {logs}", file=sys.stderr,
           flush=True)

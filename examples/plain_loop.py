@@ -15,7 +15,6 @@ Prints the last loss and checks that every rank ends with the same parameters; `
 """
 
 import argparse
-import gc
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import collectives
+from collectives.dist import cleanup
 from collectives.hooks import per_class_hook
 from collectives.settings import SyncConfig
 
@@ -38,6 +38,14 @@ def main() -> None:
     ap.add_argument("--save", help="write the final parameters here (rank 0)")
     args = ap.parse_args()
     dist.init_process_group("gloo")  # torchrun's environment: rank, world size, rendezvous
+    train(args)
+    # The model and the handle hold the process groups, often through reference cycles; with `train` returned
+    # nothing else does, and `cleanup` collects the cycles before it destroys the groups (left to the interpreter's
+    # shutdown, a gloo group can abort the process).
+    cleanup()
+
+
+def train(args) -> None:
     rank = dist.get_rank()
 
     torch.manual_seed(0)  # the same initial model on every rank
@@ -77,11 +85,6 @@ def main() -> None:
         print(f"{label}: last loss {loss.item():.4f}; parameters equal on every rank: {largest.item() == 0.0}")
         if args.save:
             torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, args.save)
-    # The handle and the model hold the process groups, often through reference cycles: free them while the
-    # interpreter is alive, then destroy the groups (left to its shutdown, a gloo group can abort the process).
-    model = forward = wait = stepped = settle = optimizer = params = ddp = state = hook = handle = None
-    gc.collect()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

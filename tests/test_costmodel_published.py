@@ -42,13 +42,19 @@ def _half(src: Path, dst: Path, keep: set[int]) -> None:
     dst.write_text("\n".join(lines) + "\n")
 
 
+def measured_times(name: str) -> dict[int, float]:
+    """{size: µs} of a log, the first row of each size (the mean time, nccl-tests' `time` column)."""
+    measured = {}
+    for m in read_measurements(PUBLISHED / f"{name}.txt").rows:
+        measured.setdefault(m.size, m.time_us)
+    return measured
+
+
 def held_out_errors(name: str, tmp_path: Path) -> dict[int, dict[int, float]]:
     """{half: {size: relative error}} of `costmodel fit` on sizes 0, 2, 4, ... (half 0) or 1, 3, 5, ... (half 1)
-    of the sorted distinct sizes, predicting the others (the mean time, nccl-tests' `time` column)."""
+    of the sorted distinct sizes, predicting the others (`measured_times`)."""
     src = PUBLISHED / f"{name}.txt"
-    measured = {}
-    for m in read_measurements(src).rows:
-        measured.setdefault(m.size, m.time_us)
+    measured = measured_times(name)
     sizes = sorted(measured)
     out = {}
     for half in (0, 1):
@@ -63,10 +69,8 @@ def held_out_errors(name: str, tmp_path: Path) -> dict[int, dict[int, float]]:
 
 def interpolated_errors(name: str) -> dict[int, float]:
     """{size: relative error} at held-out sizes >= 1 MiB of the straight line through the two training sizes around
-    each (the same halves as `held_out_errors`; the mean time)."""
-    measured = {}
-    for m in read_measurements(PUBLISHED / f"{name}.txt").rows:
-        measured.setdefault(m.size, m.time_us)
+    each (the same halves as `held_out_errors`)."""
+    measured = measured_times(name)
     sizes = sorted(measured)
     out = {}
     for half in (0, 1):
