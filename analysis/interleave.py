@@ -48,13 +48,25 @@ def parse_args(argv=None):
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="one more override for every configuration")
     ap.add_argument("--seed", type=int, default=0, help="seed of the per-step order (the same on every rank)")
+    ap.add_argument("--only", metavar="NAME[,NAME...]", help="just these cells: variant names of the matrix, or run "
+                    "names (one alone, e.g. to watch its threads or profile it)")
     return ap.parse_args(argv)
 
 
-def load_configs(matrix_path: str, overrides: list[str]) -> list[tuple[str, object]]:
-    """(run name, resolved config) per cell of the matrix; they must agree on what the job shares."""
+def load_configs(matrix_path: str, overrides: list[str], only: str | None = None) -> list[tuple[str, object]]:
+    """(run name, resolved config) per cell of the matrix (`only`: the cells of these comma-separated variant or run
+    names); they must agree on what the job shares."""
     m = load_matrix(matrix_path)
-    cells = [(job.name, config_mod.load(job.profile, job.overrides + list(overrides))) for job in expand(m)]
+    jobs = expand(m)
+    if only is not None:
+        wanted = [w.strip() for w in only.split(",") if w.strip()]
+        known = [j.variant for j in jobs if j.variant] + [j.name for j in jobs]
+        unknown = [w for w in wanted if w not in known]
+        if unknown or not wanted:
+            raise UserError(f"--only {only}: no cell named '{(unknown or [only])[0]}' in {matrix_path} (variants: "
+                            f"{', '.join(dict.fromkeys(j.variant for j in jobs if j.variant)) or 'none'})")
+        jobs = [j for j in jobs if j.variant in wanted or j.name in wanted]
+    cells = [(job.name, config_mod.load(job.profile, job.overrides + list(overrides))) for job in jobs]
     if not cells:
         raise UserError(f"{matrix_path}: the matrix has no cells")
     first_name, first = cells[0]
@@ -77,7 +89,7 @@ def load_configs(matrix_path: str, overrides: list[str]) -> list[tuple[str, obje
 def main(argv=None) -> int:
     args = parse_args(argv)
     with exit_on_user_error(PROG):
-        cells = load_configs(args.matrix, args.overrides)
+        cells = load_configs(args.matrix, args.overrides, args.only)
         out = Path(args.out)
         nccl.apply_global(cells[0][1])  # the job's NCCL variables (the same for every cell); recorded on gloo
         device, backend = ddist.init(cells[0][1].dist)

@@ -61,6 +61,21 @@ def test_configurations_that_cannot_share_a_job_are_refused(tmp_path):
         interleave.load_configs(str(matrix), ["data.max_tokens=256", "collectives.parse_log=true"])
 
 
+def test_only_keeps_the_named_cells_and_names_an_unknown_one(tmp_path):
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text("profiles: [profiles/smoke.yaml]\nvariants:\n  noop: {sync.strategy: noop}\n"
+                      "  b2: {sync.strategy: bucketed, sync.bucket_cap_mb: 2}\n"
+                      f"  b8: {{sync.strategy: bucketed, sync.bucket_cap_mb: 8}}\n{SET}\n")
+    assert [n for n, _ in interleave.load_configs(str(matrix), [])] == ["smoke-noop", "smoke-b2", "smoke-b8"]
+    cells = interleave.load_configs(str(matrix), [], only="b8, smoke-noop")  # a variant and a run name
+    assert [n for n, _ in cells] == ["smoke-noop", "smoke-b8"]
+    assert cells[1][1].sync.bucket_cap_mb == 8
+    with pytest.raises(UserError, match=r"no cell named 'b4' in .*\(variants: noop, b2, b8\)"):
+        interleave.load_configs(str(matrix), [], only="b2,b4")
+    with pytest.raises(UserError, match="no cell named"):
+        interleave.load_configs(str(matrix), [], only=",")
+
+
 def test_each_turn_starts_with_the_ranks_aligned(monkeypatch):
     """A configuration's step in turn (interleave, the tuner's race) first waits for every rank, outside the step."""
     calls = []
