@@ -67,7 +67,8 @@ class StepRecord:
     optimizer_ms: float
     step_ms: float
     time: float  # Unix time at the end of the step
-    # GPU utilization, memory and power (`dtrain.telemetry`), written after the other fields when sampled
+    # Host CPU time by thread (`dtrain.host_cpu`), then GPU utilization, memory and power (`dtrain.telemetry`),
+    # written after the other fields when sampled
     telemetry: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:

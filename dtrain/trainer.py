@@ -41,6 +41,7 @@ from dtrain.model import Transformer, count_parameters, sdpa_backend
 from dtrain.profiler import StepProfiler
 from dtrain.schedule import make_scheduler
 from dtrain.startup import load_corpus, resume_state
+from dtrain.host_cpu import HostCpu
 from dtrain.telemetry import Telemetry
 from dtrain.tokenizer import PAD
 
@@ -127,6 +128,7 @@ class Trainer:
         # GPU utilization, memory and power in rank 0's step records (off without a GPU); DTRAIN_PROFILE=START:COUNT
         # traces that window of steps on every rank into <run>/profile/.
         self.telemetry = Telemetry.for_device(device) if self.main else Telemetry.off("rank 0 writes the records")
+        self.host_cpu = HostCpu(on=self.main)  # the step's CPU time by thread, in rank 0's step records
         self.profiler = StepProfiler.from_env(self.run_dir, self.rank)
         o = cfg.optim
         # Over what the strategy says this rank updates: the model's parameters, or a sharded strategy's shards.
@@ -234,6 +236,7 @@ class Trainer:
     def train_step(self) -> StepRecord:
         """One optimizer step over `accum_steps` micro-batches; returns the step record."""
         self.model.train()
+        self.host_cpu.begin()
         t_step = time.perf_counter()  # a straggler's sleep (fault slow) is part of its step, as slow compute would be
         self.faults.step_start(self.step + 1)
         poison = self.faults.poison(self.step + 1, self.model)
@@ -354,8 +357,10 @@ class Trainer:
         )
 
     def recorded_step(self) -> StepRecord:
-        """One training step, written to steps.jsonl and buckets.jsonl (with GPU telemetry where there is some)."""
+        """One training step, written to steps.jsonl and buckets.jsonl (with its host CPU time by thread, and GPU
+        telemetry where there is some)."""
         rec = self._guarded(self.train_step)
+        self.host_cpu.sample_into(rec.telemetry)
         self.telemetry.sample_into(rec.telemetry)
         self.writer.step(rec)
         self.writer.buckets(self.step, self.sync.step_records())

@@ -28,6 +28,8 @@ def test_smoke_run_writes_the_run_directory(smoke_run):
     assert [s["step"] for s in steps] == list(range(1, 41))
     for key in ("loss", "tokens", "lr", "data_ms", "forward_ms", "backward_ms", "comm_exposed_ms", "optimizer_ms"):
         assert key in steps[0]
+    # The step's CPU time by thread: the training thread computed, and DDP's all-reduces ran on gloo's threads.
+    assert all(s["cpu_main_ms"] > 0 for s in steps[1:]) and sum(s["cpu_backend_ms"] for s in steps) > 0
     evals = records(run / "eval.jsonl")
     assert [e["kind"] for e in evals] == ["val", "val", "bleu"]
     assert evals[-1]["signature"].startswith("nrefs:1|case:mixed") and evals[-1]["sentences"] == 1014

@@ -1,0 +1,68 @@
+"""Host CPU time of one step, by thread: the training thread, the communication backend's threads, the rest.
+
+Where the ranks already keep the cores busy (the CPU benchmark: two ranks on two vCPUs), communication costs step time
+through the CPU it takes as well as through waiting for the link, and a strategy that moves half the bytes can still
+cost as much. A step record gains, per group of the process's threads, the CPU time they took during the step:
+
+    cpu_main_ms     the training thread (forward, backward, the strategies' hooks, whatever posts from there)
+    cpu_backend_ms  the process group backend's threads (gloo's `gloo_*` and `pt_gloo_*`, NCCL's `pt_nccl_*`)
+    cpu_other_ms    every other thread (a strategy's own Python threads, such as the sharded reducer's completion
+                    thread, and the progress bar's)
+
+Read from `/proc/self/task/<tid>/schedstat`, the scheduler's time on a CPU in ns (user and kernel alike; interrupt
+and softirq work, network receive processing among it, counts for whichever thread the CPU was running). Per thread:
+one started within the step counts all its time, one that ended within it none (its counters went with it; the
+backends' and the strategies' threads live as long as the job). Off where there is no such file (not Linux): no
+fields.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FIELDS = ("cpu_main_ms", "cpu_backend_ms", "cpu_other_ms")
+BACKEND_PREFIXES = ("gloo", "pt_gloo", "pt_nccl")  # the OS names of the backends' threads (/proc/.../comm)
+TASKS = Path("/proc/self/task")
+
+
+def _group(tid: int, name: str) -> str:
+    if tid == os.getpid():
+        return "cpu_main_ms"
+    return "cpu_backend_ms" if name.startswith(BACKEND_PREFIXES) else "cpu_other_ms"
+
+
+def read_threads(tasks: Path = TASKS) -> dict[int, tuple[str, int]]:
+    """tid -> (field, ns on a CPU so far) for the process's live threads; threads gone while reading are left out."""
+    out = {}
+    for task in tasks.iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            ns = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # the thread ended in between, or no schedstat
+            continue
+        out[int(task.name)] = (_group(int(task.name), name), ns)
+    return out
+
+
+class HostCpu:
+    """`begin()` at the start of a step, `sample_into(record)` at its end: the groups' CPU time in between."""
+
+    def __init__(self, on: bool = True, tasks: Path = TASKS):
+        self.tasks = tasks
+        self.on = on and tasks.is_dir() and any(tasks.glob("*/schedstat"))
+        self._start: dict[int, tuple[str, int]] | None = None
+
+    def begin(self) -> None:
+        self._start = read_threads(self.tasks) if self.on else None
+
+    def sample_into(self, record: dict) -> dict:
+        if self._start is None:
+            return record
+        total = dict.fromkeys(FIELDS, 0)
+        for tid, (field, ns) in read_threads(self.tasks).items():
+            _, before = self._start.get(tid, (field, 0))  # a thread new since begin(): all of its time
+            total[field] += max(0, ns - before)
+        self._start = None
+        record.update({k: round(v / 1e6, 3) for k, v in total.items()})
+        return record

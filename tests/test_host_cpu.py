@@ -1,0 +1,63 @@
+"""dtrain.host_cpu: a step's CPU time by thread group, from the scheduler's per-thread counters."""
+
+import os
+import threading
+import time
+
+from dtrain.host_cpu import FIELDS, HostCpu, read_threads
+
+
+def fake_task(tasks, tid, name, ns):
+    d = tasks / str(tid)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "comm").write_text(name + "\n")
+    (d / "schedstat").write_text(f"{ns} 0 1\n")
+
+
+def burn(seconds):
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_groups_and_threads_that_start_or_end_within_the_step(tmp_path):
+    main = os.getpid()
+    fake_task(tmp_path, main, "python", 1_000_000)
+    fake_task(tmp_path, 11, "gloo_tcp_loop", 5_000_000)
+    fake_task(tmp_path, 12, "pt_gloo_runloop", 0)
+    fake_task(tmp_path, 13, "python", 7_000_000)  # a Python thread of the strategy's: no name of its own
+    fake_task(tmp_path, 14, "tqdm_monitor", 100)
+    assert read_threads(tmp_path)[11] == ("cpu_backend_ms", 5_000_000)
+    h = HostCpu(tasks=tmp_path)
+    h.begin()
+    fake_task(tmp_path, main, "python", 41_000_000)  # +40 ms
+    fake_task(tmp_path, 11, "gloo_tcp_loop", 8_500_000)  # +3.5 ms
+    fake_task(tmp_path, 12, "pt_gloo_runloop", 250_000)  # +0.25 ms
+    (tmp_path / "13" / "schedstat").unlink()  # ended during the step: its part is not known, and not guessed
+    fake_task(tmp_path, 15, "pt_nccl_watchdg", 2_000_000)  # started during the step: all of its time
+    fake_task(tmp_path, 16, "python", 1_500_000)
+    rec = h.sample_into({"step": 3})
+    assert rec == {"step": 3, "cpu_main_ms": 40.0, "cpu_backend_ms": 5.75, "cpu_other_ms": 1.5}
+    assert h.sample_into({}) == {}  # nothing begun: nothing added
+
+
+def test_off_without_the_counters(tmp_path):
+    for h in (HostCpu(tasks=tmp_path / "missing"), HostCpu(tasks=tmp_path), HostCpu(on=False)):
+        h.begin()
+        assert not h.on and h.sample_into({"step": 1}) == {"step": 1}
+
+
+def test_this_process_the_main_thread_and_another_one():
+    h = HostCpu()
+    assert h.on  # Linux: /proc/self/task/<tid>/schedstat
+    h.begin()
+    burn(0.05)
+    burned, sampled = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: (burn(0.03), burned.set(), sampled.wait()))
+    worker.start()
+    burned.wait()
+    rec = h.sample_into({})  # while the worker lives: its counters are there to read
+    sampled.set()
+    worker.join()
+    assert set(rec) == set(FIELDS)
+    assert rec["cpu_main_ms"] >= 45 and rec["cpu_other_ms"] >= 25, rec
