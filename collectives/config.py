@@ -39,8 +39,9 @@ def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check:
     s = sync
     check(s.bucket_cap_mb is None or s.bucket_cap_mb > 0, "sync.bucket_cap_mb",
           f"must be positive or null, got {s.bucket_cap_mb}")
-    check(s.first_bucket_mb is None or s.first_bucket_mb > 0, "sync.first_bucket_mb",
-          f"must be positive or null, got {s.first_bucket_mb}")
+    for key in ("first_bucket_mb", "last_bucket_mb"):
+        value = getattr(s, key)
+        check(value is None or value > 0, f"sync.{key}", f"must be positive or null, got {value}")
     check(s.powersgd_rank > 0, "sync.powersgd_rank", f"must be positive, got {s.powersgd_rank}")
     check(s.powersgd_start_iter >= 2, "sync.powersgd_start_iter",
           f"must be at least 2 (DDP rebuilds its buckets after iteration 1), got {s.powersgd_start_iter}")

@@ -55,30 +55,47 @@ def plan_params(strategy: "BucketingStrategy", classes: TensorClasses, named_par
 
 
 def pack(named_params: Sequence[tuple[str, torch.Tensor]], classes: dict[str, str], key, settings_of,
-         first_cap_bytes: int | None = None) -> list[Bucket]:
+         first_cap_bytes: int | None = None, last_cap_bytes: int | None = None) -> list[Bucket]:
     """Size-capped buckets in ready order.
 
     Parameters with the same `key(name, tensor)` share open buckets; a bucket closes once it holds at least its cap
     (the first one of each key `first_cap_bytes` when given, the others `settings_of(key).bucket_cap_bytes`), so a
-    tensor larger than the cap gets a bucket of its own. Buckets are ordered by their last member, i.e. by the
-    moment they are expected to be complete.
+    tensor larger than the cap gets a bucket of its own. With `last_cap_bytes`, each key's last parameters, as few as
+    hold at least that many bytes, form a bucket of their own: the one backward completes last, whose communication
+    no computation is left to hide. Buckets are ordered by their last member, i.e. by the moment they are expected
+    to be complete.
     """
+    def wire_bytes(k, p) -> int:
+        return p.numel() * settings_of(k).torch_wire_dtype.itemsize
+
+    last: dict = {}  # key -> its last bucket's members (positions in named_params), when `last_cap_bytes` is given
+    if last_cap_bytes is not None:
+        held: dict = {}
+        for pos in reversed(range(len(named_params))):
+            name, p = named_params[pos]
+            k = key(name, p)
+            if held.get(k, 0) < last_cap_bytes:
+                held[k] = held.get(k, 0) + wire_bytes(k, p)
+                last.setdefault(k, set()).add(pos)
     open_: dict = {}  # key -> (members, nbytes, position of the last member)
     count: dict = {}  # key -> buckets closed so far
     closed: list[tuple[int, object, list]] = []  # (position of the last member, key, members)
     for pos, (name, p) in enumerate(named_params):
         k = key(name, p)
-        s = settings_of(k)
+        if pos in last.get(k, ()):
+            continue  # in the key's last bucket, made below
         members, nbytes, _ = open_.pop(k, ([], 0, pos))
         members.append((name, p))
-        nbytes += p.numel() * s.torch_wire_dtype.itemsize
-        cap = first_cap_bytes if (first_cap_bytes is not None and count.get(k, 0) == 0) else s.bucket_cap_bytes
+        nbytes += wire_bytes(k, p)
+        cap = first_cap_bytes if (first_cap_bytes is not None and count.get(k, 0) == 0) else \
+            settings_of(k).bucket_cap_bytes
         if nbytes >= cap:
             closed.append((pos, k, members))
             count[k] = count.get(k, 0) + 1
         else:
             open_[k] = (members, nbytes, pos)
-    closed += [(last, k, members) for k, (members, _, last) in open_.items()]
+    closed += [(end, k, members) for k, (members, _, end) in open_.items()]
+    closed += [(max(positions), k, [named_params[i] for i in sorted(positions)]) for k, positions in last.items()]
     closed.sort(key=lambda c: c[0])
 
     buckets = []

@@ -83,6 +83,9 @@ class SyncConfig:
     strategy: str = "ddp"  # ddp, per_tensor, flat, bucketed, per_class, sharded, powersgd, noop, auto (strategies/)
     bucket_cap_mb: float | None = None  # None: DDP's default (25 MiB, with a 1 MiB first bucket); 25 for the others
     first_bucket_mb: float | None = None  # ddp, bucketed: cap of the bucket ready first; None: as bucket_cap_mb
+    # bucketed, sharded: the last parameters backward completes, as few as hold this many MiB, in a bucket of their
+    # own (its communication is exposed: a smaller one is done sooner after backward); None: no such bucket
+    last_bucket_mb: float | None = None
     hook: HookConfig | str | None = None  # ddp: a DDP comm hook by name, or {name, wraps, state} (collectives.hooks)
     classes: dict[str, ClassSettings] = field(default_factory=dict)  # tensor class name -> its rule and settings
     # sharded with a class's tied_split: the tied embedding sharded by rows too, each lookup fetching its rows first

@@ -128,7 +128,7 @@ def test_default_values_and_overrides_of_unused_knobs_pass(tmp_path):
     assert _load(tmp_path, "sync: {strategy: per_class}\n", ["sync.strategy=bucketed"]).sync.strategy == "bucketed"
 
 
-KNOB_VALUES = {"bucket_cap_mb": 2, "first_bucket_mb": 0.5, "hook": "allreduce", "powersgd_rank": 2,
+KNOB_VALUES = {"bucket_cap_mb": 2, "first_bucket_mb": 0.5, "last_bucket_mb": 1, "hook": "allreduce", "powersgd_rank": 2,
                "powersgd_start_iter": 3, "classes.match": "*.feed_forward.*", "classes.min_numel": 1,
                "classes.max_numel": 10**9, "classes.wire_dtype": "bf16", "classes.bucket_cap_mb": 1,
                "classes.protocol": "LL", "classes.algorithm": "Ring", "classes.min_ctas": 1, "classes.max_ctas": 8,

@@ -104,6 +104,23 @@ def test_pack_keys_and_oversized_tensors():
     assert [bk.tensor_class for bk in buckets] == ["x", "y"]
 
 
+def test_last_bucket_holds_the_last_parameters_of_each_key_alone():
+    sizes = {"e0": 40, "e1": 40, "d0": 30, "d1": 30, "n0": 5, "n1": 5}  # in ready order; n* have a key of their own
+    named = [(n, torch.empty(k, device="meta")) for n, k in sizes.items()]
+    s = tc.CollectiveSettings(bucket_cap_mb=100 * 4 / MiB)  # 100 floats
+    key = lambda n, p: n.startswith("n")  # noqa: E731
+    plain = pack(named, dict.fromkeys(sizes, "x"), key=key, settings_of=lambda k: s)
+    assert [b.names for b in plain] == [("e0", "e1", "d0"), ("d1",), ("n0", "n1")]
+    # Last buckets of at least 50 floats: d1 (30) is not yet 50, so d0 joins it; the n key's two make only 10
+    last = pack(named, dict.fromkeys(sizes, "x"), key=key, settings_of=lambda k: s, last_cap_bytes=50 * 4)
+    assert [b.names for b in last] == [("e0", "e1"), ("d0", "d1"), ("n0", "n1")]
+    assert [b.index for b in last] == [0, 1, 2] and sum(b.numel for b in last) == sum(sizes.values())
+    # The last parameter alone when it already holds the bytes; first and last caps together
+    both = pack(named, dict.fromkeys(sizes, "x"), key=key, settings_of=lambda k: s, first_cap_bytes=40 * 4,
+                last_cap_bytes=30 * 4)
+    assert [b.names for b in both] == [("e0",), ("e1", "d0"), ("d1",), ("n0", "n1")]
+
+
 def test_registry_errors():
     with pytest.raises(ValueError, match="already registered"):
         strategies.register("bucketed")(type("Again", (BucketingStrategy,), {}))
@@ -137,7 +154,7 @@ def test_unused_keys_name_the_key_and_the_strategy_s_keys():
                                               classes={"ffn": {"wire_dtype": "bf16", "match": "*.w_1.*"}}))
     assert [k for k, _ in found] == ["sync.hook", "sync.classes.ffn.wire_dtype"]
     assert found[0][1] == ("is not used by strategy 'bucketed' (its keys: sync.bucket_cap_mb, sync.first_bucket_mb, "
-                           "sync.classes.<class>.(match, min_numel, max_numel, tied_split))")
+                           "sync.last_bucket_mb, sync.classes.<class>.(match, min_numel, max_numel, tied_split))")
     assert strategies.unused_keys(SyncConfig(strategy="nope", hook="allreduce")) == []  # the name is the error
 
 

@@ -288,8 +288,8 @@ def _one_group(sd: dict) -> dict:
 
 @register("sharded")
 class Sharded(Bucketed):
-    sync_keys = ("bucket_cap_mb", "first_bucket_mb") + CLASS_RULE_KEYS + ("classes.tied_split", "shard_tied_split",
-                                                                           "gather_dtype")
+    sync_keys = ("bucket_cap_mb", "first_bucket_mb", "last_bucket_mb") + CLASS_RULE_KEYS + (
+        "classes.tied_split", "shard_tied_split", "gather_dtype")
     handle = ShardedSync
     shards = True
 
