@@ -5,6 +5,7 @@
     <run>/steps.jsonl      one `StepRecord` per optimizer step: loss, tokens, lr, phase times in ms
     <run>/buckets.jsonl    one `BucketRecord` per step and gradient bucket, for strategies that record them
     <run>/buckets.rank<r>.jsonl   the same from rank r > 0 (`train.record_ranks`), each on its own clock
+    <run>/steps.rank<r>.jsonl     rank r > 0's step time and CPU time by thread (`train.record_ranks`)
     <run>/eval.jsonl       a `ValRecord` every `train.val_every` steps; the BLEU score with its signature at the end
     <run>/launch.json      how `analysis.sweep` launched the run, and how it ended
     <run>/tuning.csv       `sync.strategy: auto`: one row per candidate of the search (TUNING_COLUMNS)
@@ -43,6 +44,11 @@ TUNING_FINAL = ("winner", "dropped: predicted", "dropped: measured", "kept: budg
 def rank_buckets_file(rank: int) -> str:
     """Where rank `rank` > 0 writes its bucket records with `train.record_ranks`."""
     return f"buckets.rank{rank}.jsonl"
+
+
+def rank_steps_file(rank: int) -> str:
+    """Where rank `rank` > 0 writes its step time and CPU time by thread with `train.record_ranks`."""
+    return f"steps.rank{rank}.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------------------------

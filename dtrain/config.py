@@ -109,7 +109,8 @@ class TrainConfig:
     max_bad_steps: int = 5  # consecutive steps with non-finite gradients (each skipped) before the run stops
     sdpa_backend: str = "auto"  # auto: "math" on CPU (fastest for sentence-length sequences), torch's pick on CUDA
     # every rank > 0 also writes its bucket records (<run>/buckets.rank<r>.jsonl, the run directory shared): the
-    # simulator then sees when the slowest rank had each bucket ready, not only rank 0
+    # simulator then sees when the slowest rank had each bucket ready, not only rank 0; and its step time and CPU
+    # time by thread (<run>/steps.rank<r>.jsonl)
     record_ranks: bool = False
     # debugging: every rank writes the training pairs it draws, <run>/samples.rank<r>.jsonl ({"step", "epoch",
     # "pairs": [pair indices]} per micro-batch), to check the data order (each pair once per epoch across resumes)

@@ -1,4 +1,5 @@
-"""What a run writes (rank 0, and with train.record_ranks each other rank's bucket records): the resolved config, a
+"""What a run writes (rank 0, and with train.record_ranks each other rank's bucket records, step times and CPU): the
+resolved config, a
 header, and the JSONL step, bucket and eval records; the files and the records are those of `common.rundir`.
 """
 
@@ -18,6 +19,7 @@ from common.errors import UserError
 from common.jsonl import append_jsonl, read_jsonl, rewrite_jsonl
 from common.rundir import BucketRecord, StepRecord, ValRecord
 from dtrain import config as config_mod
+from dtrain.host_cpu import FIELDS as HOST_CPU_FIELDS
 
 
 def prepare_run_dir(run_dir: Path, resume: bool) -> None:
@@ -45,7 +47,8 @@ def versions() -> dict:
 class RunWriter:
     """Appends records; on resume, drops step records past the checkpoint so the file matches the model again.
     `enabled`: this rank writes the run's records (rank 0). A rank > 0 with `rank_records` writes only its bucket
-    records, to its own file (`rundir.rank_buckets_file`), in the same run directory."""
+    records and its step time and CPU time by thread, to files of its own (`rundir.rank_buckets_file`,
+    `rundir.rank_steps_file`), in the same run directory."""
 
     def __init__(self, run_dir: Path, enabled: bool, rank: int = 0, rank_records: bool = False):
         self.run_dir, self.enabled, self.rank = Path(run_dir), enabled, rank
@@ -68,7 +71,7 @@ class RunWriter:
         own bucket records, if it wrote any."""
         recomputed = 0
         names = ((rundir.STEPS, rundir.BUCKETS) if self.enabled
-                 else (rundir.rank_buckets_file(self.rank),) if self.rank else ())
+                 else (rundir.rank_buckets_file(self.rank), rundir.rank_steps_file(self.rank)) if self.rank else ())
         for name in names:
             path = self.run_dir / name
             if not path.exists():
@@ -81,8 +84,13 @@ class RunWriter:
         return recomputed
 
     def step(self, record: StepRecord) -> None:
+        """Rank 0: the whole record; a rank > 0 with `rank_records`: its step time and CPU time by thread."""
         if self.enabled:
             append_jsonl(self.run_dir / rundir.STEPS, [record.to_json()])
+        elif self.rank_records:
+            row = {"step": record.step, "step_ms": record.step_ms, "time": record.time}
+            append_jsonl(self.run_dir / rundir.rank_steps_file(self.rank),
+                         [row | {k: v for k, v in record.telemetry.items() if k in HOST_CPU_FIELDS}])
 
     def buckets(self, step: int, records: list[BucketRecord]) -> None:
         """Rank 0: buckets.jsonl; a rank > 0 with `rank_records`: its own file."""

@@ -35,13 +35,13 @@ from dtrain.config import RunConfig
 from dtrain.data import BatchStream, TokenBatcher, collate
 from dtrain.evaluate import score_split, write_score
 from dtrain.faults import Fault, FaultInjector
+from dtrain.host_cpu import HostCpu
 from dtrain.log import RunWriter
 from dtrain.loss import LabelSmoothing
 from dtrain.model import Transformer, count_parameters, sdpa_backend
 from dtrain.profiler import StepProfiler
 from dtrain.schedule import make_scheduler
 from dtrain.startup import load_corpus, resume_state
-from dtrain.host_cpu import HostCpu
 from dtrain.telemetry import Telemetry
 from dtrain.tokenizer import PAD
 
@@ -128,7 +128,8 @@ class Trainer:
         # GPU utilization, memory and power in rank 0's step records (off without a GPU); DTRAIN_PROFILE=START:COUNT
         # traces that window of steps on every rank into <run>/profile/.
         self.telemetry = Telemetry.for_device(device) if self.main else Telemetry.off("rank 0 writes the records")
-        self.host_cpu = HostCpu(on=self.main)  # the step's CPU time by thread, in rank 0's step records
+        # the step's CPU time by thread: in rank 0's step records, and with train.record_ranks in each other rank's
+        self.host_cpu = HostCpu(on=self.main or cfg.train.record_ranks)
         self.profiler = StepProfiler.from_env(self.run_dir, self.rank)
         o = cfg.optim
         # Over what the strategy says this rank updates: the model's parameters, or a sharded strategy's shards.

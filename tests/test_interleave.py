@@ -44,7 +44,9 @@ def test_an_interleaved_job_trains_every_configuration_in_turn_on_the_same_batch
     # train.record_ranks: rank 1's records beside rank 0's, the same buckets, on its own clock.
     assert set(run.rank_buckets) == {1} and set(run.rank_buckets[1]) == {1, 2, 3, 4}
     assert [r["bytes"] for r in run.rank_buckets[1][4]] == [r["bytes"] for r in run.buckets[4]]
-    assert not (runs["smoke-ddp"] / "steps.rank1.jsonl").exists()  # only bucket records
+    # ... and rank 1's step times and CPU by thread (not its loss: rank 0's records hold the run's)
+    rank1 = records(runs["smoke-ddp"] / "steps.rank1.jsonl")
+    assert [r["step"] for r in rank1] == [1, 2, 3, 4] and rank1[-1]["cpu_main_ms"] > 0 and "loss" not in rank1[0]
     # A second job into the same folder is refused in one line, and the first one's records are intact.
     again = run_job(matrix, tmp_path / "out")
     assert again.returncode != 0 and "not empty; an interleaved job starts in a new folder" in again.stderr
