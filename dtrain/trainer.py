@@ -29,7 +29,7 @@ from collectives.timing import ms_between, stamp
 from common.errors import JobFailure, UserError
 from common.host_memory import keep_freed_memory
 from common.jsonl import append_jsonl, read_jsonl, rewrite_jsonl
-from common.rundir import StepRecord, ValRecord, rank_buckets_file
+from common.rundir import StepRecord, ValRecord, rank_buckets_file, rank_steps_file
 from dtrain import checkpoint
 from dtrain.config import RunConfig
 from dtrain.data import BatchStream, TokenBatcher, collate
@@ -512,8 +512,10 @@ class Trainer:
         candidate folder keeps its copy."""
         old, self.run_dir = self.run_dir, Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        own = {rank_buckets_file(self.rank), rank_steps_file(self.rank), samples_file(self.rank)}
         for src in old.glob("*.jsonl"):
-            if self.main or src.name in (rank_buckets_file(self.rank), samples_file(self.rank)):
+            # rank 0 writes the run's files, each rank its own per-rank ones (moved by that rank alone)
+            if src.name in own or (self.main and ".rank" not in src.name):
                 append_jsonl(self.run_dir / src.name, read_jsonl(src))
         self.writer = RunWriter(self.run_dir, self.main, self.rank, self.cfg.train.record_ranks)
 

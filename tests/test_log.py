@@ -2,6 +2,7 @@
 of it."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -10,6 +11,7 @@ from common.errors import UserError
 from common.jsonl import read_jsonl
 from common.rundir import BucketRecord, StepRecord, ValRecord
 from dtrain.log import RunWriter
+from dtrain.trainer import Trainer, samples_file
 
 from conftest import REPO
 
@@ -108,3 +110,19 @@ def test_the_fields_computed_with_must_be_numbers(tmp_path):
     assert rundir.read_json(tmp_path / "run.json") == {}
     with pytest.raises(UserError, match="run.json: not a JSON object"):
         rundir.read_json(tmp_path / "run.json", strict=True)
+
+
+def test_relocating_a_run_moves_each_file_once_by_the_rank_that_writes_it(tmp_path):
+    """The tuner's winner continues in the run's own folder (`Trainer.relocate`), the run directory shared by all
+    ranks: rank 0 moves the run's files, each rank its own per-rank files."""
+    old, new = tmp_path / "candidate", tmp_path / "run"
+    old.mkdir()
+    for name in ("steps.jsonl", "buckets.jsonl", rundir.rank_buckets_file(1), rundir.rank_steps_file(1),
+                 samples_file(0), samples_file(1)):
+        (old / name).write_text(json.dumps({"step": 1, "file": name}) + "\n")
+    cfg = SimpleNamespace(train=SimpleNamespace(record_ranks=True))
+    for rank in (0, 1):
+        Trainer.relocate(SimpleNamespace(run_dir=old, main=rank == 0, rank=rank, cfg=cfg), new)
+    for name in ("steps.jsonl", "buckets.jsonl", rundir.rank_buckets_file(1), rundir.rank_steps_file(1),
+                 samples_file(0), samples_file(1)):
+        assert [r["file"] for r in read_jsonl(new / name)] == [name], name
