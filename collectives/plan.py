@@ -65,9 +65,6 @@ def pack(named_params: Sequence[tuple[str, torch.Tensor]], classes: dict[str, st
     no computation is left to hide. Buckets are ordered by their last member, i.e. by the moment they are expected
     to be complete.
     """
-    def wire_bytes(k, p) -> int:
-        return p.numel() * settings_of(k).torch_wire_dtype.itemsize
-
     last: dict = {}  # key -> its last bucket's members (positions in named_params), when `last_cap_bytes` is given
     if last_cap_bytes is not None:
         held: dict = {}
@@ -75,7 +72,7 @@ def pack(named_params: Sequence[tuple[str, torch.Tensor]], classes: dict[str, st
             name, p = named_params[pos]
             k = key(name, p)
             if held.get(k, 0) < last_cap_bytes:
-                held[k] = held.get(k, 0) + wire_bytes(k, p)
+                held[k] = held.get(k, 0) + p.numel() * settings_of(k).torch_wire_dtype.itemsize
                 last.setdefault(k, set()).add(pos)
     open_: dict = {}  # key -> (members, nbytes, position of the last member)
     count: dict = {}  # key -> buckets closed so far
@@ -84,11 +81,11 @@ def pack(named_params: Sequence[tuple[str, torch.Tensor]], classes: dict[str, st
         k = key(name, p)
         if pos in last.get(k, ()):
             continue  # in the key's last bucket, made below
+        s = settings_of(k)
         members, nbytes, _ = open_.pop(k, ([], 0, pos))
         members.append((name, p))
-        nbytes += wire_bytes(k, p)
-        cap = first_cap_bytes if (first_cap_bytes is not None and count.get(k, 0) == 0) else \
-            settings_of(k).bucket_cap_bytes
+        nbytes += p.numel() * s.torch_wire_dtype.itemsize
+        cap = first_cap_bytes if (first_cap_bytes is not None and count.get(k, 0) == 0) else s.bucket_cap_bytes
         if nbytes >= cap:
             closed.append((pos, k, members))
             count[k] = count.get(k, 0) + 1

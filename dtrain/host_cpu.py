@@ -26,22 +26,19 @@ BACKEND_PREFIXES = ("gloo", "pt_gloo", "pt_nccl")  # the OS names of the backend
 TASKS = Path("/proc/self/task")
 
 
-def _group(tid: int, name: str) -> str:
-    if tid == os.getpid():
-        return "cpu_main_ms"
-    return "cpu_backend_ms" if name.startswith(BACKEND_PREFIXES) else "cpu_other_ms"
-
-
 def read_threads(tasks: Path = TASKS) -> dict[int, tuple[str, int]]:
     """tid -> (field, ns on a CPU so far) for the process's live threads; threads gone while reading are left out."""
-    out = {}
+    main, out = os.getpid(), {}
     for task in tasks.iterdir():
         try:
             name = (task / "comm").read_text().strip()
             ns = int((task / "schedstat").read_text().split()[0])
         except (OSError, ValueError, IndexError):  # the thread ended in between, or no schedstat
             continue
-        out[int(task.name)] = (_group(int(task.name), name), ns)
+        tid = int(task.name)
+        field = ("cpu_main_ms" if tid == main else
+                 "cpu_backend_ms" if name.startswith(BACKEND_PREFIXES) else "cpu_other_ms")
+        out[tid] = (field, ns)
     return out
 
 
@@ -51,18 +48,17 @@ class HostCpu:
     def __init__(self, on: bool = True, tasks: Path = TASKS):
         self.tasks = tasks
         self.on = on and tasks.is_dir() and any(tasks.glob("*/schedstat"))
-        self._start: dict[int, tuple[str, int]] | None = None
+        self._start: dict[int, int] | None = None  # tid -> ns on a CPU at begin()
 
     def begin(self) -> None:
-        self._start = read_threads(self.tasks) if self.on else None
+        self._start = {tid: ns for tid, (_, ns) in read_threads(self.tasks).items()} if self.on else None
 
     def sample_into(self, record: dict) -> dict:
         if self._start is None:
             return record
         total = dict.fromkeys(FIELDS, 0)
         for tid, (field, ns) in read_threads(self.tasks).items():
-            _, before = self._start.get(tid, (field, 0))  # a thread new since begin(): all of its time
-            total[field] += max(0, ns - before)
+            total[field] += max(0, ns - self._start.get(tid, 0))  # a thread new since begin(): all of its time
         self._start = None
         record.update({k: round(v / 1e6, 3) for k, v in total.items()})
         return record

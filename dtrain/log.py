@@ -1,6 +1,6 @@
 """What a run writes (rank 0, and with train.record_ranks each other rank's bucket records, step times and CPU): the
-resolved config, a
-header, and the JSONL step, bucket and eval records; the files and the records are those of `common.rundir`.
+resolved config, a header, and the JSONL step, bucket and eval records; the files and the records are those of
+`common.rundir`.
 """
 
 from __future__ import annotations
