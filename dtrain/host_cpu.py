@@ -8,6 +8,8 @@ cost as much. A step record gains, per group of the process's threads, the CPU t
     cpu_backend_ms  the process group backend's threads (gloo's `gloo_*` and `pt_gloo_*`, NCCL's `pt_nccl_*`)
     cpu_other_ms    every other thread (a strategy's own Python threads, such as the sharded reducer's completion
                     thread, and the progress bar's)
+    minor_faults    the process's minor page faults (`getrusage`'s ru_minflt, all threads): each is a page the kernel
+                    mapped, and for fresh memory zeroed, which a step that reuses its memory does not pay again
 
 Read from `/proc/self/task/<tid>/schedstat`, the scheduler's time on a CPU in ns (user and kernel alike; interrupt
 and softirq work, network receive processing among it, counts for whichever thread the CPU was running). Per thread:
@@ -19,11 +21,19 @@ fields.
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
+from typing import Callable
 
-FIELDS = ("cpu_main_ms", "cpu_backend_ms", "cpu_other_ms")
+CPU_FIELDS = ("cpu_main_ms", "cpu_backend_ms", "cpu_other_ms")
+FIELDS = CPU_FIELDS + ("minor_faults",)
 BACKEND_PREFIXES = ("gloo", "pt_gloo", "pt_nccl")  # the OS names of the backends' threads (/proc/.../comm)
 TASKS = Path("/proc/self/task")
+
+
+def minor_faults() -> int:
+    """The process's minor page faults so far, all threads."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def read_threads(tasks: Path = TASKS) -> dict[int, tuple[str, int]]:
@@ -45,20 +55,23 @@ def read_threads(tasks: Path = TASKS) -> dict[int, tuple[str, int]]:
 class HostCpu:
     """`begin()` at the start of a step, `sample_into(record)` at its end: the groups' CPU time in between."""
 
-    def __init__(self, on: bool = True, tasks: Path = TASKS):
-        self.tasks = tasks
+    def __init__(self, on: bool = True, tasks: Path = TASKS, faults: Callable[[], int] = minor_faults):
+        self.tasks, self.faults = tasks, faults
         self.on = on and tasks.is_dir() and any(tasks.glob("*/schedstat"))
         self._start: dict[int, int] | None = None  # tid -> ns on a CPU at begin()
+        self._faults = 0  # minor faults at begin()
 
     def begin(self) -> None:
         self._start = {tid: ns for tid, (_, ns) in read_threads(self.tasks).items()} if self.on else None
+        self._faults = self.faults() if self.on else 0
 
     def sample_into(self, record: dict) -> dict:
         if self._start is None:
             return record
-        total = dict.fromkeys(FIELDS, 0)
+        total = dict.fromkeys(CPU_FIELDS, 0)
         for tid, (field, ns) in read_threads(self.tasks).items():
             total[field] += max(0, ns - self._start.get(tid, 0))  # a thread new since begin(): all of its time
         self._start = None
         record.update({k: round(v / 1e6, 3) for k, v in total.items()})
+        record["minor_faults"] = self.faults() - self._faults
         return record

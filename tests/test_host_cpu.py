@@ -28,7 +28,8 @@ def test_groups_and_threads_that_start_or_end_within_the_step(tmp_path):
     fake_task(tmp_path, 13, "python", 7_000_000)  # a Python thread of the strategy's: no name of its own
     fake_task(tmp_path, 14, "tqdm_monitor", 100)
     assert read_threads(tmp_path)[11] == ("cpu_backend_ms", 5_000_000)
-    h = HostCpu(tasks=tmp_path)
+    faults = iter([100, 160])
+    h = HostCpu(tasks=tmp_path, faults=lambda: next(faults))
     h.begin()
     fake_task(tmp_path, main, "python", 41_000_000)  # +40 ms
     fake_task(tmp_path, 11, "gloo_tcp_loop", 8_500_000)  # +3.5 ms
@@ -37,7 +38,7 @@ def test_groups_and_threads_that_start_or_end_within_the_step(tmp_path):
     fake_task(tmp_path, 15, "pt_nccl_watchdg", 2_000_000)  # started during the step: all of its time
     fake_task(tmp_path, 16, "python", 1_500_000)
     rec = h.sample_into({"step": 3})
-    assert rec == {"step": 3, "cpu_main_ms": 40.0, "cpu_backend_ms": 5.75, "cpu_other_ms": 1.5}
+    assert rec == {"step": 3, "cpu_main_ms": 40.0, "cpu_backend_ms": 5.75, "cpu_other_ms": 1.5, "minor_faults": 60}
     assert h.sample_into({}) == {}  # nothing begun: nothing added
 
 
@@ -61,3 +62,15 @@ def test_this_process_the_main_thread_and_another_one():
     worker.join()
     assert set(rec) == set(FIELDS)
     assert rec["cpu_main_ms"] >= 45 and rec["cpu_other_ms"] >= 25, rec
+
+
+def test_minor_faults_count_fresh_pages_touched_within_the_step():
+    h = HostCpu()
+    h.begin()
+    fresh = bytearray(64 << 20)  # calloc: untouched pages, mapped on first write
+    fresh[::4096] = b"\x01" * len(range(0, len(fresh), 4096))
+    rec = h.sample_into({})
+    h.begin()
+    fresh[::4096] = b"\x02" * len(range(0, len(fresh), 4096))  # the same pages again: mapped already
+    again = h.sample_into({})
+    assert rec["minor_faults"] >= 16_000 * 0.9 and again["minor_faults"] < 1_000, (rec, again)

@@ -51,15 +51,16 @@ def test_other_ranks_write_their_bucket_records_and_truncate_their_own_on_resume
         main.step(step_record(step))
         main.buckets(step, [bucket_record(1.0)])
         rec = step_record(step)
-        rec.telemetry.update(cpu_main_ms=7.5, cpu_backend_ms=1.0, cpu_other_ms=0.0)
+        rec.telemetry.update(cpu_main_ms=7.5, cpu_backend_ms=1.0, cpu_other_ms=0.0, minor_faults=12)
         other.step(rec)
         other.buckets(step, [bucket_record(2.0)])
     other.buckets(4, [])  # nothing to write: no empty lines either
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / rundir.rank_buckets_file(1))] == [1, 2, 3]
     assert read_jsonl(tmp_path / "run" / "buckets.jsonl")[0] == bucket_record(1.0).to_json(1)
-    # Rank 1's steps: its step time and CPU by thread only (the run's loss and phases are rank 0's)
+    # Rank 1's steps: its step time, CPU by thread and page faults only (the run's loss and phases are rank 0's)
     row = read_jsonl(tmp_path / "run" / rundir.rank_steps_file(1))[0]
-    assert set(row) == {"step", "step_ms", "time", "cpu_main_ms", "cpu_backend_ms", "cpu_other_ms"}
+    assert set(row) == {"step", "step_ms", "time", "cpu_main_ms", "cpu_backend_ms", "cpu_other_ms",
+                        "minor_faults"}
     assert row["step"] == 1 and row["cpu_main_ms"] == 7.5
     # Resuming at step 2: rank 0 keeps its records up to 2 and counts the step to recompute; rank 1 its own.
     assert main.truncate_after(2) == 1
