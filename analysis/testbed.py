@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--link-per-node", help="comma-separated rates, one per node (overrides --link)")
     p_up.add_argument("--burst", help="tbf bucket size, e.g. 256kb (default: 2 ms of the rate, at least 64kb)")
     p_up.add_argument("--latency-ms", type=float, help="tbf queue: longest wait before a packet drops (default 50)")
+    p_up.add_argument("--congestion-control", help="the nodes' TCP congestion control, e.g. cubic or bbr (default: "
+                                                   "the host's, which each node's namespace inherits)")
     p_up.add_argument("--profile", help="a YAML file with a 'testbed:' section; the options above override it")
     sub.add_parser("down", help="remove everything 'up' created (idempotent)")
     sub.add_parser("status", help="show nodes, addresses and shaping")

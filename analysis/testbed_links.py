@@ -7,6 +7,7 @@
       link_per_node: ...   # instead: one rate per node, a list or "1gbit,100mbit"
       burst: 250kb         # tbf bucket size (default: 2 ms of the rate, at least 64 KiB)
       latency_ms: 50       # tbf queue depth: the longest a packet waits before it is dropped
+      congestion_control: cubic  # the nodes' TCP congestion control (default: the host's, which they inherit)
 
 `up`'s command-line options override the profile's keys of the same name.
 """
@@ -25,6 +26,7 @@ _BYTE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2
 DEFAULT_NODES = 2
 DEFAULT_LINK = "1gbit"
 DEFAULT_LATENCY_MS = 50.0
+TCP_SYSCTLS = Path("/proc/sys/net/ipv4")
 
 
 def parse_rate(text: str) -> int | None:
@@ -63,6 +65,7 @@ class Link:
     rate: int | None  # bits/s; None = unshaped (veth speed, effectively memory bandwidth)
     burst: int | None = None  # bytes; None = default_burst(rate)
     latency_ms: float = DEFAULT_LATENCY_MS  # tbf queue depth: the longest a packet may wait before it is dropped
+    congestion_control: str | None = None  # the node's TCP congestion control; None: the host's, inherited
 
     def tbf_args(self) -> list[str]:
         burst = self.burst or default_burst(self.rate)
@@ -91,6 +94,7 @@ class TestbedSection:
     link_per_node: list[str] | str | None = None  # one rate per node: a list, or comma-separated
     burst: str | int | None = None  # tbf bucket size (parse_bytes); default: default_burst(rate)
     latency_ms: float | None = None  # default DEFAULT_LATENCY_MS
+    congestion_control: str | None = None  # default: the host's (check_congestion_control)
 
 
 def load_profile(path: str | Path) -> TestbedSection:
@@ -123,4 +127,23 @@ def links_from(args, profile: TestbedSection | None = None) -> list[Link]:
     burst = parse_bytes(burst) if burst is not None else None
     latency = float(pick("latency_ms", DEFAULT_LATENCY_MS))
     rates = [parse_rate(r) for r in per_node] if per_node else [parse_rate(pick("link", DEFAULT_LINK))] * nodes
-    return [Link(rate, burst, latency) for rate in rates]
+    cc = pick("congestion_control", None)
+    if cc is not None:
+        check_congestion_control(cc)
+    return [Link(rate, burst, latency, cc) for rate in rates]
+
+
+def check_congestion_control(name: str, sysctls: Path | None = None) -> None:
+    """A TCP congestion control that a node's namespace may use: the kernel must have it, and the host must allow
+    it (`tcp_allowed_congestion_control` is the host's, and a namespace other than the host's may only pick from
+    it; the kernel's ip-sysctl documentation)."""
+    sysctls = sysctls or TCP_SYSCTLS
+    available = (sysctls / "tcp_available_congestion_control").read_text().split()
+    allowed = (sysctls / "tcp_allowed_congestion_control").read_text().split()
+    if name not in available:
+        raise UserError(f"congestion control '{name}' is not available in this kernel (available: "
+                        f"{' '.join(available)}; a module may add it: modprobe tcp_{name})")
+    if name not in allowed:
+        raise UserError(f"congestion control '{name}' is not allowed in network namespaces (allowed: "
+                        f"{' '.join(allowed)}); as root: sysctl -w "
+                        f"net.ipv4.tcp_allowed_congestion_control='{' '.join(allowed + [name])}'")

@@ -138,6 +138,9 @@ def up(names: Names, links: list[Link]) -> None:
             sh(*node, "addr", "add", f"{names.address(i)}/24", "dev", IFACE)
             sh(*node, "link", "set", IFACE, "up")
             sh(*node, "link", "set", "lo", "up")
+            if link.congestion_control is not None:  # a new namespace starts with the host's
+                sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                   f"net.ipv4.tcp_congestion_control={link.congestion_control}")
             if link.rate is not None:
                 # Egress on both ends: the node's sending side and the bridge port's side towards the node.
                 sh("tc", "-n", ns, "qdisc", "add", "dev", IFACE, "root", *link.tbf_args())
@@ -196,6 +199,12 @@ def _qdisc(ns: str, dev: str) -> str:
     return f"tbf {format_rate(o.get('rate', 0) * 8)} burst {o.get('burst')}B lat {o.get('lat', 0) / 1000:g}ms"
 
 
+def _congestion_control(ns: str) -> str:
+    p = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/sys/net/ipv4/tcp_congestion_control"],
+                       capture_output=True, text=True)
+    return p.stdout.strip() if p.returncode == 0 else "?"
+
+
 def status(names: Names) -> list[dict]:
     """What the kernel says exists now (not what `up` was asked for)."""
     require_tools()
@@ -208,7 +217,7 @@ def status(names: Names) -> list[dict]:
                 if a["family"] == "inet"]
         state = addrs[0].get("operstate", "?") if addrs else "missing"
         rows.append({"node": i, "netns": ns, "iface": IFACE, "address": ",".join(inet) or "-", "state": state,
-                     "egress": _qdisc(ns, IFACE),
+                     "tcp": _congestion_control(ns), "egress": _qdisc(ns, IFACE),
                      "ingress": _qdisc(names.hub, names.port(i)) if names.hub in ours else "no hub"})
     return rows
 
@@ -221,7 +230,7 @@ def print_status(names: Names) -> None:
         return
     hub = f"bridge {BRIDGE} in netns {names.hub}" if names.hub in ours else "NO HUB NAMESPACE (broken: run down)"
     print(f"testbed '{names.prefix}': {len(rows)} node(s), {hub}, {SUBNET}.0/24")
-    cols = ["node", "netns", "iface", "address", "state", "egress", "ingress"]
+    cols = ["node", "netns", "iface", "address", "state", "tcp", "egress", "ingress"]
     heads = {"egress": "node→bridge", "ingress": "bridge→node"}
     width = {c: max([len(heads.get(c, c))] + [len(str(r[c])) for r in rows]) for c in cols}
     print("  ".join(heads.get(c, c).ljust(width[c]) for c in cols).rstrip())

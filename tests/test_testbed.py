@@ -78,8 +78,11 @@ def _host_links() -> list[str]:
 @needs_netns
 def test_up_status_down(bed):
     host = _host_links()
-    testbed_net.up(bed, [testbed_links.Link(10**8)] * 2)
+    # reno: always allowed in a namespace (the kernel's default tcp_allowed_congestion_control)
+    testbed_net.up(bed, [testbed_links.Link(10**8), testbed_links.Link(10**8, congestion_control="reno")])
     rows = testbed_net.status(bed)
+    host_cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    assert [r["tcp"] for r in rows] == [host_cc, "reno"]
     assert [(r["netns"], r["address"], r["state"]) for r in rows] == [
         (f"{bed.prefix}-n0", "10.77.0.1/24", "UP"), (f"{bed.prefix}-n1", "10.77.0.2/24", "UP")]
     assert all(r["egress"].startswith("tbf 100mbit") and r["ingress"].startswith("tbf 100mbit") for r in rows)

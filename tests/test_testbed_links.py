@@ -35,7 +35,7 @@ def test_bytes_and_burst():
 
 
 def _up_args(**kw):
-    base = dict(nodes=None, link=None, link_per_node=None, burst=None, latency_ms=None)
+    base = dict(nodes=None, link=None, link_per_node=None, burst=None, latency_ms=None, congestion_control=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -54,8 +54,30 @@ def test_links_from_command_line_over_profile_over_defaults():
         links.links_from(_up_args(nodes=3, link_per_node="1gbit,1gbit"))
 
 
+def _sysctls(tmp_path, available, allowed):
+    (tmp_path / "tcp_available_congestion_control").write_text(available + "\n")
+    (tmp_path / "tcp_allowed_congestion_control").write_text(allowed + "\n")
+    return tmp_path
+
+
+def test_congestion_control_must_be_available_and_allowed(tmp_path, monkeypatch):
+    monkeypatch.setattr(links, "TCP_SYSCTLS", _sysctls(tmp_path, "reno bbr cubic", "reno bbr"))
+    links.check_congestion_control("bbr")
+    with pytest.raises(UserError, match=r"'vegas' is not available in this kernel \(available: reno bbr cubic; "
+                                        r"a module may add it: modprobe tcp_vegas\)"):
+        links.check_congestion_control("vegas")
+    with pytest.raises(UserError, match=r"'cubic' is not allowed .*tcp_allowed_congestion_control='reno bbr cubic'"):
+        links.check_congestion_control("cubic")
+    # command line over profile; checked before anything is made
+    profile = links.TestbedSection(congestion_control="cubic")
+    assert {lk.congestion_control for lk in links.links_from(_up_args(congestion_control="bbr"), profile)} == {"bbr"}
+    with pytest.raises(UserError, match="'cubic' is not allowed"):
+        links.links_from(_up_args(), profile)
+    assert links.links_from(_up_args())[0].congestion_control is None  # the host's
+
+
 @pytest.mark.parametrize("text,expected", [
-    ("testbed:\n  nodes: 2\n  lnk: 1gbit\n", r"tb.yaml:3: unknown key 'testbed.lnk' \(known: burst, latency_ms"),
+    ("testbed:\n  nodes: 2\n  lnk: 1gbit\n", r"tb.yaml:3: unknown key 'testbed.lnk' \(known: burst, congestion_control, latency_ms"),
     ("testbed:\n  nodes: two\n", r"tb.yaml:2: 'testbed.nodes' must be int, got 'two'"),
     ("testbed:\n  latency_ms: .inf\n", r"tb.yaml:2: 'testbed.latency_ms' must be a finite number"),
     ("testbed:\n  link_per_node: [1gbit, 3]\n", r"tb.yaml:2: 'testbed.link_per_node"),
