@@ -332,6 +332,25 @@ def test_tuning_lines_label_sizes_and_fit_per_algo_proto(tmp_path):
     assert fm.time_us(1 << 16, algo="Ring", proto="LL") == pytest.approx(15 + (1 << 16) / 60000, rel=0.01)
 
 
+def test_older_table_layout_launcher_labels_and_a_prompt_line(tmp_path):
+    # nccl-tests before the `root` and `#wrong` columns: `error` is the largest deviation, wrong above the type's
+    # tolerance (1e-5 for float); N/A where validation was off.
+    old = ["#       size         count    type   redop     time   algbw   busbw  error     time   algbw   busbw  error"]
+    for k, err in zip(range(20, 25), ("2e-07", "N/A", "3e-04", "1e-06", "0e+00")):
+        s = 1 << k
+        t = 20 + s / 50_000
+        old.append(f"{s:>12} {s // 4:>13} float sum {t:8.2f} {s / 1000 / t:7.2f} {s / 500 / t:7.2f} {err} "
+                   f"{t:8.2f} {s / 1000 / t:7.2f} {s / 500 / t:7.2f} {err}")
+    old.append("# Avg bus bandwidth    : 1.0")
+    for name, label in (("plain", ""), ("srun", "0: "), ("mpi", "[1,0]<stdout>:")):
+        path = tmp_path / f"{name}.log"
+        path.write_text("\n".join(["[root@node-0 nccl-tests]# mpirun -np 2 ./build/all_reduce_perf -b 1M -e 16M"]
+                                  + [label + ln for ln in old]) + "\n")
+        ms = cm.read_measurements(path)
+        assert [m.size >> 20 for m in ms.rows] == [1, 2, 8, 16] and ms.skipped == 1, name  # 4 MiB: 3e-04 > 1e-5
+        assert ms.rows[0].time_us == pytest.approx(20 + (1 << 20) / 50_000, abs=0.01) and ms.avg_busbw == 1.0
+
+
 def test_environment_forced_protocol_labels_rows(tmp_path):
     text = (DATA / "all_reduce_perf_synthetic.log").read_text().replace(
         "# Using devices", "node:1:1 [0] NCCL INFO NCCL_PROTO set by environment to LL128\n# Using devices")

@@ -3,7 +3,13 @@
 
 The benchmark's printed table is all_reduce_perf's, column for column, so one reader takes both: the rows of the
 first `# size count type redop root time algbw busbw #wrong ...` heading, their out-of-place column group, and the
-footer's average bus bandwidth; `#` lines are comments to it (the benchmark's own columns live there).
+footer's average bus bandwidth; `#` lines are comments to it (the benchmark's own columns live there). Also read:
+- older nccl-tests tables, without `root` and with an `error` column (the largest deviation from the expected result
+  rather than a count of wrong ones): a row is wrong where it exceeds what those versions accepted for the type
+  (nccl-tests' src/common.cu, `DeltaMaxValue`: 1e-5 for float, 1e-12 for double, 5e-2 for half and bfloat16, exact
+  for integers);
+- a log captured through a launcher that labels each line: Open MPI's `--tag-output` (`[1,0]<stdout>:`) or
+  Slurm's `srun -l` (`0: `); and lines before the table that are not comments (the shell prompt and command).
 
 A label is "measured" when nothing says what ran, the benchmark's code path ("raw", "reducer") when several were
 measured, or "Algo/proto" when NCCL's TUNING lines or a forced NCCL_ALGO / NCCL_PROTO in the log say it. Rows that
@@ -25,6 +31,12 @@ from collectives.nccl.log import canonical, forced, parse_log
 from collectives.settings import NCCL_ALGORITHMS
 from common.errors import UserError
 
+# A launcher's label in front of each line: Open MPI's --tag-output ("[1,0]<stdout>:"), srun -l ("0: ").
+_LAUNCHER_LABEL = re.compile(r"^\s*(?:\[\d+,\d+\]<std(?:out|err)>:|\d+: )")
+# The heading of an nccl-tests table, recent ("# size count type redop root time ...") or older (no root column).
+_NCCL_TESTS_HEADER = re.compile(r"^#\s*size\s+count\s+type\s+redop\s+(?:root\s+)?time\s+algbw\s+busbw")
+# The largest deviation older nccl-tests accepted per data type (src/common.cu, DeltaMaxValue); integers: exact.
+_DELTA_MAX = {"float": 1e-5, "double": 1e-12, "half": 5e-2, "bfloat16": 5e-2}
 # nccl-tests' binary names, without `_perf`, to the cost model's collective names.
 _TEST_NAMES = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reducescatter",
                "broadcast": "broadcast"}
@@ -74,11 +86,14 @@ def read_measurements(path: str | Path) -> MeasurementSet:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read measurements '{path}': {e}") from e
+    text = "\n".join(_LAUNCHER_LABEL.sub("", ln, count=1) for ln in text.splitlines())
     body = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     if not body:
         raise UserError(f"{path}: no measurement rows")
     first = body[0].lstrip()
-    if first.startswith(("{", "[")):
+    if any(_NCCL_TESTS_HEADER.match(ln.strip()) for ln in text.splitlines()):
+        ms = _read_nccl_tests(text, path)
+    elif first.startswith(("{", "[")):
         ms = _read_bench_json(text, path)
     elif "size" in first.split(",")[0:3] or ("," in first and "time_us" in first):
         ms = _read_bench_csv(body, path)
@@ -269,8 +284,9 @@ class _NcclTestsLog:
             return
         try:
             d = {k: f[i] for i, k in enumerate(cols[: cols.index("busbw") + 2]) if i < len(f)}
-            wrong = d.get("#wrong", d.get("error", "0"))
-            if wrong not in ("N/A",) and float(wrong) > 0:
+            check = d.get("#wrong", d.get("error", "N/A"))  # N/A: run without validation (-c 0)
+            limit = 0.0 if "#wrong" in d else _DELTA_MAX.get(d.get("type", ""), 0.0)  # a count, or a deviation
+            if check != "N/A" and float(check) > limit:
                 self.skipped += 1
                 return
             self.rows.append(Measurement(int(d["size"]), float(d["time"]), float(d["algbw"]), float(d["busbw"])))
