@@ -1,4 +1,5 @@
-"""Host CPU time of one step, by thread: the training thread, the communication backend's threads, the rest.
+"""Host CPU time of one step, by thread: the training thread, the communication backend's threads, the rest; and
+the step's page faults.
 
 Where the ranks already keep the cores busy (the CPU benchmark: two ranks on two vCPUs), communication costs step time
 through the CPU it takes as well as through waiting for the link, and a strategy that moves half the bytes can still
@@ -53,7 +54,8 @@ def read_threads(tasks: Path = TASKS) -> dict[int, tuple[str, int]]:
 
 
 class HostCpu:
-    """`begin()` at the start of a step, `sample_into(record)` at its end: the groups' CPU time in between."""
+    """`begin()` at the start of a step, `sample_into(record)` at its end: the groups' CPU time in between, and the
+    process's minor page faults."""
 
     def __init__(self, on: bool = True, tasks: Path = TASKS, faults: Callable[[], int] = minor_faults):
         self.tasks, self.faults = tasks, faults
