@@ -45,7 +45,6 @@ Key = tuple[int, int]  # (job index, step)
 class Configuration:
     name: str
     steps: dict[Key, dict] = field(default_factory=dict)  # steady step records of every job
-    jobs: int = 0
 
     def median(self, key: str = "step_ms", job: int | None = None) -> float | None:
         values = [r[key] for (j, _), r in self.steps.items() if key in r and (job is None or j == job)]
@@ -80,7 +79,6 @@ def load_jobs(paths: list[str], rank: int = 0, warmup: int | None = None) -> dic
             records = _records(run, rank)
             name = run.name[len(prefix):] or run.name
             c = configs.setdefault(name, Configuration(name))
-            c.jobs += 1
             kept = records[warmup_steps(len(records), warmup):]
             c.steps.update({(j, int(r["step"])): r for r in kept if not r.get("skipped") and "step_ms" in r})
     return configs
@@ -94,19 +92,28 @@ def _records(run, rank: int) -> list[dict]:
     return [r for r in read_jsonl(path) if "step" in r]
 
 
-def _paired(a: Configuration, b: Configuration, key_a: str = "step_ms", key_b: str = "step_ms",
-            minus: str | None = None) -> tuple[float, float, float] | None:
-    """a[key_a] (less a[minus]) - b[key_b] (less b[minus]) over the (job, step) pairs both recorded."""
-    keys = sorted(k for k in a.steps.keys() & b.steps.keys()
-                  if key_a in a.steps[k] and key_b in b.steps[k] and (minus is None or minus in a.steps[k]))
+def _step_ms(r: dict) -> float | None:
+    return r.get("step_ms")
 
-    def value(c, k, key):
-        r = c.steps[k]
-        return r[key] - (r[minus] if minus else 0.0)
 
-    if len(keys) < 3:
+def _paired(a: Configuration, b: Configuration, value=_step_ms) -> tuple[float, float, float] | None:
+    """value(a's record) - value(b's record) over the (job, step) pairs where both have one; None under 3 pairs."""
+    pairs = [(value(a.steps[k]), value(b.steps[k])) for k in sorted(a.steps.keys() & b.steps.keys())]
+    pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+    if len(pairs) < 3:
         return None
-    return paired_median([value(a, k, key_a) for k in keys], [value(b, k, key_b) for k in keys])
+    return paired_median([x for x, _ in pairs], [y for _, y in pairs])
+
+
+def _cpu(r: dict) -> float | None:
+    """A step's CPU time, every thread group (`dtrain.host_cpu`)."""
+    return sum(r[g] for g in CPU_GROUPS) if all(g in r for g in CPU_GROUPS) else None
+
+
+def _off_cpu(r: dict) -> float | None:
+    """A step's time off the CPU: its wall time less its CPU time."""
+    cpu = _cpu(r)
+    return None if cpu is None else r["step_ms"] - cpu
 
 
 def compare(configs: dict[str, Configuration], baseline: str, noop: str | None, cpu: bool = False) -> list[Row]:
@@ -116,15 +123,11 @@ def compare(configs: dict[str, Configuration], baseline: str, noop: str | None, 
     if noop is not None and noop not in configs:
         raise UserError(f"--noop {noop}: no such configuration (there are: {', '.join(sorted(configs))})")
     base, none = configs[baseline], configs.get(noop) if noop else None
-    jobs = max(c.jobs for c in configs.values())
+    jobs = 1 + max((j for c in configs.values() for j, _ in c.steps), default=0)
     b_med = base.median()
     n_med = none.median() if none else None
     paired_overhead = _paired(base, none) if none else None
-    if cpu and none:
-        for c in configs.values():  # the CPU total of each step, all thread groups
-            for r in c.steps.values():
-                if all(g in r for g in CPU_GROUPS):
-                    r["cpu_ms"] = sum(r[g] for g in CPU_GROUPS)
+    cpu_values = {"cpu_ms": _cpu, **{g: (lambda r, g=g: r.get(g)) for g in CPU_GROUPS}, "off_cpu_ms": _off_cpu}
     rows = []
     for c in configs.values():
         m = c.median()
@@ -139,13 +142,10 @@ def compare(configs: dict[str, Configuration], baseline: str, noop: str | None, 
             if row.paired_ms and paired_overhead and paired_overhead[0]:
                 row.of_paired_overhead = -row.paired_ms[0] / paired_overhead[0]
         if cpu and none and c is not none:
-            for key in ("cpu_ms",) + CPU_GROUPS:
-                d = _paired(c, none, key, key)
+            for key, value in cpu_values.items():
+                d = _paired(c, none, value)
                 if d:
                     row.cpu_over_noop_ms[key] = d
-            off = _paired(c, none, "step_ms", "step_ms", minus="cpu_ms")
-            if off:
-                row.cpu_over_noop_ms["off_cpu_ms"] = off
         row.minor_faults = c.median("minor_faults")
         rows.append(row)
     return sorted(rows, key=lambda r: r.median_ms)
