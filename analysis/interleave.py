@@ -6,7 +6,8 @@ gradient synchronization and process groups), all built with the same seed, so t
 same order; every step runs each configuration once, in an order shuffled per step (the same on every rank: the
 collectives must be issued in the same order), so a drift in the machine's speed hits all of them alike. Each
 configuration leaves an ordinary run directory (config.yaml, run.json, steps.jsonl, buckets.jsonl) for
-`analysis.simulate --measured` and `analysis.report`.
+`analysis.simulate --measured` and `analysis.report`, and the job ends with its comparison against its stock DDP
+configuration (`analysis.paired`, which also pools several jobs).
 
 What it does not measure: a configuration alone on the machine. Replicas share the caches, and each step of one
 comes after steps of the others; the comparison between configurations is what it is for.
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from analysis import paired
 from analysis.sweep import expand, load_matrix
 from collectives import dist as ddist
 from collectives import nccl
@@ -86,6 +88,21 @@ def load_configs(matrix_path: str, overrides: list[str], only: str | None = None
     return cells
 
 
+def summary(out: Path, cells: list[tuple[str, str]]) -> str:
+    """The job's comparison (`analysis.paired`): against its first stock DDP cell, and its noop cell if any; or why
+    there is none."""
+    short = paired.short_names([name for name, _ in cells])
+    ddp = next((short[n] for n, strategy in cells if strategy == "ddp"), None)
+    noop = next((short[n] for n, strategy in cells if strategy == "noop"), None)
+    if ddp is None:
+        return "(no stock DDP configuration to compare against: python -m analysis.paired --baseline NAME)"
+    try:
+        rows = paired.compare(paired.load_jobs([str(out)]), ddp, noop)
+    except UserError as e:
+        return f"(no comparison: {e})"
+    return paired.render(rows, ddp, noop, cpu=False) + f"\n(python -m {paired.PROG} {out} --baseline {ddp} --cpu: more)"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     with exit_on_user_error(PROG):
@@ -118,6 +135,7 @@ def main(argv=None) -> int:
             bar.close()
             if ddist.is_main():
                 print(f"{len(trainers)} configurations x {steps} steps, interleaved, in {out}", flush=True)
+                print(summary(out, [(name, cfg.sync.strategy) for name, cfg in cells]), flush=True)
         finally:
             trainers = tr = None  # their models and strategies hold the process groups (`ddist.cleanup`)
             ddist.cleanup()

@@ -73,15 +73,21 @@ def load_jobs(paths: list[str], rank: int = 0, warmup: int | None = None) -> dic
         runs = find_runs([path])
         if not runs:
             raise UserError(f"{path}: no runs there (expected an interleaved job's folder of run folders)")
-        prefix = os.path.commonprefix([r.name for r in runs]) if len(runs) > 1 else ""
-        prefix = prefix[:prefix.rfind("-") + 1]  # up to the last '-': the profile's name, not part of a variant's
+        names = short_names([r.name for r in runs])
         for run in runs:
             records = _records(run, rank)
-            name = run.name[len(prefix):] or run.name
+            name = names[run.name]
             c = configs.setdefault(name, Configuration(name))
             kept = records[warmup_steps(len(records), warmup):]
             c.steps.update({(j, int(r["step"])): r for r in kept if not r.get("skipped") and "step_ms" in r})
     return configs
+
+
+def short_names(run_names: list[str]) -> dict[str, str]:
+    """Run folder name -> its name less the prefix every run of the job shares up to a '-' (the profile's name)."""
+    prefix = os.path.commonprefix(run_names) if len(run_names) > 1 else ""
+    prefix = prefix[:prefix.rfind("-") + 1]
+    return {n: n[len(prefix):] or n for n in run_names}
 
 
 def _records(run, rank: int) -> list[dict]:

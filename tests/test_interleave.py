@@ -47,6 +47,10 @@ def test_an_interleaved_job_trains_every_configuration_in_turn_on_the_same_batch
     # ... and rank 1's step times and CPU by thread (not its loss: rank 0's records hold the run's)
     rank1 = records(runs["smoke-ddp"] / "steps.rank1.jsonl")
     assert [r["step"] for r in rank1] == [1, 2, 3, 4] and rank1[-1]["cpu_main_ms"] > 0 and "loss" not in rank1[0]
+    # The job ends with its comparison against stock DDP (analysis.paired), one row a configuration.
+    table = r.stdout[r.stdout.index("configuration "):]
+    assert "vs ddp" in table and all(any(ln.startswith(n + " ") for ln in table.splitlines())
+                                      for n in ("ddp", "bucketed", "per_class"))
     # A second job into the same folder is refused in one line, and the first one's records are intact.
     again = run_job(matrix, tmp_path / "out")
     assert again.returncode != 0 and "not empty; an interleaved job starts in a new folder" in again.stderr
