@@ -28,10 +28,9 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 
-from analysis.runs import find_runs, warmup_steps
+from analysis.runs import find_runs, steady_records
 from common import rundir
 from common.errors import UserError, exit_on_user_error
-from common.jsonl import read_jsonl
 from common.stats import paired_median
 
 PROG = "analysis.paired"
@@ -75,11 +74,8 @@ def load_jobs(paths: list[str], rank: int = 0, warmup: int | None = None) -> dic
             raise UserError(f"{path}: no runs there (expected an interleaved job's folder of run folders)")
         names = short_names([r.name for r in runs])
         for run in runs:
-            records = _records(run, rank)
-            name = names[run.name]
-            c = configs.setdefault(name, Configuration(name))
-            kept = records[warmup_steps(len(records), warmup):]
-            c.steps.update({(j, int(r["step"])): r for r in kept if not r.get("skipped") and "step_ms" in r})
+            c = configs.setdefault(names[run.name], Configuration(names[run.name]))
+            c.steps.update({(j, int(r["step"])): r for r in steady_records(_records(run, rank), warmup)})
     return configs
 
 
@@ -91,11 +87,11 @@ def short_names(run_names: list[str]) -> dict[str, str]:
 
 
 def _records(run, rank: int) -> list[dict]:
-    path = run / (rundir.STEPS if rank == 0 else rundir.rank_steps_file(rank))
-    if not path.is_file():
+    name = rundir.STEPS if rank == 0 else rundir.rank_steps_file(rank)
+    if not (run / name).is_file():
         hint = " (recorded with train.record_ranks: true)" if rank else ""
-        raise UserError(f"{run}: no {path.name}{hint}")
-    return [r for r in read_jsonl(path) if "step" in r]
+        raise UserError(f"{run}: no {name}{hint}")
+    return rundir.read_steps(run, rank)
 
 
 def _step_ms(r: dict) -> float | None:

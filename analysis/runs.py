@@ -118,8 +118,8 @@ class Run:
     # -- what it measured -----------------------------------------------------------------------------------------
 
     def steady(self, warmup: int | None = None) -> list[dict]:
-        """The step records after warm-up (`warmup_steps`), skipped updates left out; [] for a run too short."""
-        return [s for s in self.steps[warmup_steps(len(self.steps), warmup):] if not s.get("skipped")]
+        """The step records after warm-up (`steady_records`); [] for a run too short."""
+        return steady_records(self.steps, warmup)
 
     def steady_steps(self, warmup: int | None = None) -> list[dict]:
         """`steady`, or a one-line error when no step is left."""
@@ -159,6 +159,11 @@ class Run:
 def warmup_steps(n: int, warmup: int | None = None) -> int:
     """How many of a run's `n` steps are warm-up: `warmup` when given, else max(3, n // 10)."""
     return warmup if warmup is not None else max(3, n // 10)
+
+
+def steady_records(steps: list[dict], warmup: int | None = None) -> list[dict]:
+    """Step records after warm-up (`warmup_steps`), skipped updates left out."""
+    return [s for s in steps[warmup_steps(len(steps), warmup):] if not s.get("skipped")]
 
 
 def steady_text(warmup: int | None = None) -> str:

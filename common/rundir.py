@@ -173,9 +173,9 @@ def read_config(run_dir: Path) -> dict:
         return {}
 
 
-def read_steps(run_dir: Path) -> list[dict]:
-    """The step records (those with a step time: the trainer writes one in every record)."""
-    return [s for s in read_jsonl(Path(run_dir) / STEPS) if "step_ms" in s]
+def read_steps(run_dir: Path, rank: int = 0) -> list[dict]:
+    """Rank `rank`'s step records (those with a step time: the trainer writes one in every record)."""
+    return [s for s in read_jsonl(Path(run_dir) / (STEPS if rank == 0 else rank_steps_file(rank))) if "step_ms" in s]
 
 
 def read_buckets(run_dir: Path, rank: int = 0) -> list[dict]:

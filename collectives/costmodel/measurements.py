@@ -86,12 +86,13 @@ def read_measurements(path: str | Path) -> MeasurementSet:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read measurements '{path}': {e}") from e
-    text = "\n".join(_LAUNCHER_LABEL.sub("", ln, count=1) for ln in text.splitlines())
-    body = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    lines = [_LAUNCHER_LABEL.sub("", ln, count=1) for ln in text.splitlines()]
+    text = "\n".join(lines)
+    body = [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     if not body:
         raise UserError(f"{path}: no measurement rows")
     first = body[0].lstrip()
-    if any(_NCCL_TESTS_HEADER.match(ln.strip()) for ln in text.splitlines()):
+    if any(_NCCL_TESTS_HEADER.match(ln.strip()) for ln in lines):
         ms = _read_nccl_tests(text, path)
     elif first.startswith(("{", "[")):
         ms = _read_bench_json(text, path)
