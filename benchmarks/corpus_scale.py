@@ -1,4 +1,4 @@
-"""Corpus scale: what the tokenised, memory-mapped cache (`dtrain.token_cache`) costs and saves on a large corpus.
+"""Corpus scale: what the tokenised, memory-mapped cache (`dtrain.engine.token_cache`) costs and saves on a large corpus.
 
     python benchmarks/corpus_scale.py [--pairs 1000000] [--vocab 8000] [--bpe-sample 200000] [--work DIR]
 
@@ -10,7 +10,7 @@ sentence, the target a word-for-word image of the source; nothing is written to 
 - the start-up of a 2-rank job (torchrun, gloo) that reads it: from launching torchrun to the moment both ranks hold
   their first training batch, each rank's own corpus time (after the process group is up) and memory (peak RSS;
   resident anonymous and file-backed memory at the first batch), warm (second run);
-- the same for Multi30k through dtrain.startup.load_corpus (each rank encodes the 29,000 pairs itself);
+- the same for Multi30k through dtrain.engine.startup.load_corpus (each rank encodes the 29,000 pairs itself);
 - the cached corpus with 1 rank, to show that start-up does not grow with the number of ranks.
 """
 
@@ -31,8 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dtrain import config as config_mod  # noqa: E402
-from dtrain import corpus as corpora  # noqa: E402
+from dtrain.engine import config as config_mod  # noqa: E402
+from dtrain.engine import corpus as corpora  # noqa: E402
 
 
 def generate(directory: Path, pairs: int, seed: int = 0) -> dict:
@@ -97,8 +97,8 @@ def phase_startup(args) -> None:
     """One rank of a torchrun job: process group, corpus, batcher, first batch; prints when it got there."""
     import torch.distributed as dist
 
-    from dtrain.data import BatchStream, TokenBatcher
-    from dtrain.startup import load_corpus
+    from dtrain.engine.data import BatchStream, TokenBatcher
+    from dtrain.engine.startup import load_corpus
 
     dist.init_process_group("gloo")
     t0 = time.perf_counter()

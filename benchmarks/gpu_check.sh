@@ -4,7 +4,7 @@
 #   DTRAIN_DATA_DIR=/path/to/data bash benchmarks/gpu_check.sh runs/gpu-check
 #
 # 1. facts: the GPU, torch, NCCL.
-# 2. `collectives.nccl gpu-check`: two NCCL ranks on the one GPU, each its own NCCL host (NCCL_HOSTID: NCCL's
+# 2. `dtrain.collectives.nccl gpu-check`: two NCCL ranks on the one GPU, each its own NCCL host (NCCL_HOSTID: NCCL's
 #    environment-variable docs), per-class
 #    protocol/algorithm forced per communicator (per_group) and by dtrain's tuner plugin; NCCL's own TUNING log lines
 #    parsed and checked against the requested choice.
@@ -13,7 +13,7 @@
 #    in the step records, bucket timelines from CUDA events.
 # 4. CUDA training steps on one rank, checkpoint averaging, beam search and sacreBLEU on test 2016.
 # 4b. The same one-rank steps with torch.compile (train.compile: default): tokens/s and GPU utilization.
-# 5. `collectives.bench` over the two ranks with NCCL's pick (NCCL_DEBUG=INFO; with --groups 3: one to three NCCL
+# 5. `dtrain.collectives.bench` over the two ranks with NCCL's pick (NCCL_DEBUG=INFO; with --groups 3: one to three NCCL
 #    communicators all-reducing at once), two-rank ddp training and the same
 #    with the tied embedding's gradient split, with the sharded strategy, with both, with the embedding sharded by
 #    rows too, and with the Linear parameters all-gathered in bf16 (parameters compared), then
@@ -68,70 +68,70 @@ part facts 40 bash -c 'nvidia-smi; python3 -c "import torch; print(\"torch\", to
     torch.version.cuda, \"nccl\", torch.cuda.nccl.version(), torch.cuda.get_device_name(0))"; nproc'
 
 # Most telling first: a short budget still shows per-class NCCL on real communicators and real training steps.
-part nccl-gpu-check 90 python3 -m collectives.nccl gpu-check --out "$OUT_DIR/nccl-gpu-check"
+part nccl-gpu-check 90 python3 -m dtrain.collectives.nccl gpu-check --out "$OUT_DIR/nccl-gpu-check"
 
 TRAIN="--set data.vocab_size=8000 --set train.amp=bf16 --set train.log_every=20 $EXTRA"
 NOEVAL="--set train.max_steps=$STEPS2 --set train.ckpt_every=100000 --set eval.at_end=false"
-# profiles/per_group.yaml is for NVLink; over the socket transport LL is slow (docs/results.md, one H200; see
+# dtrain/profiles/per_group.yaml is for NVLink; over the socket transport LL is slow (docs/results.md, one H200; see
 # bench-LL), so the projections go on Simple here and the rest stays.
-part train-2rank-per_class 100 two_ranks 29614 -m dtrain.train --profile profiles/per_group.yaml $TRAIN \
+part train-2rank-per_class 100 two_ranks 29614 -m dtrain.engine.train --profile dtrain/profiles/per_group.yaml $TRAIN \
     --set collectives.parse_log=true --set sync.classes.projection.protocol=Simple $NOEVAL \
     --run-dir "$OUT_DIR/train-2rank-per_class"
-part train-2rank-bucketed 100 two_ranks 29615 -m dtrain.train --profile profiles/base.yaml $TRAIN \
+part train-2rank-bucketed 100 two_ranks 29615 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN \
     --set sync.strategy=bucketed $NOEVAL --run-dir "$OUT_DIR/train-2rank-bucketed"
-part train-1rank 120 python3 -m dtrain.train --profile profiles/base.yaml $TRAIN --set train.max_steps="$STEPS" \
+part train-1rank 120 python3 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN --set train.max_steps="$STEPS" \
     --set train.ckpt_every=100 --set train.average_last=2 --set eval.batch_size=256 --run-dir "$OUT_DIR/train-1rank"
 
 # The same steps with the model compiled (train.compile): tokens/s and GPU utilization of both in their step records
 # (telemetry), against train-1rank's; no final evaluation, the comparison is the step.
-part train-1rank-compiled 150 python3 -m dtrain.train --profile profiles/base.yaml $TRAIN --set train.max_steps="$STEPS" \
+part train-1rank-compiled 150 python3 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN --set train.max_steps="$STEPS" \
     --set train.compile=default --set train.ckpt_every=100000 --set eval.at_end=false \
     --run-dir "$OUT_DIR/train-1rank-compiled"
 
-BENCH="-m collectives.bench -b 8 -e ${GPU_CHECK_MAXBYTES:-256M} -f 4 -n 10"
+BENCH="-m dtrain.collectives.bench -b 8 -e ${GPU_CHECK_MAXBYTES:-256M} -f 4 -n 10"
 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV,TUNING NCCL_DEBUG_FILE="$OUT_DIR/bench-nccl.%h.%p.log" \
     part bench-nccl-pick 75 two_ranks 29611 $BENCH --path all --groups 3 --json "$OUT_DIR/bench.json" \
     --csv "$OUT_DIR/bench.csv"
-part train-2rank-ddp 100 two_ranks 29613 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+part train-2rank-ddp 100 two_ranks 29613 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN $NOEVAL \
     --run-dir "$OUT_DIR/train-2rank-ddp"
 # The tied embedding's split gradient on NCCL (its V-byte mask all-reduce in uint8 MAX, then each lookup's touched
 # rows from inside backward), the same steps as ddp's run above: the largest parameter difference between the two
 # final checkpoints.
-part train-2rank-tied-split 100 two_ranks 29616 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+part train-2rank-tied-split 100 two_ranks 29616 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN $NOEVAL \
     --set sync.strategy=bucketed --set sync.classes.embedding.tied_split=true \
     --run-dir "$OUT_DIR/train-2rank-tied-split"
-part tied-split-vs-ddp 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-ddp" \
+part tied-split-vs-ddp 30 python3 -m dtrain.engine.checkpoint diff "$OUT_DIR/train-2rank-ddp" \
     "$OUT_DIR/train-2rank-tied-split"
 # The sharded strategy on NCCL (point-to-point reduce-scatter in backward, all-gather in the next forward, waited
 # for per module on the CUDA stream), the same steps again: its parameters against ddp's.
-part train-2rank-sharded 100 two_ranks 29617 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+part train-2rank-sharded 100 two_ranks 29617 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN $NOEVAL \
     --set sync.strategy=sharded --set sync.bucket_cap_mb=2 --run-dir "$OUT_DIR/train-2rank-sharded"
-part sharded-vs-ddp 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-ddp" "$OUT_DIR/train-2rank-sharded"
+part sharded-vs-ddp 30 python3 -m dtrain.engine.checkpoint diff "$OUT_DIR/train-2rank-ddp" "$OUT_DIR/train-2rank-sharded"
 # Sharded with the split (the embedding replicated: its all-reduce on the world's NCCL communicator beside the
 # shards' point-to-point one, its rows on the split's own), the same steps: against the bucketed split's parameters
 # (equal on CPU, bit for bit) and ddp's.
-part train-2rank-sharded-split 100 two_ranks 29619 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+part train-2rank-sharded-split 100 two_ranks 29619 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN $NOEVAL \
     --set sync.strategy=sharded --set sync.bucket_cap_mb=2 --set sync.classes.embedding.tied_split=true \
     --run-dir "$OUT_DIR/train-2rank-sharded-split"
-part sharded-split-vs-split 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-tied-split" \
+part sharded-split-vs-split 30 python3 -m dtrain.engine.checkpoint diff "$OUT_DIR/train-2rank-tied-split" \
     "$OUT_DIR/train-2rank-sharded-split"
-part sharded-split-vs-ddp 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-ddp" \
+part sharded-split-vs-ddp 30 python3 -m dtrain.engine.checkpoint diff "$OUT_DIR/train-2rank-ddp" \
     "$OUT_DIR/train-2rank-sharded-split"
 # The embedding sharded by rows too (sync.shard_tied_split: its rows reduce-scattered and fetched by each lookup as
 # batched NCCL sends and receives on the split's communicator, the all-gathers in waves): the same steps, against the
 # bucketed split's parameters (equal on CPU, bit for bit).
-part train-2rank-sharded-rows 100 two_ranks 29624 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+part train-2rank-sharded-rows 100 two_ranks 29624 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN $NOEVAL \
     --set sync.strategy=sharded --set sync.bucket_cap_mb=2 --set sync.classes.embedding.tied_split=true \
     --set sync.shard_tied_split=true --run-dir "$OUT_DIR/train-2rank-sharded-rows"
-part sharded-rows-vs-split 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-tied-split" \
+part sharded-rows-vs-split 30 python3 -m dtrain.engine.checkpoint diff "$OUT_DIR/train-2rank-tied-split" \
     "$OUT_DIR/train-2rank-sharded-rows"
 # The sharded split with its Linear parameters all-gathered in bf16 (sync.gather_dtype: the forward's bf16 autocast
 # on CUDA rounds them the same way), the same steps: against the fp32 all-gather's parameters (equal on CPU, bit for
 # bit).
-part train-2rank-sharded-bf16-gather 100 two_ranks 29625 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+part train-2rank-sharded-bf16-gather 100 two_ranks 29625 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN $NOEVAL \
     --set sync.strategy=sharded --set sync.bucket_cap_mb=2 --set sync.classes.embedding.tied_split=true \
     --set sync.gather_dtype=bf16 --run-dir "$OUT_DIR/train-2rank-sharded-bf16-gather"
-part sharded-bf16-gather-vs-fp32 30 python3 -m dtrain.checkpoint diff "$OUT_DIR/train-2rank-sharded-split" \
+part sharded-bf16-gather-vs-fp32 30 python3 -m dtrain.engine.checkpoint diff "$OUT_DIR/train-2rank-sharded-split" \
     "$OUT_DIR/train-2rank-sharded-bf16-gather"
 # sync.strategy: auto on NCCL: the in-job timing of the NCCL group, the prediction, and the paired race on real
 # CUDA steps, over per-class NCCL protocols (per_group) and bucket caps; tuning.csv holds the search.
@@ -139,7 +139,7 @@ AUTO_SPACE="{bucketed-2: {strategy: bucketed, bucket_cap_mb: 2}, ddp-25: {strate
     proj-LL: {strategy: per_class, classes.projection.protocol: LL},
     proj-LL128: {strategy: per_class, classes.projection.protocol: LL128},
     proj-Simple: {strategy: per_class, classes.projection.protocol: Simple}}"
-part train-2rank-auto 150 two_ranks 29618 -m dtrain.train --profile profiles/base.yaml $TRAIN $NOEVAL \
+part train-2rank-auto 150 two_ranks 29618 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN $NOEVAL \
     --set sync.strategy=auto --set collectives.mode=per_group --set "sync.tune.candidates=$AUTO_SPACE" \
     --set sync.tune.top_k=5 --set sync.tune.budget_steps=50 --run-dir "$OUT_DIR/train-2rank-auto"
 port=29620

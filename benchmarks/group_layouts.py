@@ -5,7 +5,7 @@ are done, the median over rounds that alternate the layouts.
 The default sizes are the buckets per_class@8 MiB still has in flight when backward ends on the multi30k-cpu
 profile (ffn 8 MiB and 4 MiB, projection 8 MiB and 1 MiB, norm_bias 96 KiB, embedding 7.8 MiB).
 
-    python -m analysis.testbed run --nodes 2 --nproc-per-node 1 -- benchmarks/group_layouts.py [--rounds 9]
+    python -m dtrain.analysis.testbed run --nodes 2 --nproc-per-node 1 -- benchmarks/group_layouts.py [--rounds 9]
 
 As training launches them: `--offsets 0,18,32,33,36` (ms after the first launch, per_class@8's in one step), the
 rank multiplying matrices until all are done, and `--idle-ms 600` before each round (a step's idle connections).
@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from collectives.bench.groups import all_reduce_together
+from dtrain.collectives.bench.groups import all_reduce_together
 
 BUCKETS = [("projection", 8388608), ("ffn", 4194304), ("projection", 1048576), ("norm_bias", 98304),
            ("embedding", 8192000)]  # (class, bytes)

@@ -1,7 +1,7 @@
 """Model speed: dtrain's Transformer against the same-size `torch.nn.Transformer`, one training step on one real
 batch of a profile, in one process. Prints the median step time of each and the ratio (> 1: dtrain is faster).
 
-    python benchmarks/model_speed.py --profile profiles/multi30k-cpu.yaml [--iters 20] [--threads 1]
+    python benchmarks/model_speed.py --profile dtrain/profiles/multi30k-cpu.yaml [--iters 20] [--threads 1]
 
 Both models get the same embedding (shared, scaled by sqrt(d_model)), sinusoidal positions, tied output
 projection, label-smoothed loss, Adam, the same batch and the same masks; the runs alternate step by step so
@@ -23,11 +23,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtrain import config as config_mod  # noqa: E402
-from dtrain.data import Pairs, TokenBatcher, cache_root, collate, multi30k_dir, multi30k_split  # noqa: E402
-from dtrain.loss import LabelSmoothing  # noqa: E402
-from dtrain.model import PositionalEncoding, Transformer, sdpa_backend  # noqa: E402
-from dtrain.tokenizer import PAD, train_or_load  # noqa: E402
+from dtrain.engine import config as config_mod  # noqa: E402
+from dtrain.common.paths import cache_root  # noqa: E402
+from dtrain.engine.data import Pairs, TokenBatcher, collate, multi30k_dir, multi30k_split  # noqa: E402
+from dtrain.engine.loss import LabelSmoothing  # noqa: E402
+from dtrain.engine.model import PositionalEncoding, Transformer, sdpa_backend  # noqa: E402
+from dtrain.engine.tokenizer import PAD, train_or_load  # noqa: E402
 
 
 class TorchTransformer(nn.Module):
@@ -53,7 +54,7 @@ class TorchTransformer(nn.Module):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--profile", default="profiles/multi30k-cpu.yaml")
+    ap.add_argument("--profile", default="dtrain/profiles/multi30k-cpu.yaml")
     ap.add_argument("--iters", type=int, default=20, help="timed steps per model (after 3 warm-up steps)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 = one rank of a 2-rank job here)")
     args = ap.parse_args(argv)

@@ -1,0 +1,1 @@
+"""dtrain: data-parallel training of the Transformer and a toolkit for tuning its gradient communication."""

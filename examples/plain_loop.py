@@ -10,7 +10,7 @@ catch-all tensor class unless `sync.classes` names others (here the biases fall 
 rule `*.bias`, the weights into `other`).
 
 With `--own-ddp` the loop wraps the model in its own `DistributedDataParallel` and registers the project's per-class
-comm hook on it (`collectives.hooks.per_class_hook`): each class goes on its own process group in its wire dtype.
+comm hook on it (`dtrain.collectives.hooks.per_class_hook`): each class goes on its own process group in its wire dtype.
 Prints the last loss and checks that every rank ends with the same parameters; `--save FILE` writes them (rank 0).
 """
 
@@ -21,15 +21,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import collectives
-from collectives.dist import cleanup
-from collectives.hooks import per_class_hook
-from collectives.settings import SyncConfig
+from dtrain import collectives
+from dtrain.collectives.dist import cleanup
+from dtrain.collectives.hooks import per_class_hook
+from dtrain.collectives.settings import SyncConfig
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--strategy", default="bucketed", help="any of collectives.strategies.available()")
+    ap.add_argument("--strategy", default="bucketed", help="any of dtrain.collectives.strategies.available()")
     ap.add_argument("--hook", help="sync.hook, for --strategy ddp (a short or dotted name, or per_class)")
     ap.add_argument("--own-ddp", action="store_true", help="the loop's own DDP with the per-class comm hook")
     ap.add_argument("--wire-dtype", default="fp32", choices=["fp32", "bf16", "fp16"],

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.jsonl import read_jsonl
-from dtrain import checkpoint
+from dtrain.common.jsonl import read_jsonl
+from dtrain.engine import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def multi30k_dir() -> Path:
 
 @pytest.fixture
 def tiny_model():
-    from dtrain.model import Transformer
+    from dtrain.engine.model import Transformer
 
     torch.manual_seed(0)
     model = Transformer(vocab=50, N=2, d_model=32, d_ff=64, h=4, dropout=0.0)
@@ -36,9 +36,9 @@ def tiny_model():
 
 
 def torchrun(*args, nproc=2, check=True, extra=(), timeout=300):
-    """`torchrun --standalone` of dtrain.train on profiles/smoke.yaml (a free port, so runs never collide)."""
+    """`torchrun --standalone` of dtrain.engine.train on dtrain/profiles/smoke.yaml (a free port, so runs never collide)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra,
-           "-m", "dtrain.train", "--profile", "profiles/smoke.yaml", *args]
+           "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/smoke.yaml", *args]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check:
@@ -69,7 +69,7 @@ def straight_run(tmp_path_factory):
 
 
 def checkpoint_diff(a, b) -> str:
-    """What `python -m dtrain.checkpoint diff A B` prints (runs or checkpoint files), from its `main` in this process:
+    """What `python -m dtrain.engine.checkpoint diff A B` prints (runs or checkpoint files), from its `main` in this process:
     the same code and output without a second interpreter importing torch for every comparison (the command line
     itself is run by tests/test_reliability.py)."""
     out = io.StringIO()

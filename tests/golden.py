@@ -2,7 +2,8 @@
 changed no behaviour (`python tests/golden.py --write` pins them anew; `tests/test_golden.py` compares).
 
 Each case is (file name, module, argv). The commands run in this process (`runpy`), so the suite pays torch's
-import once; outputs that name a temporary folder have it replaced by `<out>`, and the checkout's own path by `<repo>`.
+import once; outputs that name a temporary folder have it replaced by `<out>`, the user cache by `<cache>` and the checkout's own
+path by `<repo>`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dtrain.common.paths import cache_root
+
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "data" / "golden"
 SMOKE = "tests/data/runs/smoke"
@@ -21,11 +24,11 @@ BENCH = f"{SMOKE}/bench.json"
 PRESETS = ("h100x8", "a100x8", "v100x8", "p100x8", "h100x8-ib:2", "a100x8-ib:4", "v100x8-ib:2", "p100x8-ib:2")
 PROFILES = ("base", "big", "ll", "ll128", "multi30k-cpu", "per_group", "simple", "smoke", "tree", "tuner")
 
-SIMULATE = "analysis.simulate"
-COSTMODEL = "collectives.costmodel"
-RECOMMEND = "analysis.recommend"
-NCCL = "collectives.nccl"
-REPORT = "analysis.report"
+SIMULATE = "dtrain.analysis.simulate"
+COSTMODEL = "dtrain.collectives.costmodel"
+RECOMMEND = "dtrain.analysis.recommend"
+NCCL = "dtrain.collectives.nccl"
+REPORT = "dtrain.analysis.report"
 
 
 def cases() -> list[tuple[str, str, list[str]]]:
@@ -47,11 +50,11 @@ def cases() -> list[tuple[str, str, list[str]]]:
     out.append(("costmodel-fit.txt", COSTMODEL, ["fit", BENCH, "--topology", "h100x8"]))
     out.append(("costmodel-nccl-log.txt", COSTMODEL, ["--topology", "nccl-log:tests/data/nccl/h200_per_class_2.28.9.log"]))
     out.append(("recommend-base.json", RECOMMEND,
-                ["--profile", "profiles/base.yaml", "--topology", "h100x8-ib:2", "--json"]))
+                ["--profile", "dtrain/profiles/base.yaml", "--topology", "h100x8-ib:2", "--json"]))
     out.append(("recommend-smoke-local.txt", RECOMMEND,
-                ["--profile", "profiles/smoke.yaml", "--topology", f"local:{BENCH}", "--run", run]))
+                ["--profile", "dtrain/profiles/smoke.yaml", "--topology", f"local:{BENCH}", "--run", run]))
     for p in PROFILES:
-        out.append((f"nccl-plan-{p}.txt", NCCL, ["groups", "--profile", f"profiles/{p}.yaml"]))
+        out.append((f"nccl-plan-{p}.txt", NCCL, ["groups", "--profile", f"dtrain/profiles/{p}.yaml"]))
     out.append(("report", REPORT, [SMOKE, "--bench", BENCH, "--out", "<out>"]))
     return out
 
@@ -84,7 +87,8 @@ def run_case(module: str, argv: list[str]) -> dict[str, str]:
 
 
 def render(name: str, module: str, argv: list[str]) -> str:
-    parts = {k: v.replace(str(REPO), "<repo>") for k, v in run_case(module, argv).items()}
+    parts = {k: v.replace(str(cache_root()), "<cache>").replace(str(REPO), "<repo>")
+             for k, v in run_case(module, argv).items()}
     if list(parts) == ["stdout"]:
         return parts["stdout"]
     return "".join(f"===== {k}\n{v}" for k, v in parts.items())

@@ -1,4 +1,4 @@
-"""`sync.strategy: auto` (dtrain.autotune): candidates, predictions, the paired dropping rule, and a 2-rank job that
+"""`sync.strategy: auto` (dtrain.engine.autotune): candidates, predictions, the paired dropping rule, and a 2-rank job that
 tunes itself, equals an untuned run of its winner and resumes without searching again."""
 
 import json
@@ -6,15 +6,15 @@ import json
 import pytest
 import torch
 
-from collectives.costmodel.fit import FittedModel, Regime
-from common.errors import UserError
-from common.rundir import TUNING_COLUMNS
+from dtrain.collectives.costmodel.fit import FittedModel, Regime
+from dtrain.common.errors import UserError
+from dtrain.common.rundir import TUNING_COLUMNS
 from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun
-from dtrain import autotune, tune_model
-from dtrain import config as config_mod
-from dtrain.model import Transformer
+from dtrain.engine import autotune, tune_model
+from dtrain.engine import config as config_mod
+from dtrain.engine.model import Transformer
 
-SMOKE = str(REPO / "profiles" / "smoke.yaml")
+SMOKE = str(REPO / "dtrain" / "profiles" / "smoke.yaml")
 
 
 def auto_cfg(*overrides):
@@ -51,13 +51,13 @@ def test_a_bad_candidate_is_one_line_naming_it(space, words):
 def test_auto_takes_no_other_sync_key_and_attach_refuses_it():
     with pytest.raises(UserError, match="sync.bucket_cap_mb.*not used by strategy 'auto'"):
         auto_cfg("sync.bucket_cap_mb=2")
-    from collectives import attach
+    from dtrain.collectives import attach
     with pytest.raises(UserError, match="chosen by the engine's tuner"):
         attach(torch.nn.Linear(2, 2), auto_cfg().sync)
 
 
 def test_the_prediction_charges_the_exposed_tail_on_a_slow_network():
-    cfg = config_mod.load(REPO / "profiles" / "multi30k-cpu.yaml", ["sync.strategy=auto"])  # ~10 MB of gradients
+    cfg = config_mod.load(REPO / "dtrain" / "profiles" / "multi30k-cpu.yaml", ["sync.strategy=auto"])  # ~10 MB of gradients
     with torch.device("meta"):
         model = Transformer.from_config(cfg.model, cfg.data.vocab_size)
     probe = tune_model.Probe(forward_ms=40.0, backward_ms=80.0, optimizer_ms=10.0, step_ms=140.0)
@@ -69,7 +69,7 @@ def test_the_prediction_charges_the_exposed_tail_on_a_slow_network():
     assert pred["bucketed-0.5"] < pred["bucketed-8"]
     on_fast = tune_model.predict_ms(autotune.candidates(cfg)[0].cfg.sync, model, probe, fast, 2, "gloo")
     assert probe.step_ms <= on_fast < pred["ddp-2"]
-    powersgd = config_mod.load(REPO / "profiles" / "multi30k-cpu.yaml", ["sync.strategy=powersgd"])
+    powersgd = config_mod.load(REPO / "dtrain" / "profiles" / "multi30k-cpu.yaml", ["sync.strategy=powersgd"])
     assert tune_model.predict_ms(powersgd.sync, model, probe, slow, 2, "gloo") is None
 
 

@@ -1,4 +1,4 @@
-"""collectives.bench: the sweep's flags, bandwidths, the correctness pass, the table, and a 2-rank sweep (sizes and
+"""dtrain.collectives.bench: the sweep's flags, bandwidths, the correctness pass, the table, and a 2-rank sweep (sizes and
 the bus-bandwidth factor: tests/test_units.py)."""
 
 import json
@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collectives import bench
-from collectives.bench.groups import all_reduce_together
-from collectives.costmodel.measurements import read_measurements
+from dtrain.collectives import bench
+from dtrain.collectives.bench.groups import all_reduce_together
+from dtrain.collectives.costmodel.measurements import read_measurements
 from conftest import REPO
-from common.errors import UserError
-from common.units import bus_factor
+from dtrain.common.errors import UserError
+from dtrain.common.units import bus_factor
 
 
 # ---- parsing -----------------------------------------------------------------------------------------------------
@@ -57,7 +57,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, msg, capsys):
         bench.main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("collectives.bench: error: ") and msg in err and err.count("\n") == 1
+    assert err.startswith("dtrain.collectives.bench: error: ") and msg in err and err.count("\n") == 1
 
 
 # ---- bandwidths --------------------------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def test_measure_reports_wrong_elements_of_a_broken_path(one_rank_group):
 
 
 def test_reducer_path_averages_correctly(one_rank_group):
-    pytest.importorskip("collectives.reducer", reason="collectives/reducer.py is not in this checkout")
+    pytest.importorskip("dtrain.collectives.reducer", reason="dtrain/collectives/reducer.py is not in this checkout")
     path = bench.reducer_path(None, None, None)
     row = bench.measure(path, 1 << 16, "bfloat16", "sum", _Args, None, 1, 0, torch.device("cpu"))
     assert row.path == "reducer" and row.wrong == 0
@@ -156,8 +156,8 @@ def test_reducer_path_averages_correctly(one_rank_group):
 
 
 def test_reducer_path_cuts_the_size_into_capped_buckets(one_rank_group, monkeypatch):
-    pytest.importorskip("collectives.reducer", reason="collectives/reducer.py is not in this checkout")
-    from collectives.tensor_classes import CollectiveSettings
+    pytest.importorskip("dtrain.collectives.reducer", reason="dtrain/collectives/reducer.py is not in this checkout")
+    from dtrain.collectives.tensor_classes import CollectiveSettings
 
     path = bench.reducer_path(None, "ffn", CollectiveSettings(bucket_cap_mb=0.01))  # 2621 fp32 elements a bucket
     t = torch.arange(10000, dtype=torch.float32)
@@ -227,7 +227,7 @@ def test_out_of_place_keeps_its_input(one_rank_group):
 def test_two_rank_sweep_on_loopback(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "collectives.bench", "-b", "8", "-e", "1M", "-f", "32", "-w", "1", "-n", "3", "--class", "ffn",
+           "dtrain.collectives.bench", "-b", "8", "-e", "1M", "-f", "32", "-w", "1", "-n", "3", "--class", "ffn",
            "--json", str(out), "--csv", str(tmp_path / "bench.csv"), "--overlap", "256"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -263,7 +263,7 @@ def test_two_rank_sweep_on_loopback(tmp_path):
 def test_groups_time_several_process_groups_at_once(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "collectives.bench", "-b", "64K", "-e", "256K", "-f", "4", "-w", "1", "-n", "2", "--path", "raw",
+           "dtrain.collectives.bench", "-b", "64K", "-e", "256K", "-f", "4", "-w", "1", "-n", "2", "--path", "raw",
            "--groups", "3", "--json", str(out)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})

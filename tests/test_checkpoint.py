@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import REPO
 
-from common.errors import JobFailure
-from dtrain import checkpoint
+from dtrain.common.errors import JobFailure
+from dtrain.engine import checkpoint
 
 
 def _state(v, step=None):
@@ -179,10 +179,10 @@ def test_full_disk_leaves_the_previous_checkpoint(small_disk):
 
 @pytest.mark.slow
 def test_full_disk_during_training_then_resume(small_disk):
-    """dtrain.train on a disk that fills before its second checkpoint: one line, exit 3, and the first checkpoint is
+    """dtrain.engine.train on a disk that fills before its second checkpoint: one line, exit 3, and the first checkpoint is
     still the one --resume takes."""
     def train(*args):
-        return subprocess.run([sys.executable, "-m", "dtrain.train", "--profile", "profiles/smoke.yaml", "--run-dir",
+        return subprocess.run([sys.executable, "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/smoke.yaml", "--run-dir",
                                str(run), "--set", "eval.at_end=false", "--set", "train.average_last=1", *args],
                               capture_output=True, text=True, cwd=REPO, check=False, timeout=300)
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import REPO
 
-from common.errors import UserError
-from dtrain import checkpoint, config
-from dtrain.evaluate import load_model_for_eval
-from dtrain.trainer import rng_state
+from dtrain.common.errors import UserError
+from dtrain.engine import checkpoint, config
+from dtrain.engine.evaluate import load_model_for_eval
+from dtrain.engine.trainer import rng_state
 
 
 class _WritesMarker:
@@ -53,7 +53,7 @@ def test_resume_load_refuses_a_crafted_checkpoint(tmp_path):
 
 def test_evaluate_refuses_a_crafted_checkpoint(tmp_path):
     run, path, marker = _crafted_run(tmp_path)
-    cfg = config.load(str(REPO / "profiles/smoke.yaml"))
+    cfg = config.load(str(REPO / "dtrain/profiles/smoke.yaml"))
     with pytest.raises(UserError, match=rf"^{re.escape(str(path))}: refused"):
         load_model_for_eval(run, "latest", 100, cfg)
     averaged = run / "averaged.pt"  # evaluate's default model
@@ -65,7 +65,7 @@ def test_evaluate_refuses_a_crafted_checkpoint(tmp_path):
 
 def test_inspect_and_diff_refuse_a_crafted_checkpoint(tmp_path):
     run, path, marker = _crafted_run(tmp_path)
-    cli = [sys.executable, "-m", "dtrain.checkpoint"]
+    cli = [sys.executable, "-m", "dtrain.engine.checkpoint"]
     r = subprocess.run([*cli, "inspect", str(path)], capture_output=True, text=True, cwd=REPO, check=False)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "checksum    ok" in r.stdout
@@ -80,7 +80,7 @@ def test_resume_refuses_a_crafted_checkpoint(tmp_path):
     run, path, marker = _crafted_run(tmp_path)
     (run / "steps.jsonl").write_text('{"step": 10}\n')
     before = path.read_bytes()
-    r = subprocess.run([sys.executable, "-m", "dtrain.train", "--profile", "profiles/smoke.yaml", "--run-dir",
+    r = subprocess.run([sys.executable, "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/smoke.yaml", "--run-dir",
                         str(run), "--resume", "--set", "eval.at_end=false"],
                        capture_output=True, text=True, cwd=REPO, check=False, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -92,7 +92,7 @@ def test_resume_refuses_a_crafted_checkpoint(tmp_path):
 
 def _training_state():
     """What Trainer.state holds, built from the same parts: Adam and LambdaLR after a step, the RNG states, config."""
-    cfg = config.load(str(REPO / "profiles/smoke.yaml"))
+    cfg = config.load(str(REPO / "dtrain/profiles/smoke.yaml"))
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=cfg.optim.betas, eps=cfg.optim.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))

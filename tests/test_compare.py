@@ -1,11 +1,11 @@
-"""analysis.compare: statistics from hand-written run records, the table and files, CLI errors, one real run."""
+"""dtrain.analysis.compare: statistics from hand-written run records, the table and files, CLI errors, one real run."""
 
 import csv
 import json
 
 import pytest
 
-from analysis import compare
+from dtrain.analysis import compare
 
 from conftest import REPO
 
@@ -61,7 +61,7 @@ def test_table_ratios_and_files(tmp_path):
 ])
 def test_cli_errors_are_one_line(argv, msg, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
-        compare.main(["--profile", str(REPO / "profiles/smoke.yaml"), "--out", str(tmp_path / "o"), *argv])
+        compare.main(["--profile", str(REPO / "dtrain/profiles/smoke.yaml"), "--out", str(tmp_path / "o"), *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and msg in err, err
 
@@ -70,7 +70,7 @@ def test_cli_errors_are_one_line(argv, msg, capsys, tmp_path):
 def test_compare_runs_strategies_and_a_sweep(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     out = tmp_path / "cmp"
-    assert compare.main(["--profile", "profiles/smoke.yaml", "--steps", "3", "--warmup", "1", "--strategies", "ddp",
+    assert compare.main(["--profile", "dtrain/profiles/smoke.yaml", "--steps", "3", "--warmup", "1", "--strategies", "ddp",
                          "--bucket-mb", "0.1", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "ddp" in printed and "bucketed@0.1MB" in printed
@@ -78,5 +78,5 @@ def test_compare_runs_strategies_and_a_sweep(tmp_path, capsys, monkeypatch):
     assert len(rows) == 1 and float(rows[0]["collectives_per_step"]) > 1 and rows[0]["ratio_to_ddp"]
     assert (out / "sweep.png").exists() and (out / "compare.csv").exists()
     # --reuse keeps finished runs: nothing runs again
-    assert compare.main(["--profile", "profiles/smoke.yaml", "--steps", "3", "--warmup", "1", "--strategies", "ddp",
+    assert compare.main(["--profile", "dtrain/profiles/smoke.yaml", "--steps", "3", "--warmup", "1", "--strategies", "ddp",
                          "--out", str(out), "--reuse"]) == 0

@@ -1,7 +1,7 @@
 """`train.compile`: the model compiled in place before the sync strategy wraps it trains as the eager one does, behind
 every strategy; and a bad value is a one-line error naming the key.
 
-One process, a one-rank gloo group (as a plain `python -m dtrain.train` runs), profiles/smoke.yaml without dropout
+One process, a one-rank gloo group (as a plain `python -m dtrain.engine.train` runs), dtrain/profiles/smoke.yaml without dropout
 (compiled dropout draws other random numbers than eager dropout, so only a dropout-free model can be compared step
 for step). Inductor compiles C++ on CPU (it needs a C compiler, which this machine has) and takes seconds per graph,
 so the strategy matrix uses the `aot_eager` backend: the same capture of forward and backward into graphs, which is
@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collectives import dist as ddist
-from common.errors import UserError
-from dtrain import config as config_mod
-from dtrain.trainer import Trainer
+from dtrain.collectives import dist as ddist
+from dtrain.common.errors import UserError
+from dtrain.engine import config as config_mod
+from dtrain.engine.trainer import Trainer
 
 STEPS = 2
 BASE = ["model.dropout=0.0", "eval.at_end=false", "train.average_last=1", "model.N=1"]
@@ -35,7 +35,7 @@ def one_rank(multi30k_dir):
 
 def losses(tmp_path, name, *overrides) -> list[tuple[float, float, bool]]:
     """(loss, grad_norm, skipped) of the first STEPS steps of the smoke profile with `overrides`."""
-    cfg = config_mod.load("profiles/smoke.yaml", [*BASE, *overrides])
+    cfg = config_mod.load("dtrain/profiles/smoke.yaml", [*BASE, *overrides])
     trainer = Trainer(cfg, tmp_path / name, ddist.init(cfg.dist)[0], "gloo")
     # compiled in place: the module strategies wrap calls the compiled forward, and keeps its parameter names
     assert (trainer.model._compiled_call_impl is not None) == (cfg.train.compile != "off")
@@ -79,5 +79,5 @@ def test_every_strategy_trains_the_compiled_model(tmp_path, one_rank, strategy):
 ])
 def test_bad_compile_value_names_the_key(override, expected):
     with pytest.raises(UserError) as e:
-        config_mod.load("profiles/smoke.yaml", [override])
+        config_mod.load("dtrain/profiles/smoke.yaml", [override])
     assert expected in str(e.value) and "\n" not in str(e.value)

@@ -4,15 +4,15 @@ import sys
 import pytest
 import yaml
 
-from collectives import config as comm_config
-from collectives import strategies
-from collectives.strategies import available
-from common.errors import UserError
-from dtrain import config
+from dtrain.collectives import config as comm_config
+from dtrain.collectives import strategies
+from dtrain.collectives.strategies import available
+from dtrain.common.errors import UserError
+from dtrain.engine import config
 
 from conftest import REPO
 
-PROFILES = sorted((REPO / "profiles").glob("*.yaml"))
+PROFILES = sorted((REPO / "dtrain" / "profiles").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("profile", PROFILES, ids=[p.name for p in PROFILES])
@@ -61,7 +61,7 @@ def test_set_overrides_parse_values(tmp_path):
 def test_cli_bad_profile_is_one_line_exit_2(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("model:\n  h: 0\n")
-    r = subprocess.run([sys.executable, "-m", "dtrain.train", "--profile", str(p), "--dry-run"],
+    r = subprocess.run([sys.executable, "-m", "dtrain.engine.train", "--profile", str(p), "--dry-run"],
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "'model.h' must be positive" in r.stderr
@@ -69,7 +69,7 @@ def test_cli_bad_profile_is_one_line_exit_2(tmp_path):
 
 
 def test_cli_dry_run_prints_resolved_config():
-    r = subprocess.run([sys.executable, "-m", "dtrain.train", "--profile", "profiles/base.yaml", "--dry-run"],
+    r = subprocess.run([sys.executable, "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/base.yaml", "--dry-run"],
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert "d_model: 512" in r.stdout and "warmup: 4000" in r.stdout
@@ -91,7 +91,7 @@ def test_non_finite_floats_and_unsafe_names_are_rejected(tmp_path, override, exp
 
 
 def test_run_names_of_profiles_and_sweeps_stay_valid(tmp_path):
-    # analysis.sweep names runs like this (letters, digits and _ . + - =); profiles use the same characters.
+    # dtrain.analysis.sweep names runs like this (letters, digits and _ . + - =); profiles use the same characters.
     for name in ("multi30k-cpu-bucketed-bucket_cap_mb=2", "base-per_group", "smoke-x+y-lr_factor=0.5"):
         assert _load(tmp_path, f"name: {name}\n").name == name
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import UserError
-from dtrain import config, corpus, wmt14
-from dtrain.download import fetch
+from dtrain.common.errors import UserError
+from dtrain.engine import config, corpus, wmt14
+from dtrain.engine.download import fetch
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = {"en": "the a house cat dog sits on table green small big runs river city old".split(),
@@ -162,11 +162,11 @@ def test_cli_download_then_train_data_from_it(tmp_path):
     blobs, train, _, _ = wmt14_en_de_archives()
     server = Server(blobs)
     try:
-        bad = subprocess.run([sys.executable, "-m", "dtrain.corpus", "download", "wmt14-en-de", "--to",
+        bad = subprocess.run([sys.executable, "-m", "dtrain.engine.corpus", "download", "wmt14-en-de", "--to",
                               str(tmp_path / "w"), "--mirror", server.url, "--sha256", "dev.tgz=" + "1" * 64],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("dtrain.corpus: error: dev.tgz")
-        ok = subprocess.run([sys.executable, "-m", "dtrain.corpus", "download", "wmt14-en-de", "--to",
+        assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("dtrain.engine.corpus: error: dev.tgz")
+        ok = subprocess.run([sys.executable, "-m", "dtrain.engine.corpus", "download", "wmt14-en-de", "--to",
                              str(tmp_path / "w"), "--mirror", server.url], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     finally:
@@ -223,7 +223,7 @@ def test_bad_corpus_input_is_a_one_line_error_naming_it(tmp_path):
     with pytest.raises(UserError, match=r"train\.en\.gz:401: line counts differ"):
         corpus.load(config.from_dict(raw).data, 1)
     cfg = config.from_dict({"data": {"corpus": "wmt14-en-fr", "src": "en", "tgt": "fr", "dir": str(tmp_path)}})
-    with pytest.raises(UserError, match="python -m dtrain.corpus download wmt14-en-fr --to DIR"):
+    with pytest.raises(UserError, match="python -m dtrain.engine.corpus download wmt14-en-fr --to DIR"):
         corpus.load(cfg.data, 1)
 
 
@@ -235,7 +235,7 @@ def test_profile_validation_of_the_corpus_keys():
     with pytest.raises(UserError, match="'data.src' wmt14-en-fr is en/fr"):
         config.from_dict({"data": {"corpus": "wmt14-en-fr"}})
     for name in ("wmt14-en-de-base.yaml", "wmt14-en-fr-big.yaml", "base.yaml"):
-        config.load(REPO / "profiles" / name)
+        config.load(REPO / "dtrain" / "profiles" / name)
 
 
 def _rank_loads(rank, world, init, raws, out):

@@ -1,4 +1,4 @@
-"""collectives.costmodel: NCCL's formulas on hand-computed cases (NCCL 2.30's src/graph/tuning.cc), the pick
+"""dtrain.collectives.costmodel: NCCL's formulas on hand-computed cases (NCCL 2.30's src/graph/tuning.cc), the pick
 changing with size, fits recovering known latency/bandwidth, the parsers, the cost of one all-reduce on every model,
 and the CLI's verbs and one-line errors."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from collectives import costmodel as cm
-from collectives.costmodel.measurements import bench_row
-from common.errors import UserError
-from common.units import parse_sizes
+from dtrain.collectives import costmodel as cm
+from dtrain.collectives.costmodel.measurements import bench_row
+from dtrain.common.errors import UserError
+from dtrain.common.units import parse_sizes
 
 DATA = Path(__file__).parent / "data"
 H100 = cm.NcclModel(cm.topology("h100x8"))  # 12 channels x 30 GB/s, NVLink, one node of 8
@@ -393,7 +393,7 @@ def test_cli_fit_saves_a_local_model(tmp_path, capsys):
 
 
 def test_cli_bad_topology_is_one_line_exit_2():
-    r = subprocess.run([sys.executable, "-m", "collectives.costmodel", "--topology", "nope"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "dtrain.collectives.costmodel", "--topology", "nope"], capture_output=True,
                        text=True, cwd=Path(__file__).parent.parent)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "unknown topology 'nope'" in r.stderr
@@ -454,7 +454,7 @@ def test_bad_command_lines_are_one_line_errors(tmp_path, capsys):
                       (["--topology", f"nccl-log:{log}"], "is not latency/bandwidth (a truncated log?)"),
                       (["fit", str(bench), "--out", str(tmp_path)], "is a directory"),
                       (["fit", str(bench), "--topology", f"fit:{bench}"], "not another fit"),
-                      (["recommend", "--profile", "profiles/base.yaml", "--topology", "h100x8"],
+                      (["recommend", "--profile", "dtrain/profiles/base.yaml", "--topology", "h100x8"],
                        "unknown command 'recommend' (commands: table, fit")):
         with pytest.raises(SystemExit) as e:
             cm.main(argv)
@@ -468,7 +468,7 @@ def test_help_lists_the_verbs(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "table (the default)" in out and "fit FILE" in out and "fit:<fit.json" in out
-    assert "recommend" not in out  # one home: python -m analysis.recommend
+    assert "recommend" not in out  # one home: python -m dtrain.analysis.recommend
     cm.main(["table", "--topology", "a100x8", "--sizes", "8,1G", "--json"])  # the default verb, named
     assert json.loads(capsys.readouterr().out)["rows"][1]["pick"] == {"algo": "Ring", "proto": "Simple"}
 
@@ -491,7 +491,7 @@ def test_fit_is_the_documented_spelling_and_local_its_alias(tmp_path, capsys):
 
 def test_one_allreduce_costs_the_same_way_on_every_model():
     # allreduce_ms: NCCL's analytic model honours a forced choice; NCCL's printed table and a fit cost NCCL's pick /
-    # the measured path (what analysis.simulate's cost_ms has always charged). allreduce_latency_ms: a fit's latency
+    # the measured path (what dtrain.analysis.simulate's cost_ms has always charged). allreduce_latency_ms: a fit's latency
     # term, 0 on NCCL's models.
     n = 1 << 20
     assert H100.allreduce_ms(n) == pytest.approx(H100.time_us(n) / 1000)

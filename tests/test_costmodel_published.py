@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from collectives import costmodel as cm
-from collectives.costmodel.measurements import read_measurements
+from dtrain.collectives import costmodel as cm
+from dtrain.collectives.costmodel.measurements import read_measurements
 
 PUBLISHED = Path(__file__).parent / "data" / "nccl_tests_published"
 DOC = Path(__file__).parent.parent / "docs" / "costmodel.md"

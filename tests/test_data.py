@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from dtrain.data import TokenBatcher, multi30k_split, pack, read_parallel
-from common.errors import UserError
+from dtrain.engine.data import TokenBatcher, multi30k_split, pack, read_parallel
+from dtrain.common.errors import UserError
 
 
 def _lengths(n=500, seed=0):
@@ -97,7 +97,7 @@ def test_multi30k_splits(multi30k_dir):
 
 
 def test_multi30k_lookup_order_and_no_network(tmp_path, monkeypatch, multi30k_dir):
-    from dtrain import data
+    from dtrain.engine import data
 
     monkeypatch.setenv("DTRAIN_DATA_DIR", str(multi30k_dir.parent))
     assert data.multi30k_dir(None, str(tmp_path / "cache")) == multi30k_dir
@@ -117,7 +117,7 @@ def test_multi30k_lookup_order_and_no_network(tmp_path, monkeypatch, multi30k_di
 
 
 def test_named_data_dir_must_hold_the_corpus(tmp_path, monkeypatch, multi30k_dir):
-    from dtrain import data
+    from dtrain.engine import data
 
     # The folder itself or its multi30k/ subfolder.
     assert data.multi30k_dir(str(multi30k_dir), str(tmp_path / "cache")) == multi30k_dir

@@ -1,4 +1,4 @@
-"""`python -m dtrain.train --dry-run --topology T`: the run's plan (tokens per step, steps, checkpoints, the MODELED
+"""`python -m dtrain.engine.train --dry-run --topology T`: the run's plan (tokens per step, steps, checkpoints, the MODELED
 all-reduce of the gradient) and the simulator's command, which prints the same plan with its modeled step time."""
 
 import re
@@ -9,19 +9,19 @@ import sys
 import pytest
 from conftest import REPO
 
-from analysis.simulate import flop_timeline, predict
-from collectives import costmodel as cm
-from dtrain import config as config_mod
-from dtrain import runplan
+from dtrain.analysis.simulate import flop_timeline, predict
+from dtrain.collectives import costmodel as cm
+from dtrain.engine import config as config_mod
+from dtrain.engine import runplan
 
 
 def dry_run(*args):
-    return subprocess.run([sys.executable, "-m", "dtrain.train", "--dry-run", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dtrain.engine.train", "--dry-run", *args], capture_output=True, text=True,
                           cwd=REPO, timeout=120)
 
 
 def test_plan_of_the_wmt14_base_profile_on_two_nodes():
-    r = dry_run("--profile", "profiles/wmt14-en-de-base.yaml", "--topology", "h100x8-ib:2",
+    r = dry_run("--profile", "dtrain/profiles/wmt14-en-de-base.yaml", "--topology", "h100x8-ib:2",
                 "--set", "train.accum_steps=2")
     assert r.returncode == 0, r.stderr
     assert "d_model: 512" in r.stdout  # the resolved config is still printed first
@@ -29,16 +29,16 @@ def test_plan_of_the_wmt14_base_profile_on_two_nodes():
     assert "steps: 100,000 (warm-up 4,000)" in r.stdout
     assert "corpus 4,500,000 training pairs" in r.stdout
     assert "checkpoints: every 1,000 steps (100 in all, the last 5 kept, the last 5 averaged" in r.stdout
-    cfg = config_mod.load("profiles/wmt14-en-de-base.yaml")
+    cfg = config_mod.load("dtrain/profiles/wmt14-en-de-base.yaml")
     nbytes = runplan.parameters(cfg) * 4
     ms = cm.NcclModel(cm.topology("h100x8-ib:2")).allreduce_ms(nbytes)
     assert f"one all-reduce of the whole fp32 gradient {ms:.2f} ms" in r.stdout
-    assert ("python -m analysis.simulate --plan --profile profiles/wmt14-en-de-base.yaml --set train.accum_steps=2 "
+    assert ("python -m dtrain.analysis.simulate --plan --profile dtrain/profiles/wmt14-en-de-base.yaml --set train.accum_steps=2 "
             "--topology h100x8-ib:2") in r.stdout
 
 
 def test_without_topology_the_plan_is_for_this_launch():
-    r = dry_run("--profile", "profiles/wmt14-en-de-big.yaml")
+    r = dry_run("--profile", "dtrain/profiles/wmt14-en-de-big.yaml")
     assert r.returncode == 0, r.stderr
     assert "tokens per step: at most 3,200 per side" in r.stdout and "1 rank(s) of this launch" in r.stdout
     assert "300 in all, the last 20 kept" in r.stdout and "MODELED" not in r.stdout
@@ -49,16 +49,16 @@ def test_without_topology_the_plan_is_for_this_launch():
     (["--topology", "h100x8"], "--topology is read by --dry-run only"),
 ])
 def test_bad_topology_is_one_line_and_prints_nothing(args, expected):
-    r = subprocess.run([sys.executable, "-m", "dtrain.train", "--profile", "profiles/wmt14-en-de-base.yaml", *args],
+    r = subprocess.run([sys.executable, "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/wmt14-en-de-base.yaml", *args],
                        capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert expected in r.stderr and r.stderr.strip().count("\n") == 0
 
 
 def test_simulator_plan_is_the_predicted_step_of_the_profiles_strategy():
-    profile, topology = "profiles/wmt14-en-de-big.yaml", "h100x8"
+    profile, topology = "dtrain/profiles/wmt14-en-de-big.yaml", "h100x8"
     command = shlex.split(runplan.simulator_command(profile, [], topology))
-    assert command[:3] == ["python", "-m", "analysis.simulate"]
+    assert command[:3] == ["python", "-m", "dtrain.analysis.simulate"]
     r = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
     out = r.stdout
@@ -73,6 +73,6 @@ def test_simulator_plan_is_the_predicted_step_of_the_profiles_strategy():
 
 
 def test_simulator_plan_needs_a_profile():
-    r = subprocess.run([sys.executable, "-m", "analysis.simulate", "--plan", "--topology", "h100x8"],
+    r = subprocess.run([sys.executable, "-m", "dtrain.analysis.simulate", "--plan", "--topology", "h100x8"],
                        capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2 and "--plan takes --profile and --topology" in r.stderr and r.stdout == ""

@@ -1,11 +1,11 @@
-"""common.files: output paths checked before the work, files written whole or not at all."""
+"""dtrain.common.files: output paths checked before the work, files written whole or not at all."""
 
 import os
 
 import pytest
 
-from common.errors import UserError
-from common.files import check_writable, output_dir, write_atomic
+from dtrain.common.errors import UserError
+from dtrain.common.files import check_writable, output_dir, write_atomic
 
 
 def test_output_paths_are_checked_and_named(tmp_path):

@@ -1,4 +1,4 @@
-"""collectives.hooks: `sync.hook` by short or dotted name with its state and wrapped hook, refused with a one-line
+"""dtrain.collectives.hooks: `sync.hook` by short or dotted name with its state and wrapped hook, refused with a one-line
 error naming the key; the per-class comm hook on DDP (one rank in-process, 2 gloo ranks against the exact mean)."""
 
 import pytest
@@ -7,10 +7,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from collectives import attach, config, hooks
-from collectives.settings import HookConfig, SyncConfig
-from common.errors import UserError
-from dtrain import verify
+from dtrain.collectives import attach, config, hooks
+from dtrain.collectives.settings import HookConfig, SyncConfig
+from dtrain.common.errors import UserError
+from dtrain.engine import verify
 
 T = hooks.TORCH_HOOKS
 BATCHED = f"{T}.powerSGD_hook.batched_powerSGD_hook"
@@ -151,7 +151,7 @@ def test_the_ddp_strategy_runs_any_named_hook_and_records_its_buckets(one_rank, 
 
 @pytest.mark.slow
 def test_per_class_hook_gives_the_exact_mean_on_two_ranks():
-    """dtrain.verify's check (each gradient all-reduced on its own, / world size) of strategy ddp with the per-class
+    """dtrain.engine.verify's check (each gradient all-reduced on its own, / world size) of strategy ddp with the per-class
     hook, with and without gradient accumulation; bf16 on one class makes it lossy and measurably so."""
     exact = verify.run(2, ["ddp"], accums=(1, 2), steps=3, overrides=["sync.hook=per_class"])
     for accum in ("1", "2"):

@@ -1,11 +1,11 @@
-"""dtrain.host_cpu: a step's CPU time by thread group, from the scheduler's per-thread counters."""
+"""dtrain.engine.host_cpu: a step's CPU time by thread group, from the scheduler's per-thread counters."""
 
 import mmap
 import os
 import threading
 import time
 
-from dtrain.host_cpu import FIELDS, HostCpu, read_threads
+from dtrain.engine.host_cpu import FIELDS, HostCpu, read_threads
 
 
 def fake_task(tasks, tid, name, ns):

@@ -1,5 +1,5 @@
 """train.keep_host_memory: freed host memory is kept for the next allocation instead of handed back to the OS, so a
-step's large tensors are not faulted in again page by page (common/host_memory.py). Each case runs in a process of
+step's large tensors are not faulted in again page by page (dtrain/common/host_memory.py). Each case runs in a process of
 its own: the setting is process-wide."""
 
 import platform
@@ -10,17 +10,17 @@ import pytest
 
 from conftest import REPO
 
-from common.errors import UserError
-from dtrain import config as config_mod
+from dtrain.common.errors import UserError
+from dtrain.engine import config as config_mod
 
 # A few steps of the CPU profile on one rank: the page faults of a typical step after two. Its logits, (tokens, vocab)
 # float32, are above glibc's largest mmap threshold (32 MiB), so by default every step maps them anew.
 SCRIPT = """
 import resource, sys
-from collectives import dist as ddist
-from dtrain import config as config_mod
-from dtrain.trainer import Trainer
-cfg = config_mod.load("profiles/multi30k-cpu.yaml", ["data.max_tokens=1100", "eval.at_end=false", sys.argv[1]])
+from dtrain.collectives import dist as ddist
+from dtrain.engine import config as config_mod
+from dtrain.engine.trainer import Trainer
+cfg = config_mod.load("dtrain/profiles/multi30k-cpu.yaml", ["data.max_tokens=1100", "eval.at_end=false", sys.argv[1]])
 trainer = Trainer(cfg, sys.argv[2], ddist.init(cfg.dist)[0], "gloo")
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 per_step = []
@@ -50,8 +50,8 @@ def test_kept_memory_is_not_faulted_in_again_each_step(tmp_path, multi30k_dir):
 
 
 def test_the_setting_is_a_checked_bool():
-    assert config_mod.load("profiles/smoke.yaml").train.keep_host_memory is True
-    assert config_mod.load("profiles/smoke.yaml", ["train.keep_host_memory=false"]).train.keep_host_memory is False
+    assert config_mod.load("dtrain/profiles/smoke.yaml").train.keep_host_memory is True
+    assert config_mod.load("dtrain/profiles/smoke.yaml", ["train.keep_host_memory=false"]).train.keep_host_memory is False
     with pytest.raises(UserError) as e:
-        config_mod.load("profiles/smoke.yaml", ["train.keep_host_memory=sometimes"])
+        config_mod.load("dtrain/profiles/smoke.yaml", ["train.keep_host_memory=sometimes"])
     assert "train.keep_host_memory" in str(e.value) and "\n" not in str(e.value)

@@ -1,4 +1,4 @@
-"""analysis.interleave: every configuration of a matrix trained in one job, step by step in turn, on the same
+"""dtrain.analysis.interleave: every configuration of a matrix trained in one job, step by step in turn, on the same
 batches; each leaves an ordinary run directory."""
 
 import os
@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from analysis import interleave
-from analysis.runs import load_run
-from common.errors import UserError
-from dtrain import trainer as trainer_mod
+from dtrain.analysis import interleave
+from dtrain.analysis.runs import load_run
+from dtrain.common.errors import UserError
+from dtrain.engine import trainer as trainer_mod
 
 from conftest import REPO, records
 
@@ -19,14 +19,14 @@ SET = "set: {train.max_steps: 4, eval.at_end: false, train.average_last: 1, trai
 
 def run_job(matrix, out, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "analysis.interleave", "--matrix", str(matrix), "--out", str(out), *extra]
+           "dtrain.analysis.interleave", "--matrix", str(matrix), "--out", str(out), *extra]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_an_interleaved_job_trains_every_configuration_in_turn_on_the_same_batches(tmp_path):
     matrix = tmp_path / "m.yaml"
-    matrix.write_text(f"name: il\nprofiles: [profiles/smoke.yaml]\nstrategies: [ddp, bucketed, per_class]\n{SET}\n")
+    matrix.write_text(f"name: il\nprofiles: [dtrain/profiles/smoke.yaml]\nstrategies: [ddp, bucketed, per_class]\n{SET}\n")
     r = run_job(matrix, tmp_path / "out", "--seed", "3", "--set", "train.record_ranks=true")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     runs = {p.name: p for p in (tmp_path / "out").iterdir()}
@@ -47,7 +47,7 @@ def test_an_interleaved_job_trains_every_configuration_in_turn_on_the_same_batch
     # ... and rank 1's step times and CPU by thread (not its loss: rank 0's records hold the run's)
     rank1 = records(runs["smoke-ddp"] / "steps.rank1.jsonl")
     assert [r["step"] for r in rank1] == [1, 2, 3, 4] and rank1[-1]["cpu_main_ms"] > 0 and "loss" not in rank1[0]
-    # The job ends with its comparison against stock DDP (analysis.paired), one row a configuration.
+    # The job ends with its comparison against stock DDP (dtrain.analysis.paired), one row a configuration.
     table = r.stdout[r.stdout.index("configuration "):]
     assert "vs ddp" in table and all(any(ln.startswith(n + " ") for ln in table.splitlines())
                                       for n in ("ddp", "bucketed", "per_class"))
@@ -59,7 +59,7 @@ def test_an_interleaved_job_trains_every_configuration_in_turn_on_the_same_batch
 
 def test_configurations_that_cannot_share_a_job_are_refused(tmp_path):
     matrix = tmp_path / "m.yaml"
-    matrix.write_text("profiles: [profiles/smoke.yaml]\nstrategies: [bucketed]\n"
+    matrix.write_text("profiles: [dtrain/profiles/smoke.yaml]\nstrategies: [bucketed]\n"
                       f"knobs: {{data.max_tokens: [256, 512]}}\n{SET}\n")
     with pytest.raises(UserError, match="differ in data"):
         interleave.load_configs(str(matrix), [])
@@ -69,7 +69,7 @@ def test_configurations_that_cannot_share_a_job_are_refused(tmp_path):
 
 def test_only_keeps_the_named_cells_and_names_an_unknown_one(tmp_path):
     matrix = tmp_path / "m.yaml"
-    matrix.write_text("profiles: [profiles/smoke.yaml]\nvariants:\n  noop: {sync.strategy: noop}\n"
+    matrix.write_text("profiles: [dtrain/profiles/smoke.yaml]\nvariants:\n  noop: {sync.strategy: noop}\n"
                       "  b2: {sync.strategy: bucketed, sync.bucket_cap_mb: 2}\n"
                       f"  b8: {{sync.strategy: bucketed, sync.bucket_cap_mb: 8}}\n{SET}\n")
     assert [n for n, _ in interleave.load_configs(str(matrix), [])] == ["smoke-noop", "smoke-b2", "smoke-b8"]

@@ -1,4 +1,4 @@
-"""dtrain.log and common.rundir: what a run writes (typed records, JSON on disk as before), and what a resume keeps
+"""dtrain.engine.log and dtrain.common.rundir: what a run writes (typed records, JSON on disk as before), and what a resume keeps
 of it."""
 
 import json
@@ -6,12 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from common import rundir
-from common.errors import UserError
-from common.jsonl import read_jsonl
-from common.rundir import BucketRecord, StepRecord, ValRecord
-from dtrain.log import RunWriter
-from dtrain.trainer import Trainer, samples_file
+from dtrain.common import rundir
+from dtrain.common.errors import UserError
+from dtrain.common.jsonl import read_jsonl
+from dtrain.common.rundir import BucketRecord, StepRecord, ValRecord
+from dtrain.engine.log import RunWriter
+from dtrain.engine.trainer import Trainer, samples_file
 
 from conftest import REPO
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from dtrain.loss import LabelSmoothing
-from dtrain.schedule import rate
+from dtrain.engine.loss import LabelSmoothing
+from dtrain.engine.schedule import rate
 
 
 def test_smoothed_distribution_mass():
@@ -42,7 +42,7 @@ def test_schedule_peaks_at_warmup():
 
 
 def test_scheduler_steps_per_optimizer_step():
-    from dtrain.schedule import make_scheduler
+    from dtrain.engine.schedule import make_scheduler
 
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.Adam([p], lr=1.0)

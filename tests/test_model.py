@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from dtrain.config import MODEL_PRESETS, ModelConfig
-from dtrain.model import Transformer, count_parameters, sinusoid_table
+from dtrain.engine.config import MODEL_PRESETS, ModelConfig
+from dtrain.engine.model import Transformer, count_parameters, sinusoid_table
 
 
 def test_output_shape(tiny_model):
@@ -86,7 +86,7 @@ def test_incremental_decoding_matches_full_decoder(tiny_model):
 
 
 def test_model_cli_prints_count(capsys):
-    from dtrain.model import main
+    from dtrain.engine.model import main
 
     main(["--preset", "base", "--vocab", "37000"])
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""collectives.nccl, the process-group side: the environment each class's group is created under (a fake group
+"""dtrain.collectives.nccl, the process-group side: the environment each class's group is created under (a fake group
 factory records it at creation and at the barrier), its restoration, the identical-settings check, the job
 environment of global and tuner modes, and gloo, where everything is recorded as requested, not applied."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from collectives import config, nccl
-from common.errors import UserError
+from dtrain.collectives import config, nccl
+from dtrain.common.errors import UserError
 
 WATCHED = ("NCCL_PROTO", "NCCL_ALGO", "DTRAIN_TUNER_CLASS", "DTRAIN_TUNER_RULES", "NCCL_TUNER_PLUGIN")
 
@@ -123,7 +123,7 @@ def test_unbound_device_is_recorded():
 
 def test_global_mode_sets_the_job_environment_once():
     fake = FakeGroups()
-    record = nccl.apply_global(config.load("profiles/ll128.yaml"), backend="nccl", version=(2, 26, 5), factory=fake)
+    record = nccl.apply_global(config.load("dtrain/profiles/ll128.yaml"), backend="nccl", version=(2, 26, 5), factory=fake)
     assert os.environ["NCCL_PROTO"] == "allreduce:LL128" and record["job_env"] == {"NCCL_PROTO": "allreduce:LL128"}
     nccl.class_group("embedding")
     assert fake.events == [("new_group", "dtrain:embedding", {"NCCL_PROTO": "allreduce:LL128"}, {})]
@@ -147,7 +147,7 @@ def test_tuner_mode_builds_the_plugin_writes_rules_and_names_the_class():
 def test_gloo_records_requested_not_applied_and_sets_nothing():
     before = dict(os.environ)
     fake = FakeGroups()
-    record = nccl.apply_global(config.load("profiles/per_group.yaml"), backend="gloo", factory=fake)
+    record = nccl.apply_global(config.load("dtrain/profiles/per_group.yaml"), backend="gloo", factory=fake)
     assert dict(os.environ) == before
     assert record["applied"] is False and record["status"] == "requested, not applied (backend gloo)"
     assert record["requested"]["classes"]["embedding"] == {"proto": "Simple", "algo": "Ring", "min_ctas": None,
@@ -163,7 +163,7 @@ def test_gloo_records_requested_not_applied_and_sets_nothing():
 def _two_rank_gloo(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        cfg = config.load("profiles/per_group.yaml")
+        cfg = config.load("dtrain/profiles/per_group.yaml")
         nccl.apply_global(cfg, backend="gloo")
         import torch
 

@@ -1,4 +1,4 @@
-"""collectives.nccl parse-log: NCCL's TUNING lines in both formats (2.21-2.23 numeric, >= 2.24 named) and its ENV
+"""dtrain.collectives.nccl parse-log: NCCL's TUNING lines in both formats (2.21-2.23 numeric, >= 2.24 named) and its ENV
 lines, read from constructed samples in tests/data/nccl, joined to a bucket plan; buckets off their requested choice
 are listed and make the command exit 1. And the init table of a log recorded on an H200."""
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from collectives import config, nccl
-from collectives.nccl.__main__ import main
-from collectives.settings import NcclSettings
-from common.errors import UserError
+from dtrain.collectives import config, nccl
+from dtrain.collectives.nccl.__main__ import main
+from dtrain.collectives.settings import NcclSettings
+from dtrain.common.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "nccl"
@@ -21,7 +21,7 @@ def read(name):
 
 
 def wanted():
-    cfg = config.load(REPO / "profiles" / "per_group.yaml")
+    cfg = config.load(REPO / "dtrain" / "profiles" / "per_group.yaml")
     return {n: nccl.resolve(cfg, n) for n in nccl.class_names(cfg)}
 
 
@@ -91,17 +91,17 @@ def run_cli(capsys, *args):
 
 
 def test_cli_exit_codes(capsys):
-    common = ["--profile", "profiles/per_group.yaml", "--buckets", str(DATA / "buckets.jsonl")]
+    common = ["--profile", "dtrain/profiles/per_group.yaml", "--buckets", str(DATA / "buckets.jsonl")]
     code, out, _ = run_cli(capsys, str(DATA / "per_group_2.24.log"), *common)
     assert code == 0 and "every bucket on its requested choice" in out and "communicator  collective" in out
     code, out, _ = run_cli(capsys, str(DATA / "per_group_mismatch_2.24.log"), *common)
     assert code == 1 and "1 bucket(s) not on the requested choice" in out
     code, _, err = run_cli(capsys, str(DATA / "nope.log"))
-    assert code == 2 and err.startswith("collectives.nccl: error: ") and err.count("\n") == 1
+    assert code == 2 and err.startswith("dtrain.collectives.nccl: error: ") and err.count("\n") == 1
 
 
 def test_verify_run_writes_its_check(tmp_path):
-    cfg = config.load(REPO / "profiles" / "per_group.yaml", ["collectives.parse_log=true"])
+    cfg = config.load(REPO / "dtrain" / "profiles" / "per_group.yaml", ["collectives.parse_log=true"])
     run, logs = tmp_path / "run", tmp_path / "logs"
     run.mkdir()
     logs.mkdir()
@@ -115,7 +115,7 @@ def test_verify_run_writes_its_check(tmp_path):
 
 def recorded_run(tmp_path):
     """A run directory as the trainer leaves it: rank 0's NCCL log (ENV and TUNING lines recorded on an H200, NCCL
-    2.28.9, two ranks as two NCCL hosts, profiles/per_group.yaml with the projections on Simple) and the bucket plan
+    2.28.9, two ranks as two NCCL hosts, dtrain/profiles/per_group.yaml with the projections on Simple) and the bucket plan
     of its first step."""
     (tmp_path / "nccl-logs").mkdir()
     (tmp_path / "nccl-logs" / "nccl.vm.516.log").write_text((DATA / "h200_per_class_2.28.9.log").read_text())
@@ -125,7 +125,7 @@ def recorded_run(tmp_path):
 
 def test_a_recorded_h200_run_is_on_its_requested_choices(tmp_path):
     nccl.reset()  # no applied plan in this process: the logs are found in <run>/nccl-logs
-    cfg = config.load(REPO / "profiles" / "per_group.yaml",
+    cfg = config.load(REPO / "dtrain" / "profiles" / "per_group.yaml",
                       ["collectives.parse_log=true", "sync.classes.projection.protocol=Simple"])
     result = nccl.verify_run(cfg, recorded_run(tmp_path))
     assert result["mismatches"] == [] and result["decisions"] > 78
@@ -138,7 +138,7 @@ def test_a_recorded_h200_run_is_on_its_requested_choices(tmp_path):
 
 def test_the_same_log_against_the_profile_that_asked_for_LL_lists_every_projection_bucket(tmp_path):
     nccl.reset()
-    cfg = config.load(REPO / "profiles" / "per_group.yaml", ["collectives.parse_log=true"])  # projection: LL
+    cfg = config.load(REPO / "dtrain" / "profiles" / "per_group.yaml", ["collectives.parse_log=true"])  # projection: LL
     result = nccl.verify_run(cfg, recorded_run(tmp_path))
     assert len(result["mismatches"]) == 72 and {m["class"] for m in result["mismatches"]} == {"projection"}
     assert "72 bucket(s) not on the requested choice" in (tmp_path / "nccl_check.txt").read_text()
@@ -146,9 +146,9 @@ def test_the_same_log_against_the_profile_that_asked_for_LL_lists_every_projecti
 
 def test_no_check_without_parse_log_or_logs(tmp_path):
     nccl.reset()
-    cfg = config.load(REPO / "profiles" / "per_group.yaml")
+    cfg = config.load(REPO / "dtrain" / "profiles" / "per_group.yaml")
     assert nccl.verify_run(cfg, recorded_run(tmp_path)) is None  # parse_log off
-    cfg = config.load(REPO / "profiles" / "per_group.yaml", ["collectives.parse_log=true"])
+    cfg = config.load(REPO / "dtrain" / "profiles" / "per_group.yaml", ["collectives.parse_log=true"])
     assert nccl.verify_run(cfg, tmp_path / "elsewhere") is None and not (tmp_path / "elsewhere").exists()
 
 

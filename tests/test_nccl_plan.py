@@ -1,4 +1,4 @@
-"""collectives.nccl, the profile side: validation, per-class resolution, version guards, the settings each process
+"""dtrain.collectives.nccl, the profile side: validation, per-class resolution, version guards, the settings each process
 group gets (what `groups` and `--dry-run` print), the CSV for NCCL's example tuner plugin, and the command line's exit
 codes."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from collectives import config, nccl
-from collectives import tensor_classes as tc
-from collectives.nccl import gpu_check
-from collectives.nccl.__main__ import main
-from collectives.settings import NcclSettings
-from common.errors import UserError
+from dtrain.collectives import config, nccl
+from dtrain.collectives import tensor_classes as tc
+from dtrain.collectives.nccl import gpu_check
+from dtrain.collectives.nccl.__main__ import main
+from dtrain.collectives.settings import NcclSettings
+from dtrain.common.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,19 +62,19 @@ def test_errors_name_the_profile_line(tmp_path):
 
 def test_every_shipped_nccl_profile_loads_and_renders():
     for name in ("ll", "ll128", "simple", "tree", "per_group", "tuner"):
-        cfg = config.load(REPO / "profiles" / f"{name}.yaml")
+        cfg = config.load(REPO / "dtrain" / "profiles" / f"{name}.yaml")
         text = nccl.groups_text(cfg, backend="nccl")
         assert text.startswith(f"NCCL plan: mode {cfg.collectives.mode}")
 
 
 def test_global_mode_sets_one_job_environment_restricted_to_allreduce():
-    setup = nccl.build_groups(config.load(REPO / "profiles" / "ll128.yaml"), version=(2, 26, 2))
+    setup = nccl.build_groups(config.load(REPO / "dtrain" / "profiles" / "ll128.yaml"), version=(2, 26, 2))
     assert setup.process_env == {"NCCL_PROTO": "allreduce:LL128"}
     assert all(g.env == {} and g.settings.proto == "LL128" for g in setup.groups)
     assert any("LL128 is forced" in w and "#wrong" in w for w in setup.warnings)
     validated = cfg_of({"default": {"proto": "LL128"}, "validated": True})
     assert not any("LL128" in w for w in nccl.build_groups(validated).warnings)
-    tree = nccl.build_groups(config.load(REPO / "profiles" / "tree.yaml"), version=(2, 30, 1))
+    tree = nccl.build_groups(config.load(REPO / "dtrain" / "profiles" / "tree.yaml"), version=(2, 30, 1))
     assert tree.process_env == {"NCCL_ALGO": "allreduce:Tree"}
 
 
@@ -202,7 +202,7 @@ def test_example_plugin_csv_covers_every_size_and_collective_with_explicit_chann
 
 
 def run_cli(capsys, *args):
-    """`python -m collectives.nccl ARGS` in this process: (exit code, stdout, stderr)."""
+    """`python -m dtrain.collectives.nccl ARGS` in this process: (exit code, stdout, stderr)."""
     try:
         code = main(list(args))
     except SystemExit as e:
@@ -212,16 +212,16 @@ def run_cli(capsys, *args):
 
 
 def test_cli_groups_and_its_one_line_errors(tmp_path, capsys):
-    code, out, _ = run_cli(capsys, "groups", "--profile", "profiles/per_group.yaml", "--backend", "nccl")
+    code, out, _ = run_cli(capsys, "groups", "--profile", "dtrain/profiles/per_group.yaml", "--backend", "nccl")
     assert code == 0 and "NCCL_PROTO=allreduce:LL" in out
-    code, out, err = run_cli(capsys, "groups", "--profile", "profiles/tree.yaml", "--nccl-version", "2.23.4")
+    code, out, err = run_cli(capsys, "groups", "--profile", "dtrain/profiles/tree.yaml", "--nccl-version", "2.23.4")
     assert code == 2 and out == ""
-    assert err.startswith("collectives.nccl: error: 'collectives.default.algo'") and err.count("\n") == 1
+    assert err.startswith("dtrain.collectives.nccl: error: 'collectives.default.algo'") and err.count("\n") == 1
     bad = tmp_path / "bad.yaml"
     bad.write_text("collectives:\n  mode: per_group\nsync:\n  classes:\n    ffn: {protocol: LL129}\n")
     code, _, err = run_cli(capsys, "groups", "--profile", str(bad))
     assert code == 2 and "'sync.classes.ffn.protocol'" in err and err.count("\n") == 1
-    code, _, _ = run_cli(capsys, "tuner-config", "--profile", "profiles/tuner.yaml", "--nproc", "8", "--out",
+    code, _, _ = run_cli(capsys, "tuner-config", "--profile", "dtrain/profiles/tuner.yaml", "--nproc", "8", "--out",
                          str(tmp_path / "csv"))
     assert code == 0
     assert sorted(p.name for p in (tmp_path / "csv").iterdir()) == sorted(
@@ -238,7 +238,7 @@ def test_help_lists_every_verb(capsys):
 
 
 def test_module_entry_point_runs():
-    r = subprocess.run([sys.executable, "-m", "collectives.nccl", "groups", "--profile", "profiles/ll128.yaml"],
+    r = subprocess.run([sys.executable, "-m", "dtrain.collectives.nccl", "groups", "--profile", "dtrain/profiles/ll128.yaml"],
                        capture_output=True, text=True, cwd=REPO, env=dict(os.environ))
     assert r.returncode == 0 and "NCCL_PROTO=allreduce:LL128" in r.stdout
 

@@ -1,6 +1,6 @@
 """One reader for nccl-tests' output and the benchmark's: a real, published all_reduce_perf output
-(tests/data/nccl_tests_format/, its source beside it) and `collectives.bench`'s own table, run here on 2 gloo ranks,
-both read by `collectives.costmodel.measurements` and by the column layout nccl-tests' parsers assume."""
+(tests/data/nccl_tests_format/, its source beside it) and `dtrain.collectives.bench`'s own table, run here on 2 gloo ranks,
+both read by `dtrain.collectives.costmodel.measurements` and by the column layout nccl-tests' parsers assume."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from collectives.costmodel.measurements import read_measurements
+from dtrain.collectives.costmodel.measurements import read_measurements
 from conftest import REPO
 
 REAL = REPO / "tests" / "data" / "nccl_tests_format" / "h100x16_2nodes_roce_nccl2.21.5_all_reduce_perf.txt"
@@ -60,7 +60,7 @@ def test_real_all_reduce_perf_output():
 def test_the_benchmark_table_reads_like_all_reduce_perf(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "collectives.bench", "-b", "1K", "-e", "256K", "-f", "4", "-w", "1", "-n", "3", "--json", str(out)]
+           "dtrain.collectives.bench", "-b", "1K", "-e", "256K", "-f", "4", "-w", "1", "-n", "3", "--json", str(out)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

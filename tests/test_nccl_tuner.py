@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 
-from collectives import config, nccl
-from collectives.nccl.settings import COLLECTIVES
-from collectives.nccl.tuner import read_example_config
-from common.errors import UserError
+from dtrain.collectives import config, nccl
+from dtrain.collectives.nccl.settings import COLLECTIVES
+from dtrain.collectives.nccl.tuner import read_example_config
+from dtrain.common.errors import UserError
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 
@@ -126,7 +126,7 @@ def test_malformed_or_missing_rules_fail_init(lib, tmp_path, monkeypatch):
 
 
 def test_profile_rules_table_for_every_version():
-    cfg = config.load("profiles/tuner.yaml")
+    cfg = config.load("dtrain/profiles/tuner.yaml")
     rows = nccl.tuner_table(cfg, sizes=(4096, 64 << 20))
     by = {(r["version"], r["class"], r["bytes"]): r for r in rows}
     for v in VERSIONS:
@@ -286,7 +286,7 @@ def test_plugin_refuses_an_example_config_the_check_refuses(lib, tmp_path, monke
 
 def test_the_projects_example_configs_round_trip(lib, tmp_path, monkeypatch):
     """`tuner-config`'s files for the example plugin read back unchanged, and the plugin forces what they ask."""
-    cfg = config.load("profiles/tuner.yaml")
+    cfg = config.load("dtrain/profiles/tuner.yaml")
     path = example_file(tmp_path, nccl.example_tuner_csv(cfg, "projection", 8, 1, 12, "tuner"))
     rules = read_example_config(path)
     assert {r.collective for r in rules} == set(COLLECTIVES) and all(r.max_bytes is None for r in rules)

@@ -17,15 +17,15 @@ import pytest
 import torch
 from conftest import REPO
 
-from dtrain import checkpoint
+from dtrain.engine import checkpoint
 
 # Each decision, printed by each rank as one JSON object: its answer, or the error's type and message.
 SCRIPT = textwrap.dedent('''
     import dataclasses, hashlib, json, sys
     from pathlib import Path
-    from collectives import dist as ddist
-    from dtrain import checkpoint, config, startup
-    from dtrain.data import multi30k_split
+    from dtrain.collectives import dist as ddist
+    from dtrain.engine import checkpoint, config, startup
+    from dtrain.engine.data import multi30k_split
     cfg = config.load(sys.argv[1])
     ddist.init(cfg.dist)
     def data(**kw):
@@ -75,7 +75,7 @@ def _free_port() -> int:
 def _ranks_on_own_disks(script, disks, envs, timeout=300) -> list[dict]:
     """Run `script` as ranks 0 and 1 of one job, rank r in folder disks[r] with envs[r] added; each rank's JSON."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(script), str(REPO / "profiles" / "smoke.yaml")], cwd=disk,
+    procs = [subprocess.Popen([sys.executable, str(script), str(REPO / "dtrain" / "profiles" / "smoke.yaml")], cwd=disk,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": str(port), "RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": "2",

@@ -1,12 +1,12 @@
-"""analysis.paired: interleaved jobs compared step by step against a baseline and the run without communication."""
+"""dtrain.analysis.paired: interleaved jobs compared step by step against a baseline and the run without communication."""
 
 import json
 
 import pytest
 
-from analysis import paired
-from common import rundir
-from common.errors import UserError
+from dtrain.analysis import paired
+from dtrain.common import rundir
+from dtrain.common.errors import UserError
 
 # per configuration: (step ms over the step's shared drift, CPU ms of the training, backend and other threads)
 CONFIGS = {"noop": (500.0, (400.0, 0.0, 0.0)), "ddp-2": (650.0, (420.0, 30.0, 0.0)),

@@ -3,7 +3,7 @@ import random
 import pytest
 from sacrebleu.metrics import BLEU
 
-from dtrain.paper_bleu import multi_bleu, paper_scores, split_compounds, tokenize, tokenized_bleu
+from dtrain.engine.paper_bleu import multi_bleu, paper_scores, split_compounds, tokenize, tokenized_bleu
 
 
 def test_compound_splitting_follows_the_perl_substitution():

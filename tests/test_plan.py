@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collectives import strategies
-from collectives import tensor_classes as tc
-from collectives.plan import Bucket, BucketingStrategy, pack, ready_order
-from collectives.settings import ClassSettings, SyncConfig
-from common.errors import UserError
-from dtrain.model import Transformer
+from dtrain.collectives import strategies
+from dtrain.collectives import tensor_classes as tc
+from dtrain.collectives.plan import Bucket, BucketingStrategy, pack, ready_order
+from dtrain.collectives.settings import ClassSettings, SyncConfig
+from dtrain.common.errors import UserError
+from dtrain.engine.model import Transformer
 
 MiB = 2**20
 

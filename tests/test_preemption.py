@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun
 
-from dtrain.trainer import PREEMPTED_EXIT
+from dtrain.engine.trainer import PREEMPTED_EXIT
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,8 @@ ARGS = ("--set", f"train.max_steps={STEPS}", "--set", "train.record_samples=true
 
 def start(run: Path, *resume: str) -> subprocess.Popen:
     """A 2-rank torchrun of the smoke profile with slow steps, so that a signal lands mid-run."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dtrain.train",
-           "--profile", "profiles/smoke.yaml", "--run-dir", str(run), "--fault", "slow@rank=0,ms=200", *resume, *ARGS]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dtrain.engine.train",
+           "--profile", "dtrain/profiles/smoke.yaml", "--run-dir", str(run), "--fault", "slow@rank=0,ms=200", *resume, *ARGS]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 

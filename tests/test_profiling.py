@@ -1,4 +1,4 @@
-"""dtrain.profiler: the step window, the no-op span outside a window, and a traced one-rank training run whose
+"""dtrain.engine.profiler: the step window, the no-op span outside a window, and a traced one-rank training run whose
 bucket all-reduces carry their bucket index and tensor class from launch to completion."""
 
 import json
@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collectives.spans import SPAN_PREFIX, comm_span
-from dtrain.profiler import StepProfiler, parse_window
-from dtrain import verify
-from collectives import attach
-from collectives.settings import SyncConfig
-from common.errors import UserError
+from dtrain.collectives.spans import SPAN_PREFIX, comm_span
+from dtrain.engine.profiler import StepProfiler, parse_window
+from dtrain.engine import verify
+from dtrain.collectives import attach
+from dtrain.collectives.settings import SyncConfig
+from dtrain.common.errors import UserError
 
 
 @pytest.mark.parametrize("spec, want", [("10:3", (10, 3)), ("10-12", (10, 3)), (" 1:1 ", (1, 1))])

@@ -1,4 +1,4 @@
-"""analysis.recommend (`python -m analysis.recommend --profile ... --topology ...`): per-class bucket caps and NCCL
+"""dtrain.analysis.recommend (`python -m dtrain.analysis.recommend --profile ... --topology ...`): per-class bucket caps and NCCL
 choices for a profile's model, modeled, and the profile with them merged in."""
 
 import json
@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from analysis import recommend as rec_mod
-from collectives import costmodel as cm
-from common.errors import UserError
-from dtrain import config as config_mod
+from dtrain.analysis import recommend as rec_mod
+from dtrain.collectives import costmodel as cm
+from dtrain.common.errors import UserError
+from dtrain.engine import config as config_mod
 
 H100 = cm.NcclModel(cm.topology("h100x8"))  # 12 channels x 30 GB/s, NVLink, one node of 8
 
 
 def test_recommend_for_the_base_model_writes_a_valid_profile(tmp_path, capsys):
     out = tmp_path / "rec.yaml"
-    rec_mod.main(["--profile", "profiles/base.yaml", "--topology", "h100x8-ib:2", "--out", str(out), "--json"])
+    rec_mod.main(["--profile", "dtrain/profiles/base.yaml", "--topology", "h100x8-ib:2", "--out", str(out), "--json"])
     rec = json.loads(capsys.readouterr().out)
     assert rec["modeled"] is True
     assert {r["class"] for r in rec["classes"]} == {"embedding", "projection", "ffn", "norm_bias"}
@@ -33,7 +33,7 @@ def test_recommend_for_the_base_model_writes_a_valid_profile(tmp_path, capsys):
 
 
 def test_recommend_forces_a_protocol_only_where_measurements_beat_nccls_pick():
-    cfg = config_mod.load("profiles/base.yaml")
+    cfg = config_mod.load("dtrain/profiles/base.yaml")
     # Measured (synthetic): Simple beats LL and LL128 at every size, where the analytic model picks LL for the
     # small norm/bias bucket and Simple for the 72 MiB embedding.
     fit = cm.FittedModel({"Ring/LL": [cm.Regime(math.inf, 15.0, 60.0)],
@@ -48,8 +48,8 @@ def test_recommend_forces_a_protocol_only_where_measurements_beat_nccls_pick():
     assert rec["overlay"]["collectives"] == {"mode": "per_group"}
     assert rec["recommended"]["comm_ms"] < rec["recommended_caps_default"]["comm_ms"]
     # Merged into the profile, the forced choice is the class's own NCCL setting on its own communicator.
-    text = rec_mod.overlay_yaml("profiles/base.yaml", rec, ["--profile", "profiles/base.yaml"])
-    assert text.splitlines()[1].startswith("# From profiles/base.yaml, with per-class bucket caps and NCCL choices")
+    text = rec_mod.overlay_yaml("dtrain/profiles/base.yaml", rec, ["--profile", "dtrain/profiles/base.yaml"])
+    assert text.splitlines()[1].startswith("# From dtrain/profiles/base.yaml, with per-class bucket caps and NCCL choices")
     merged = config_mod.from_dict(yaml.safe_load(text), "rec.yaml")
     assert merged.collectives.mode == "per_group" and merged.sync.strategy == "per_class"
     assert (merged.sync.classes["norm_bias"].protocol, merged.sync.classes["norm_bias"].algorithm) == ("Simple", "Ring")
@@ -59,31 +59,31 @@ def test_recommend_forces_a_protocol_only_where_measurements_beat_nccls_pick():
 
 
 def test_a_fitted_model_without_a_run_is_a_user_error():
-    cfg = config_mod.load("profiles/base.yaml")
+    cfg = config_mod.load("dtrain/profiles/base.yaml")
     fit = cm.FittedModel({"measured": [cm.Regime(math.inf, 100.0, 1.0)]}, ranks=2)
     with pytest.raises(UserError, match="needs --run"):
         rec_mod.recommend(cfg, fit)
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--profile", "profiles/base.yaml", "--topology", "h100x8", "--out", "/nonexistent/dir/rec.yaml"],
+    (["--profile", "dtrain/profiles/base.yaml", "--topology", "h100x8", "--out", "/nonexistent/dir/rec.yaml"],
      "does not exist"),
-    (["--profile", "profiles/base.yaml", "--topology", "nope"], "unknown topology 'nope'"),
-    (["--profile", "profiles/base.yaml"], "--topology"),
+    (["--profile", "dtrain/profiles/base.yaml", "--topology", "nope"], "unknown topology 'nope'"),
+    (["--profile", "dtrain/profiles/base.yaml"], "--topology"),
 ])
 def test_bad_command_lines_are_one_line_errors(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         rec_mod.main(argv)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("analysis.recommend: error: ") \
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("dtrain.analysis.recommend: error: ") \
         and msg in err, err
 
 
 def test_the_command_runs_as_a_module_and_only_there():
     repo = Path(__file__).parent.parent
-    r = subprocess.run([sys.executable, "-m", "analysis.recommend", "--help"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "dtrain.analysis.recommend", "--help"], capture_output=True, text=True,
                        cwd=repo)
     assert r.returncode == 0 and "--profile" in r.stdout and "--fit" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "collectives.costmodel", "recommend", "--profile", "profiles/base.yaml",
+    r = subprocess.run([sys.executable, "-m", "dtrain.collectives.costmodel", "recommend", "--profile", "dtrain/profiles/base.yaml",
                         "--topology", "h100x8"], capture_output=True, text=True, cwd=repo)
     assert r.returncode == 2 and "unknown command 'recommend'" in r.stderr

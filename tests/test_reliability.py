@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import NO_EVAL, REPO, checkpoint_diff, free_port, records, torchrun
-from dtrain.faults import Fault, parse
+from dtrain.engine.faults import Fault, parse
 
 
 def test_fault_specs_parse_and_reject():
@@ -43,7 +43,7 @@ def test_hung_peer_fails_within_the_timeout(tmp_path):
     phase. The two ranks get torchrun's environment but not its agent, which would then wait out its own grace
     period (30 s, torch.distributed.elastic's shutdown) for the hung rank: its SIGTERM handler only asks for a stop."""
     timeout, port = 6, free_port()
-    cmd = [sys.executable, "-m", "dtrain.train", "--profile", "profiles/smoke.yaml",
+    cmd = [sys.executable, "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/smoke.yaml",
            "--run-dir", str(tmp_path / "hang"), "--fault", "hang@step=5,rank=1", "--set", f"dist.timeout_s={timeout}",
            *NO_EVAL]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -92,8 +92,8 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, straight_run
 
 
 def run_train(*args, env=None):
-    """Single-process dtrain.train (no torchrun): bad-input cases fail before any training."""
-    return subprocess.run([sys.executable, "-m", "dtrain.train", *args], capture_output=True, text=True, cwd=REPO,
+    """Single-process dtrain.engine.train (no torchrun): bad-input cases fail before any training."""
+    return subprocess.run([sys.executable, "-m", "dtrain.engine.train", *args], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, **(env or {})}, timeout=120)
 
 
@@ -105,20 +105,20 @@ def assert_one_line_error(r, pattern):
 
 
 def test_bad_fault_spec_is_one_line_error():
-    assert_one_line_error(run_train("--profile", "profiles/smoke.yaml", "--fault", "crash@rank=1"),
+    assert_one_line_error(run_train("--profile", "dtrain/profiles/smoke.yaml", "--fault", "crash@rank=1"),
                           r"--fault 'crash@rank=1': crash takes exactly rank, step")
 
 
 def test_unwritable_run_dir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert_one_line_error(run_train("--profile", "profiles/smoke.yaml", "--run-dir", str(blocker / "run")),
+    assert_one_line_error(run_train("--profile", "dtrain/profiles/smoke.yaml", "--run-dir", str(blocker / "run")),
                           r"run directory is not writable")
 
 
 def test_missing_corpus_without_network(tmp_path):
     # No data anywhere; the download points at a closed local port, so it fails at once like an offline machine.
-    r = run_train("--profile", "profiles/smoke.yaml", "--run-dir", str(tmp_path / "r"),
+    r = run_train("--profile", "dtrain/profiles/smoke.yaml", "--run-dir", str(tmp_path / "r"),
                   "--set", f"data.cache_dir={tmp_path / 'cache'}",
                   env={"DTRAIN_DATA_DIR": "", "https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"})
     assert_one_line_error(r, r"Multi30k not found .* download of .* failed")
@@ -129,7 +129,7 @@ def test_resume_with_a_different_model_shape(tmp_path, straight_run):
     run = tmp_path / "shape"
     shutil.copytree(straight_run, run)
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    r = run_train("--profile", "profiles/smoke.yaml", "--run-dir", str(run), "--resume",
+    r = run_train("--profile", "dtrain/profiles/smoke.yaml", "--run-dir", str(run), "--resume",
                   "--set", "model.d_model=128", *NO_EVAL)
     assert_one_line_error(r, r"checkpoint is of a different model shape")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
@@ -137,7 +137,7 @@ def test_resume_with_a_different_model_shape(tmp_path, straight_run):
 
 def _run_with_foreign_checkpoint(tmp_path):
     """A run directory whose only checkpoint has a matching checksum but holds a list, not a training state."""
-    from dtrain import checkpoint
+    from dtrain.engine import checkpoint
 
     run = tmp_path / "foreign"
     path = checkpoint.save(run, 10, [1, 2], keep=5)  # torch.save of any object, checksum file and all
@@ -148,19 +148,19 @@ def _run_with_foreign_checkpoint(tmp_path):
 def test_checkpoint_of_wrong_contents_is_a_one_line_error(tmp_path):
     import torch
 
-    from dtrain import checkpoint, config
-    from common.errors import UserError
-    from dtrain.evaluate import load_model_for_eval
+    from dtrain.engine import checkpoint, config
+    from dtrain.common.errors import UserError
+    from dtrain.engine.evaluate import load_model_for_eval
 
     run, path = _run_with_foreign_checkpoint(tmp_path)
-    cli = [sys.executable, "-m", "dtrain.checkpoint"]
+    cli = [sys.executable, "-m", "dtrain.engine.checkpoint"]
     r = subprocess.run([*cli, "diff", str(run), str(path)], capture_output=True, text=True, cwd=REPO)
     assert_one_line_error(r, r"step-0000010.pt: not a dtrain checkpoint \(holds a list, not a dict\)")
     r = subprocess.run([*cli, "inspect", str(path)], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "checksum    ok" in r.stdout and "contents    unreadable: not a dtrain checkpoint" in r.stdout
     with pytest.raises(UserError, match=r"step-0000010.pt: not a dtrain checkpoint"):
-        load_model_for_eval(run, "latest", 100, config.load("profiles/smoke.yaml"))
+        load_model_for_eval(run, "latest", 100, config.load("dtrain/profiles/smoke.yaml"))
     # A dict is not enough: resuming needs the whole training state, evaluating a "model" of tensors.
     partial = checkpoint.save(tmp_path / "partial", 5, {"model": {"w": torch.zeros(2)}}, keep=1)
     with pytest.raises(UserError, match=r"no 'step', 'optimizer', 'scheduler', 'data', 'rng', 'model_hash'"):
@@ -174,7 +174,7 @@ def test_checkpoint_of_wrong_contents_is_a_one_line_error(tmp_path):
 def test_resume_from_a_checkpoint_of_wrong_contents(tmp_path):
     run, path = _run_with_foreign_checkpoint(tmp_path)
     before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
-    r = run_train("--profile", "profiles/smoke.yaml", "--run-dir", str(run), "--resume", *NO_EVAL)
+    r = run_train("--profile", "dtrain/profiles/smoke.yaml", "--run-dir", str(run), "--resume", *NO_EVAL)
     assert_one_line_error(r, r"step-0000010.pt: not a dtrain checkpoint \(holds a list, not a dict\)")
     assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before  # nothing lost
     assert (run / "steps.jsonl").read_text() == '{"step": 10}\n'
@@ -182,14 +182,14 @@ def test_resume_from_a_checkpoint_of_wrong_contents(tmp_path):
 
 def test_evaluate_rejects_a_beam_below_one(tmp_path):
     for beam in ("-3", "0"):
-        r = subprocess.run([sys.executable, "-m", "dtrain.evaluate", "--run", str(tmp_path), "--beam", beam,
+        r = subprocess.run([sys.executable, "-m", "dtrain.engine.evaluate", "--run", str(tmp_path), "--beam", beam,
                             "--split", "val"], capture_output=True, text=True, cwd=REPO)
         assert_one_line_error(r, rf"--beam must be at least 1 \(1 = greedy\), got {beam}$")
 
 
 def test_resume_of_a_run_dir_that_does_not_exist(tmp_path):
     missing = tmp_path / "no-such-run"
-    r = run_train("--profile", "profiles/smoke.yaml", "--run-dir", str(missing), "--resume", *NO_EVAL)
+    r = run_train("--profile", "dtrain/profiles/smoke.yaml", "--run-dir", str(missing), "--resume", *NO_EVAL)
     assert_one_line_error(r, r"no-such-run: nothing to resume there \(no such directory\)")
     assert not missing.exists()
 

@@ -1,4 +1,4 @@
-"""analysis.replay: a recorded step's collectives replayed on the network (two gloo ranks on loopback), next to
+"""dtrain.analysis.replay: a recorded step's collectives replayed on the network (two gloo ranks on loopback), next to
 the run's completions and the cost model's replay of the same launches."""
 
 import json
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from analysis import simulate as sim
-from analysis.runs import load_run
-from collectives import costmodel as cm
+from dtrain.analysis import simulate as sim
+from dtrain.analysis.runs import load_run
+from dtrain.collectives import costmodel as cm
 from conftest import REPO
 from test_simulate import _write_run
 
@@ -25,7 +25,7 @@ def _bench(path):
 def _replay(*args, nproc=2):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc > 1 else [sys.executable])
-    return subprocess.run([*launcher, "-m", "analysis.replay", *map(str, args)], cwd=REPO, capture_output=True,
+    return subprocess.run([*launcher, "-m", "dtrain.analysis.replay", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -61,4 +61,4 @@ def test_bad_input_is_one_line(tmp_path):
                       ((tmp_path / "run", "--topology", "local:/nonexistent.json"), "nonexistent")):
         r = _replay(*args, nproc=1)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-        assert r.stderr.startswith("analysis.replay: error: ") and msg in r.stderr and r.stderr.count("\n") == 1
+        assert r.stderr.startswith("dtrain.analysis.replay: error: ") and msg in r.stderr and r.stderr.count("\n") == 1

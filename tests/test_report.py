@@ -1,4 +1,4 @@
-"""analysis.report (its tables, `report_tables`, and sections, `report_sections`) from small recorded runs
+"""dtrain.analysis.report (its tables, `report_tables`, and sections, `report_sections`) from small recorded runs
 (tests/data/runs/smoke: trimmed records of real 2-rank smoke runs and a loopback benchmark): the files, the series each
 figure holds, the captions, and figures skipped when data is missing.
 """
@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 from matplotlib.colors import to_rgba
 
-from analysis import plots, report, report_sections, report_tables
-from collectives import costmodel as cm
-from analysis.runs import find_runs, load_run, load_runs
+from dtrain.analysis import plots, report, report_sections, report_tables
+from dtrain.collectives import costmodel as cm
+from dtrain.analysis.runs import find_runs, load_run, load_runs
 
 from conftest import REPO
 

@@ -1,4 +1,4 @@
-"""analysis.report on a run that tuned its own communication (`sync.strategy: auto`): a recorded smoke run given a
+"""dtrain.analysis.report on a run that tuned its own communication (`sync.strategy: auto`): a recorded smoke run given a
 tuning.csv written here by hand (top four candidates measured, the rest pruned by the prediction), its table and
 figure, and the one-line errors for a tuning.csv that cannot be read.
 """
@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 from matplotlib.colors import to_rgba
 
-from analysis import plots, report, report_tuning
-from analysis.runs import load_run
-from common.errors import UserError
+from dtrain.analysis import plots, report, report_tuning
+from dtrain.analysis.runs import load_run
+from dtrain.common.errors import UserError
 
 from conftest import REPO
 

@@ -7,9 +7,9 @@ import shutil
 import pytest
 from conftest import NO_EVAL, records, torchrun
 
-from dtrain import config
-from dtrain.data import TokenBatcher
-from dtrain.startup import load_corpus
+from dtrain.engine import config
+from dtrain.engine.data import TokenBatcher
+from dtrain.engine.startup import load_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def straight_losses(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def epoch_batches():
-    cfg = config.load("profiles/smoke.yaml", [f"data.train_limit={LIMIT}"])
+    cfg = config.load("dtrain/profiles/smoke.yaml", [f"data.train_limit={LIMIT}"])
     batcher = TokenBatcher(load_corpus(cfg).train.lengths(), cfg.data.max_tokens, cfg.seed)
     return batcher.epoch_batches
 

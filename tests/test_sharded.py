@@ -7,13 +7,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from collectives import attach, strategies
-from collectives.plan import ready_order
-from collectives.settings import SyncConfig
+from dtrain.collectives import attach, strategies
+from dtrain.collectives.plan import ready_order
+from dtrain.collectives.settings import SyncConfig
 from conftest import NO_EVAL, checkpoint_diff, records, torchrun
-from dtrain import config, verify
-from common.errors import UserError
-from dtrain.model import Transformer
+from dtrain.engine import config, verify
+from dtrain.common.errors import UserError
+from dtrain.engine.model import Transformer
 
 SHARDED = ("--set", "sync.strategy=sharded", "--set", "sync.bucket_cap_mb=0.05")  # many buckets on the tiny model
 

@@ -1,4 +1,4 @@
-"""analysis.significance on small synthetic runs: the recorded smoke runs given a synthetic corpus (data.dir) and
+"""dtrain.analysis.significance on small synthetic runs: the recorded smoke runs given a synthetic corpus (data.dir) and
 translations of its validation split of known quality, scored with sacreBLEU's paired bootstrap test."""
 
 import random
@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from analysis import significance
-from analysis.runs import load_runs
+from dtrain.analysis import significance
+from dtrain.analysis.runs import load_runs
 
 from conftest import REPO
 

@@ -1,4 +1,4 @@
-"""analysis.simulate: the timeline engine on hand-built timelines, the ready curve, the calibration from one
+"""dtrain.analysis.simulate: the timeline engine on hand-built timelines, the ready curve, the calibration from one
 reference step, and a prediction end to end on a small hand-written run directory."""
 
 import json
@@ -9,15 +9,15 @@ import shutil
 
 import pytest
 
-from analysis import simulate as sim
-from analysis.plans import bucket_plan, narrowed_bytes, ready_params
-from analysis.runs import load_run, slowest_rank_records
-from analysis.simulate.__main__ import main
-from collectives import costmodel as cm
-from collectives.costmodel import CollectiveCost
-from collectives.timeline import gather_stall, optimizer_saving, sharded_times
-from common.errors import UserError
-from dtrain import config as config_mod
+from dtrain.analysis import simulate as sim
+from dtrain.analysis.plans import bucket_plan, narrowed_bytes, ready_params
+from dtrain.analysis.runs import load_run, slowest_rank_records
+from dtrain.analysis.simulate.__main__ import main
+from dtrain.collectives import costmodel as cm
+from dtrain.collectives.costmodel import CollectiveCost
+from dtrain.collectives.timeline import gather_stall, optimizer_saving, sharded_times
+from dtrain.common.errors import UserError
+from dtrain.engine import config as config_mod
 
 from conftest import REPO
 
@@ -64,7 +64,7 @@ def test_two_lanes_overlap_latency_and_share_the_links_bandwidth():
     assert tl.end == pytest.approx([1.0, 1.0, 2.0])
     # The link is shared between groups first, then within a group: b's one transfer gets half of it, a's two a
     # quarter each; after b ends at 20, a's two share the whole link (per connection, as the testbed's network
-    # replay of per_class's buckets shows: analysis.replay).
+    # replay of per_class's buckets shows: dtrain.analysis.replay).
     tl = sim.play_timeline([0.0, 0.0, 0.0], [10.0, 10.0, 10.0], 100.0, lanes=2, groups=["a", "a", "b"])
     assert tl.end == pytest.approx([30.0, 30.0, 20.0])
     # Two groups transferring at once while backward computes reach 0.8 of the link together (the benchmark's
@@ -132,14 +132,14 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
             main(argv)
         assert e.value.code == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("analysis.simulate: error:")
+        assert err.count("\n") == 1 and err.startswith("dtrain.analysis.simulate: error:")
 
 
-# -- end to end on a hand-written run (needs the bucketing plans of collectives.plan) ----------------------------
+# -- end to end on a hand-written run (needs the bucketing plans of dtrain.collectives.plan) ----------------------------
 
 
 def _write_run(path, strategy="bucketed", cap=0.25, steps=6):
-    pytest.importorskip("collectives.plan")
+    pytest.importorskip("dtrain.collectives.plan")
     cfg = config_mod.from_dict({"model": {"N": 1, "d_model": 32, "d_ff": 64, "h": 2},
                                 "data": {"vocab_size": 1000},
                                 "sync": {"strategy": strategy, "bucket_cap_mb": cap}})
@@ -393,7 +393,7 @@ def test_ranking_counts_only_pairs_that_measurement_or_model_can_order():
 
 
 def test_paper_projection_runs_and_states_assumptions(capsys):
-    pytest.importorskip("collectives.plan")
+    pytest.importorskip("dtrain.collectives.plan")
     main(["--paper", "--strategies", "flat,bucketed", "--bucket-sizes", "25"])
     out = capsys.readouterr().out
     assert "MODELED projection" in out and "assumed" in out and "p100x8" in out
@@ -402,7 +402,7 @@ def test_paper_projection_runs_and_states_assumptions(capsys):
 
 
 def test_a_profiles_per_class_nccl_choice_is_honoured_by_the_preset():
-    pytest.importorskip("collectives.plan")
+    pytest.importorskip("dtrain.collectives.plan")
     base = {"model": {"preset": "base"}, "data": {"vocab_size": 37000}, "sync": {"strategy": "per_class"}}
     forced = {**base, "sync": {"strategy": "per_class", "classes": {"ffn": {"algorithm": "Ring", "protocol": "LL"}}},
               "collectives": {"mode": "per_group"}}

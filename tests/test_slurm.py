@@ -29,9 +29,9 @@ STEPS = 10
 
 
 def smoke_args(steps: int) -> list[str]:
-    """profiles/smoke.yaml, short and without the final decoding: these jobs are about the launch
+    """dtrain/profiles/smoke.yaml, short and without the final decoding: these jobs are about the launch
     (test_train_smoke covers the training), with a checkpoint every 5 steps to resume from."""
-    return ["profiles/smoke.yaml", "--set", f"train.max_steps={steps}", "--set", "train.ckpt_every=5", *NO_EVAL]
+    return ["dtrain/profiles/smoke.yaml", "--set", f"train.max_steps={steps}", "--set", "train.ckpt_every=5", *NO_EVAL]
 
 
 def job_env(slurm, run: Path) -> dict:
@@ -280,8 +280,8 @@ def test_usr1_requeues_and_the_next_attempt_resumes(slurm, tmp_path):
 
 def test_bad_profile_fails_the_job(slurm, tmp_path):
     out = tmp_path / "job.out"
-    r = subprocess.run(["sbatch", "--wait", "--parsable", f"--output={out}", str(SCRIPT), "profiles/nope.yaml"],
+    r = subprocess.run(["sbatch", "--wait", "--parsable", f"--output={out}", str(SCRIPT), "dtrain/profiles/nope.yaml"],
                        capture_output=True, text=True, env=slurm.env, cwd=REPO, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "profile 'profiles/nope.yaml' not found" in out.read_text()
+    assert "profile 'dtrain/profiles/nope.yaml' not found" in out.read_text()
     assert slurm.job(r.stdout.strip().split(";")[0])["ExitCode"] == "2:0"

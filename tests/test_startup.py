@@ -37,7 +37,7 @@ def _error_lines(text: str) -> list[str]:
 
 
 def _train_args(tmp_path, *extra):
-    return ["-m", "dtrain.train", "--profile", "profiles/smoke.yaml", "--run-dir", str(tmp_path / "run"), *extra]
+    return ["-m", "dtrain.engine.train", "--profile", "dtrain/profiles/smoke.yaml", "--run-dir", str(tmp_path / "run"), *extra]
 
 
 @pytest.mark.slow
@@ -51,7 +51,7 @@ def test_named_data_dir_without_corpus_fails_alike_on_both_ranks(tmp_path):
         assert "Traceback" not in r.stderr and "Connection closed" not in r.stderr, r.stderr[-3000:]
         assert len(found) == 1, r.stderr[-3000:]
     assert lines[0] == lines[1]
-    assert re.fullmatch(rf"dtrain\.train: error: data\.dir {re.escape(str(empty))}: no Multi30k there "
+    assert re.fullmatch(rf"dtrain\.engine\.train: error: data\.dir {re.escape(str(empty))}: no Multi30k there "
                         r"\(train\.en, train\.de, .*\); fix data\.dir or leave it unset", lines[0][0]), lines[0][0]
 
 
@@ -87,9 +87,9 @@ def test_under_torchrun_both_ranks_report_the_same_line_and_exit_2(tmp_path):
 DECISIONS = textwrap.dedent('''
     import dataclasses, json, sys
     from pathlib import Path
-    from collectives import dist as ddist
-    from dtrain import config, startup
-    cfg = config.load("profiles/smoke.yaml")
+    from dtrain.collectives import dist as ddist
+    from dtrain.engine import config, startup
+    cfg = config.load("dtrain/profiles/smoke.yaml")
     ddist.init(cfg.dist)
     good_run, empty_run, broken_run, blocked_cache = sys.argv[1:5]
     def outcome(fn):
@@ -114,7 +114,7 @@ DECISIONS = textwrap.dedent('''
 def test_each_decision_is_rank_0s_on_both_ranks(tmp_path, multi30k_dir):
     import torch
 
-    from dtrain import checkpoint
+    from dtrain.engine import checkpoint
 
     good = checkpoint.save(tmp_path / "good", 10, {"step": 10, "model": {"w": torch.zeros(1)}}, keep=1)
     broken = tmp_path / "broken" / "checkpoints" / "step-0000010.pt"

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives import nccl
-from collectives.settings import SyncConfig
-from collectives.strategies import attachable, available
-from collectives import attach
-from dtrain import verify
+from dtrain.collectives import nccl
+from dtrain.collectives.settings import SyncConfig
+from dtrain.collectives.strategies import attachable, available
+from dtrain.collectives import attach
+from dtrain.engine import verify
 
 from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun
 
@@ -201,7 +201,7 @@ def test_every_lossless_strategy_matches_the_reference(nproc):
 
 
 def test_verify_cli_json_and_lossy_per_class():
-    r = subprocess.run([sys.executable, "-m", "dtrain.verify", "--nproc", "2", "--strategies",
+    r = subprocess.run([sys.executable, "-m", "dtrain.engine.verify", "--nproc", "2", "--strategies",
                         "per_class", "--set", "sync.classes.ffn.wire_dtype=bf16", "--json"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -211,7 +211,7 @@ def test_verify_cli_json_and_lossy_per_class():
     for argv, msg in ((["--strategies", "nope"], "unknown strategy 'nope'"),
                       (["--strategies", "bucketed", "--set", "sync.classes.ffn.wire_dtype=bf16"],
                        "'sync.classes.ffn.wire_dtype' is not used by strategy 'bucketed'")):
-        bad = subprocess.run([sys.executable, "-m", "dtrain.verify", *argv], cwd=REPO, capture_output=True, text=True)
+        bad = subprocess.run([sys.executable, "-m", "dtrain.engine.verify", *argv], cwd=REPO, capture_output=True, text=True)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and msg in bad.stderr, bad.stderr
 
 

@@ -1,4 +1,4 @@
-"""analysis.sweep: matrix checks (one-line errors naming the key, exit 2), run names and overrides, the resume
+"""dtrain.analysis.sweep: matrix checks (one-line errors naming the key, exit 2), run names and overrides, the resume
 decision, error lines from a failed launch, and a real sweep with one impossible run: recorded, the others go on, and
 a second sweep skips what finished."""
 
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from analysis import sweep
-from analysis.runs import finished
-from common import rundir
-from common.errors import UserError
-from dtrain import checkpoint
-from dtrain import config as config_mod
+from dtrain.analysis import sweep
+from dtrain.analysis.runs import finished
+from dtrain.common import rundir
+from dtrain.common.errors import UserError
+from dtrain.engine import checkpoint
+from dtrain.engine import config as config_mod
 
 from conftest import REPO
 
@@ -26,7 +26,7 @@ RUNS = REPO / "tests" / "data" / "runs" / "smoke"
 
 def write_matrix(tmp_path, **body) -> Path:
     path = tmp_path / "m.yaml"
-    path.write_text(yaml.safe_dump({"profiles": [str(REPO / "profiles" / "smoke.yaml")], **body}, sort_keys=False))
+    path.write_text(yaml.safe_dump({"profiles": [str(REPO / "dtrain" / "profiles" / "smoke.yaml")], **body}, sort_keys=False))
     return path
 
 
@@ -50,7 +50,7 @@ def test_bad_matrix_is_one_line_naming_the_key(tmp_path, capsys, body, msg):
     with pytest.raises(SystemExit) as e:
         sweep.main(["--matrix", str(write_matrix(tmp_path, **body)), "--dry-run"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and msg in err and err.count("\n") == 1 and err.startswith("analysis.sweep: error: ")
+    assert e.value.code == 2 and msg in err and err.count("\n") == 1 and err.startswith("dtrain.analysis.sweep: error: ")
 
 
 def test_missing_profiles_and_files(tmp_path):
@@ -59,8 +59,9 @@ def test_missing_profiles_and_files(tmp_path):
         sweep.load_matrix(tmp_path / "empty.yaml")
     with pytest.raises(UserError, match="matrix not found"):
         sweep.load_matrix(tmp_path / "nope.yaml")
-    with pytest.raises(UserError, match="'profiles' names 'p.yaml', which is not a file"):
+    with pytest.raises(UserError, match="'profiles' names 'p.yaml', which is neither a file nor a shipped profile"):
         sweep.load_matrix(write_matrix(tmp_path, profiles=["p.yaml"]))
+    assert sweep.load_matrix(write_matrix(tmp_path, profiles=["smoke"])).profiles == ["smoke"]  # a shipped one
 
 
 def test_class_keys_are_checked_below_any_class_name():
@@ -88,7 +89,7 @@ def test_matrix_errors_name_the_line(tmp_path):
 
 def test_shipped_matrices_load_and_every_run_s_profile_loads(monkeypatch):
     monkeypatch.chdir(REPO)
-    for path in sorted((REPO / "profiles" / "sweeps").glob("*.yaml")):
+    for path in sorted((REPO / "dtrain" / "profiles" / "sweeps").glob("*.yaml")):
         m = sweep.load_matrix(path)
         for job in sweep.expand(m):
             config_mod.load(job.profile, job.overrides)  # a knob its strategy ignores would be refused
@@ -120,19 +121,19 @@ def test_variants_and_ambiguous_knob_names(tmp_path):
 def test_testbed_launcher(tmp_path):
     m = sweep.load_matrix(write_matrix(tmp_path, launcher="testbed", nproc=1))
     cmd = sweep.train_command(m, sweep.expand(m)[0], tmp_path / "r", resume=False)
-    assert cmd[1:3] == ["-m", "analysis.testbed"] and cmd[cmd.index("--nodes") + 1] == "2"
-    assert cmd[cmd.index("--") + 1:][:2] == ["-m", "dtrain.train"]
+    assert cmd[1:3] == ["-m", "dtrain.analysis.testbed"] and cmd[cmd.index("--nodes") + 1] == "2"
+    assert cmd[cmd.index("--") + 1:][:2] == ["-m", "dtrain.engine.train"]
 
 
 def test_last_error_line():
     torchrun_stderr = ("smoke:  45%|####5     | 9/20 [00:03<00:04]\r"
-                       "dtrain.train: error: profiles/smoke.yaml (with --set): 'sync.bucket_cap_mb' must be positive\n"
+                       "dtrain.engine.train: error: dtrain/profiles/smoke.yaml (with --set): 'sync.bucket_cap_mb' must be positive\n"
                        "E1130 12:00:00.000 torch/distributed/elastic/multiprocessing/api.py:900] failed (exitcode: 2)\n"
                        "Traceback (most recent call last):\n  ...\n"
                        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
                        "============================================================\n"
-                       "dtrain.train FAILED\n------------------------------------------------------------\n")
-    assert sweep.last_error_line(torchrun_stderr).startswith("dtrain.train: error: profiles/smoke.yaml")
+                       "dtrain.engine.train FAILED\n------------------------------------------------------------\n")
+    assert sweep.last_error_line(torchrun_stderr).startswith("dtrain.engine.train: error: dtrain/profiles/smoke.yaml")
     assert sweep.last_error_line("Killed\n=====\n") == "Killed"
 
 
@@ -164,7 +165,7 @@ def test_sweep_records_a_failed_run_goes_on_and_resumes(tmp_path, capsys):
     assert finished(good) and not finished(bad)
     failed = json.loads((bad / rundir.LAUNCH).read_text())
     assert failed["exit_code"] == 1  # torchrun's code for a failed worker; the worker's message is the error
-    assert failed["error"].startswith("dtrain.train: error:") and "'sync.bucket_cap_mb' must be positive" in \
+    assert failed["error"].startswith("dtrain.engine.train: error:") and "'sync.bucket_cap_mb' must be positive" in \
         failed["error"] and "1 failed" in report
     ok = json.loads((good / rundir.LAUNCH).read_text())
     assert ok["exit_code"] == 0 and ok["finished"] and ok["knobs"] == {"sync.bucket_cap_mb": 1}
@@ -195,7 +196,7 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     """`... --dry-run | head -1`: the reader is gone before the listing is written; no traceback, exit 1."""
     read_end, write_end = os.pipe()
     os.close(read_end)
-    proc = subprocess.run([sys.executable, "-m", "analysis.sweep", "--matrix", str(write_matrix(tmp_path)),
+    proc = subprocess.run([sys.executable, "-m", "dtrain.analysis.sweep", "--matrix", str(write_matrix(tmp_path)),
                            "--dry-run"], stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=REPO)
     os.close(write_end)
     assert proc.returncode == 1

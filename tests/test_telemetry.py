@@ -1,4 +1,4 @@
-"""dtrain.telemetry: off without a GPU (no thread, no fields, no error); the sampling thread and the per-step
+"""dtrain.engine.telemetry: off without a GPU (no thread, no fields, no error); the sampling thread and the per-step
 aggregate on a stand-in for NVML."""
 
 import threading
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dtrain.telemetry import FIELDS, Telemetry
+from dtrain.engine.telemetry import FIELDS, Telemetry
 
 
 class FakeNvml:

@@ -1,6 +1,6 @@
 """Tensor classes: the default rules on dtrain's Transformer, first match wins, size bounds, the catch-all, the
 profile's `sync.classes` (typed `ClassSettings`: errors name the file, line and dotted key), and
-`python -m dtrain.describe`."""
+`python -m dtrain.engine.describe`."""
 
 import subprocess
 import sys
@@ -9,12 +9,12 @@ import pytest
 import torch
 from conftest import REPO
 
-from collectives import tensor_classes as tc
-from collectives.settings import ClassSettings, SyncConfig
-from common.errors import UserError
-from dtrain import config as config_mod
-from dtrain import describe as classes_cli
-from dtrain.model import Transformer
+from dtrain.collectives import tensor_classes as tc
+from dtrain.collectives.settings import ClassSettings, SyncConfig
+from dtrain.common.errors import UserError
+from dtrain.engine import config as config_mod
+from dtrain.engine import describe as classes_cli
+from dtrain.engine.model import Transformer
 
 
 def meta_model(norm="post"):
@@ -120,7 +120,7 @@ def test_profile_classes_are_checked_by_the_loader_with_file_and_line(tmp_path):
 ])
 def test_bad_classes_are_user_errors_naming_the_key(override, key):
     with pytest.raises(UserError, match=f"'{key}'"):
-        config_mod.load(REPO / "profiles/smoke.yaml", [override])
+        config_mod.load(REPO / "dtrain/profiles/smoke.yaml", [override])
 
 
 def test_classes_summary_counts_bytes_and_ranges():
@@ -136,13 +136,13 @@ def test_classes_summary_counts_bytes_and_ranges():
 
 
 def test_classes_cli_prints_the_table_and_fails_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "dtrain.describe", "--profile", "profiles/smoke.yaml",
+    r = subprocess.run([sys.executable, "-m", "dtrain.engine.describe", "--profile", "dtrain/profiles/smoke.yaml",
                         "--set", "sync.strategy=per_class", "--set", "sync.classes.ffn.wire_dtype=bf16"], cwd=REPO,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     lines = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:]}
     assert lines["embedding"][1] == "1" and lines["ffn"][1] == "8" and "bf16" in lines["ffn"]
-    r = subprocess.run([sys.executable, "-m", "dtrain.describe", "--profile", "profiles/smoke.yaml",
+    r = subprocess.run([sys.executable, "-m", "dtrain.engine.describe", "--profile", "dtrain/profiles/smoke.yaml",
                         "--set", "sync.strategy=per_class", "--set", "sync.classes.ffn.wire_dtype=int8"], cwd=REPO,
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "sync.classes.ffn.wire_dtype" in r.stderr

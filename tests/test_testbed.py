@@ -1,4 +1,4 @@
-"""analysis.testbed: agent commands and command-line errors everywhere; up/status/down, shaping and 2-node torchrun
+"""dtrain.analysis.testbed: agent commands and command-line errors everywhere; up/status/down, shaping and 2-node torchrun
 jobs where network namespaces can be made (root and iproute2, as in CI). Every testbed made here is removed by the
 fixture. The links and the testbed profile: tests/test_testbed_links.py."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from analysis import testbed, testbed_disks, testbed_jobs, testbed_links, testbed_net
+from dtrain.analysis import testbed, testbed_disks, testbed_jobs, testbed_links, testbed_net
 from conftest import REPO
-from common.errors import UserError
-from dtrain.data import cache_root
+from dtrain.common.errors import UserError
+from dtrain.common.paths import cache_root
 
 
 def _why_not() -> str | None:
@@ -34,13 +34,13 @@ needs_netns = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or ""
 
 def test_agent_commands_put_rank_0_on_node_0():
     names = testbed_net.Names("dtb")
-    cmds = [testbed_jobs.agent_command(names, i, 2, 1, 29600, "rid", ["-m", "collectives.bench", "-b", "8"])
+    cmds = [testbed_jobs.agent_command(names, i, 2, 1, 29600, "rid", ["-m", "dtrain.collectives.bench", "-b", "8"])
             for i in range(2)]
     for i, cmd in enumerate(cmds):
         assert cmd[:4] == ["ip", "netns", "exec", f"dtb-n{i}"]
         assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=10.77.0.1:29600" in cmd
         assert f"--local-addr=10.77.0.{i + 1}" in cmd and f"--rdzv-conf=is_host={int(i == 0)}" in cmd
-        assert cmd[-4:] == ["-m", "collectives.bench", "-b", "8"]
+        assert cmd[-4:] == ["-m", "dtrain.collectives.bench", "-b", "8"]
     assert "--local-ranks-filter=0" in cmds[0] and "--local-ranks-filter=0" not in cmds[1]
     # c10d orders agents by address string: node 0's must sort first at any cluster size.
     addrs = [testbed_net.Names.address(i) for i in range(testbed_net.MAX_NODES)]
@@ -144,7 +144,7 @@ dist.destroy_process_group()
 def _testbed_run(bed, tmp_path, mode):
     script = tmp_path / "job.py"
     script.write_text(RANK_SCRIPT)
-    return [sys.executable, "-m", "analysis.testbed", "--name", bed.prefix, "run", "--nodes", "2",
+    return [sys.executable, "-m", "dtrain.analysis.testbed", "--name", bed.prefix, "run", "--nodes", "2",
             "--log-dir", str(tmp_path / "logs"), "--", str(script), str(tmp_path), mode]
 
 
@@ -256,7 +256,7 @@ FS_SCRIPT = """
 import json, os, sys
 from pathlib import Path
 import torch.distributed as dist
-from dtrain.data import cache_root
+from dtrain.common.paths import cache_root
 dist.init_process_group("gloo")
 rank, tag, report = dist.get_rank(), sys.argv[1], Path(sys.argv[2])
 places = [Path("/tmp") / tag, Path.cwd() / "runs" / tag, cache_root() / tag]
@@ -281,7 +281,7 @@ def test_private_fs_gives_node_1_its_own_run_dirs_cache_and_tmp(bed, tmp_path):
     testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
     tag = f"private-fs-{bed.prefix}"
     before = _mounts()
-    cmd = [sys.executable, "-m", "analysis.testbed", "--name", bed.prefix, "run", "--private-fs", "--log-dir",
+    cmd = [sys.executable, "-m", "dtrain.analysis.testbed", "--name", bed.prefix, "run", "--private-fs", "--log-dir",
            str(tmp_path / "logs"), "--", "--no-python", sys.executable, "-c", FS_SCRIPT, tag, str(tmp_path / "seen")]
     try:
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -337,9 +337,9 @@ def test_an_elastic_job_goes_on_when_a_node_is_taken_away(bed, tmp_path):
     alone, and its worker resumes from the last checkpoint on 1 rank and finishes every step."""
     testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "analysis.testbed", "--name", bed.prefix, "run", "--private-fs", "--min-nodes", "1",
-           "--last-call", "2", "--log-dir", str(tmp_path / "logs"), "--", "--max-restarts=3", "-m", "dtrain.train",
-           "--profile", "profiles/smoke.yaml", "--set", "train.max_steps=20", "--set", "train.ckpt_every=5",
+    cmd = [sys.executable, "-m", "dtrain.analysis.testbed", "--name", bed.prefix, "run", "--private-fs", "--min-nodes", "1",
+           "--last-call", "2", "--log-dir", str(tmp_path / "logs"), "--", "--max-restarts=3", "-m", "dtrain.engine.train",
+           "--profile", "dtrain/profiles/smoke.yaml", "--set", "train.max_steps=20", "--set", "train.ckpt_every=5",
            "--set", "eval.at_end=false", "--set", "train.average_last=1", "--fault", "slow@rank=0,ms=250",
            "--run-dir", str(run)]
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -387,7 +387,7 @@ with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f
 @needs_netns
 def test_pin_cpus_runs_each_node_on_its_own_cpus(bed, tmp_path):
     testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
-    cmd = [sys.executable, "-m", "analysis.testbed", "--name", bed.prefix, "run", "--pin-cpus", "--log-dir",
+    cmd = [sys.executable, "-m", "dtrain.analysis.testbed", "--name", bed.prefix, "run", "--pin-cpus", "--log-dir",
            str(tmp_path / "logs"), "--", "--no-python", sys.executable, "-c", AFFINITY_SCRIPT, str(tmp_path)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

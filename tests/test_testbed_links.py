@@ -1,12 +1,12 @@
-"""analysis.testbed_links: tc's rate and byte units, one node's link, and the testbed profile's `testbed:` section
+"""dtrain.analysis.testbed_links: tc's rate and byte units, one node's link, and the testbed profile's `testbed:` section
 (the strict loader: file:line errors for unknown keys and wrong types; the command line over the profile)."""
 
 import argparse
 
 import pytest
 
-from analysis import testbed_links as links
-from common.errors import UserError
+from dtrain.analysis import testbed_links as links
+from dtrain.common.errors import UserError
 
 from conftest import REPO
 
@@ -41,7 +41,7 @@ def _up_args(**kw):
 
 def test_links_from_command_line_over_profile_over_defaults():
     assert links.links_from(_up_args()) == [links.Link(10**9)] * 2
-    profile = links.load_profile(REPO / "profiles" / "testbed" / "1gbit.yaml")
+    profile = links.load_profile(REPO / "dtrain" / "profiles" / "testbed" / "1gbit.yaml")
     assert profile == links.TestbedSection(nodes=2, link="1gbit", burst="250kb", latency_ms=50.0)
     assert [(lk.rate, lk.burst) for lk in links.links_from(_up_args(), profile)] == [(10**9, 256000)] * 2
     three = links.links_from(_up_args(nodes=3, link="100mbit"), profile)

@@ -1,14 +1,14 @@
 """The tied embedding's split gradient: the projection part goes out with the first bucket, each lookup's rows as
 its backward ends, and each row is added up as autograd adds it: the same bits as the unsplit gradient (one rank
-here; 2 and 3 ranks through dtrain.verify, 2 ranks against DDP's training in test_sharded)."""
+here; 2 and 3 ranks through dtrain.engine.verify, 2 ranks against DDP's training in test_sharded)."""
 
 import pytest
 import torch
 
-from collectives import attach
-from collectives.settings import ClassSettings, SyncConfig
-from common.errors import UserError
-from dtrain import verify
+from dtrain.collectives import attach
+from dtrain.collectives.settings import ClassSettings, SyncConfig
+from dtrain.common.errors import UserError
+from dtrain.engine import verify
 
 from test_strategies import one_rank, plain_grads, step  # noqa: F401 (fixture)
 

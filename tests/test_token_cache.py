@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.errors import UserError
-from dtrain.data import BatchStream, Pairs, TokenBatcher
-from dtrain.token_cache import CachedPairs, cache_key, ensure, keep_mask, normalise
-from dtrain.tokenizer import train_or_load
+from dtrain.common.errors import UserError
+from dtrain.engine.data import BatchStream, Pairs, TokenBatcher
+from dtrain.engine.token_cache import CachedPairs, cache_key, ensure, keep_mask, normalise
+from dtrain.engine.tokenizer import train_or_load
 
 WORDS = {"en": "the a house cat dog sits on table green small big runs river city old".split(),
          "de": "der die das Haus Katze Hund sitzt auf Tisch grün klein groß läuft Fluss Stadt alt".split()}
@@ -84,7 +84,7 @@ def test_empty_sentence_without_cleaning_is_an_error_and_leaves_nothing(corpus, 
 
 def _build_in_child(args):
     root, model, src, tgt, marker = args
-    from dtrain.tokenizer import Tokenizer
+    from dtrain.engine.tokenizer import Tokenizer
 
     def pairs():
         Path(marker, f"built-{os.getpid()}").touch()  # only the process that builds iterates the pairs

@@ -1,4 +1,4 @@
-"""End to end: 2-rank torchrun runs of profiles/smoke.yaml (about 15 s each here)."""
+"""End to end: 2-rank torchrun runs of dtrain/profiles/smoke.yaml (about 15 s each here)."""
 
 import json
 
@@ -71,7 +71,7 @@ def test_evaluate_cli_scores_a_saved_run(smoke_run):
     from conftest import REPO
 
     run, _ = smoke_run
-    r = subprocess.run([sys.executable, "-m", "dtrain.evaluate", "--run", str(run), "--split", "val", "--beam", "1"],
+    r = subprocess.run([sys.executable, "-m", "dtrain.engine.evaluate", "--run", str(run), "--split", "val", "--beam", "1"],
                        capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("BLEU ") and "beam 1, model averaged" in r.stdout and "nrefs:1" in r.stdout

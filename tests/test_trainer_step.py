@@ -1,7 +1,7 @@
 """The training step's reads from the device: none inside the micro-batch loop (the loss is summed on the device),
 and the step record's loss, norm and skip decision exactly what host-side sums of the same values give.
 
-One process, a one-rank gloo group (as a plain `python -m dtrain.train` runs), profiles/smoke.yaml with two
+One process, a one-rank gloo group (as a plain `python -m dtrain.engine.train` runs), dtrain/profiles/smoke.yaml with two
 micro-batches per step.
 """
 
@@ -11,16 +11,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collectives import dist as ddist
-from dtrain import config as config_mod
-from dtrain.trainer import Trainer
+from dtrain.collectives import dist as ddist
+from dtrain.engine import config as config_mod
+from dtrain.engine.trainer import Trainer
 
 
 @pytest.fixture
 def trainer(tmp_path, multi30k_dir):
     """A trainer on a one-rank gloo group, gone after the test: later tests start their own."""
     owned = not dist.is_initialized()
-    cfg = config_mod.load("profiles/smoke.yaml", ["train.accum_steps=2", "eval.at_end=false",
+    cfg = config_mod.load("dtrain/profiles/smoke.yaml", ["train.accum_steps=2", "eval.at_end=false",
                                                   "train.average_last=1"])
     yield Trainer(cfg, tmp_path / "run", ddist.init(cfg.dist)[0], "gloo")
     if owned:

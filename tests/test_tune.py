@@ -1,13 +1,13 @@
-"""analysis.tune: the candidate space of an auto profile as an interleave matrix, and its one-line errors."""
+"""dtrain.analysis.tune: the candidate space of an auto profile as an interleave matrix, and its one-line errors."""
 
 import pytest
 import yaml
 
-from analysis import tune
-from analysis.interleave import load_configs
+from dtrain.analysis import tune
+from dtrain.analysis.interleave import load_configs
 from conftest import REPO
 
-PROFILE = str(REPO / "profiles" / "tune-testbed.yaml")
+PROFILE = str(REPO / "dtrain" / "profiles" / "tune-testbed.yaml")
 
 
 def test_the_space_matrix_interleaves_every_candidate_as_itself(tmp_path):
@@ -26,7 +26,7 @@ def test_the_space_matrix_interleaves_every_candidate_as_itself(tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--profile", str(REPO / "profiles" / "smoke.yaml"), "--out", "x"], "needs auto"),
+    (["--profile", str(REPO / "dtrain" / "profiles" / "smoke.yaml"), "--out", "x"], "needs auto"),
     (["--profile", PROFILE], "--out is required"),
 ])
 def test_bad_arguments_are_one_line(args, words, capsys):

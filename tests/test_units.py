@@ -1,10 +1,10 @@
-"""common.units: the one size grammar (every spelling the cost model and the benchmark accepted), the short human
+"""dtrain.common.units: the one size grammar (every spelling the cost model and the benchmark accepted), the short human
 form, and nccl-tests' bus-bandwidth factor."""
 
 import pytest
 
-from common.errors import UserError
-from common.units import bus_factor, human, parse_size, parse_sizes
+from dtrain.common.errors import UserError
+from dtrain.common.units import bus_factor, human, parse_size, parse_sizes
 
 
 @pytest.mark.parametrize("text,n", [("8", 8), ("64K", 65536), ("64k", 65536), ("256M", 256 << 20), ("1G", 1 << 30),

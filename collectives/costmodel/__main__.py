@@ -1,5 +1,0 @@
-"""`python -m collectives.costmodel`: see `collectives.costmodel.cli`."""
-
-from collectives.costmodel.cli import main
-
-main()

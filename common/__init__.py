@@ -1,2 +1,0 @@
-"""Leaf helpers shared by every layer (errors, atomic output files, JSONL records, sizes and units, the strict
-profile loader). They import nothing of `collectives`, `dtrain` or `analysis`."""

@@ -1,0 +1,68 @@
+"""The bucket plan of a profile's model, built on meta tensors: what the simulator replays and `dtrain.analysis.recommend`
+searches over.
+
+The parameters come in the expected gradient-ready order (`dtrain.collectives.plan.ready_order`, the reverse of
+registration) and the plan is the one training would build (`dtrain.collectives.strategies.plan_for`), so no memory is
+spent even for the `big` model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from dtrain.collectives import strategies
+from dtrain.collectives.plan import ready_order
+from dtrain.collectives.settings import ClassSettings
+from dtrain.collectives.strategies.sharded import not_cast_only
+from dtrain.collectives.tensor_classes import WIRE_DTYPES
+from dtrain.engine.model import Transformer
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_model(model_cfg, vocab: int) -> Transformer:
+    with torch.device("meta"):
+        return Transformer.from_config(model_cfg, vocab)
+
+
+@functools.lru_cache(maxsize=8)
+def _ready_params(model_cfg, vocab: int) -> tuple:
+    """The model's parameters as meta tensors, in the expected gradient-ready order (dtrain.collectives.plan)."""
+    return tuple(ready_order(_meta_model(model_cfg, vocab)))
+
+
+def ready_params(cfg, vocab: int | None = None) -> tuple:
+    """(name, meta parameter) pairs of `cfg`'s model in expected ready order; `vocab` defaults to the profile's."""
+    return _ready_params(cfg.model, vocab or cfg.data.vocab_size)
+
+
+def sync_for(cfg, strategy: str | None = None, bucket_cap_mb: float | None = None,
+             classes: dict[str, dict] | None = None):
+    """`cfg.sync` under `strategy` (default: the profile's) and `bucket_cap_mb`; `classes` overrides
+    `sync.classes.<class>` settings ({class: {"bucket_cap_mb": 4}} ...)."""
+    merged = dict(cfg.sync.classes or {})
+    for c, over in (classes or {}).items():
+        merged[c] = dataclasses.replace(merged.get(c, ClassSettings()), **over)
+    return dataclasses.replace(cfg.sync, strategy=strategy or cfg.sync.strategy, classes=merged,
+                               bucket_cap_mb=bucket_cap_mb if bucket_cap_mb is not None else cfg.sync.bucket_cap_mb)
+
+
+def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = None,
+                classes: dict[str, dict] | None = None, vocab: int | None = None) -> strategies.Plan:
+    """The plan of `cfg`'s model under `sync_for(cfg, strategy, bucket_cap_mb, classes)`, built on meta tensors in
+    the expected ready order."""
+    return strategies.plan_for(sync_for(cfg, strategy, bucket_cap_mb, classes), list(ready_params(cfg, vocab)))
+
+
+def narrowed_bytes(cfg, plan, gather_dtype: str, vocab: int | None = None) -> list[int]:
+    """Per bucket of a sharded `plan` under `sync.gather_dtype`: the bytes of its chunks as they travel, the members
+    only `nn.Linear` modules read in `gather_dtype`, the others in fp32 (`dtrain.collectives.shards`). A replicated or
+    row-sharded bucket (the tied embedding's) keeps its own."""
+    vocab = vocab or cfg.data.vocab_size
+    exact = not_cast_only(_meta_model(cfg.model, vocab))
+    numel = {n: p.numel() for n, p in ready_params(cfg, vocab)}
+    low = WIRE_DTYPES[gather_dtype].itemsize
+    return [b.nbytes if b.replicated or b.row_size else
+            sum(numel[n] * (b.nbytes // b.numel if n in exact else low) for n in b.names) for b in plan]

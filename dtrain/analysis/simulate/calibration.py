@@ -1,0 +1,90 @@
+"""Calibration: what the reference step's own collectives, played again at their recorded launch times, say about
+the cost model on this run: how much slower collectives run while backward computes (or, when none overlapped it,
+measured over modeled collective time), and the time `wait()` spends after the last collective.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from dtrain.analysis.simulate.costs import host_ms
+from dtrain.analysis.simulate.reference import ReferenceStep
+from dtrain.collectives.timeline import Timeline, play_timeline
+
+
+@dataclass
+class Calibration:
+    """What the reference step says about the cost model on this run: how much slower collectives run while
+    backward computes (or, when none overlapped it, measured/modeled collective time), and the time `wait()`
+    spends after the last collective."""
+
+    comm_scale: float = 1.0
+    post_ms: float = 0.0
+    note: str = "none"
+    slowdown: float = 1.0
+    # CPU machines: what the reference step's own collectives took from its backward (`host_ms` of its timeline),
+    # which its backward time already holds; a plan running more (or fewer) there costs the difference. None: not
+    # applied
+    host_base_ms: float | None = None
+    lanes: int = 1  # collectives at once per process group (`play_timeline`): 1 for NCCL's single stream, 2 for gloo
+    timeline: Timeline | None = field(default=None, repr=False)  # the reference step's collectives, played again
+
+
+def calibrate(ref: ReferenceStep, model, host_cost: bool = False, lanes: int = 1, class_groups: bool = False
+              ) -> Calibration:
+    """`host_cost`: the run computed on the CPU, so collectives during backward take CPU time from it. `lanes`:
+    collectives run at once per process group (see `play_timeline`); `class_groups`: the profiled run sent each
+    tensor class through its own group."""
+    calib = _calibrate(ref, model, lanes, class_groups)
+    if host_cost and calib.timeline is not None:
+        base = host_ms(model, [r["bytes"] for r in ref.records], calib.timeline)
+        if base is not None:
+            calib.host_base_ms = base
+            calib.note += (f"; backward lengthened by the collectives it overlaps, as the benchmark measured "
+                           f"({base:.1f} ms for the profiled step's)")
+    return calib
+
+
+def _calibrate(ref: ReferenceStep, model, lanes: int, class_groups: bool) -> Calibration:
+    """Plays the reference step's own collectives again (at their measured launch times, with the lanes the
+    prediction uses) and fits what makes that timeline match their measured completions."""
+    recs = ref.records
+    if not recs or any(r.get(k) is None for r in recs for k in ("launch_ms", "complete_ms")):
+        return Calibration(note="none (the profiled step has no launch/complete times)", lanes=lanes)
+    backward = ref.sync_backward_ms
+    launch = [r["launch_ms"] for r in recs]
+    work = [model.allreduce_ms(r["bytes"]) for r in recs]
+    lat = [model.allreduce_latency_ms(r["bytes"]) for r in recs]
+    groups = [r.get("class") for r in recs] if class_groups and lanes > 1 else None
+    ends = [r["complete_ms"] for r in recs]
+    wait_start = recs[0].get("wait_start_ms")
+    post = 0.0
+    if wait_start is not None:
+        post = max(0.0, ref.exposed_ms - max(0.0, max(ends) - wait_start))
+
+    def played(k: float, scale: float = 1.0) -> Timeline:
+        return play_timeline(launch, [scale * w for w in work], backward, True, k, lanes, [scale * a for a in lat],
+                             groups)
+
+    lanes_note = f", {lanes} collectives at once per process group" if lanes > 1 else ""
+    if any(s < backward for s in played(1.0).start):
+        # Fit the slowdown during backward (log-scale golden section on [1/4, 8]) to the measured completions.
+        def err(log_k):
+            return sum((e - m) ** 2 for e, m in zip(played(math.exp(log_k)).end, ends))
+
+        lo, hi = math.log(0.25), math.log(8.0)
+        g = (math.sqrt(5) - 1) / 2
+        for _ in range(60):
+            a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+            lo, hi = (lo, b) if err(a) < err(b) else (a, hi)
+        k = math.exp((lo + hi) / 2)
+        return Calibration(1.0, post, f"collectives x{k:.3f} slower while backward computes (fitted to the "
+                                      f"{len(recs)} completions of the profiled step{lanes_note}), +{post:.2f} ms "
+                                      f"after the last collective", slowdown=k, lanes=lanes, timeline=played(k))
+    measured = Timeline(launch, launch, launch, ends, backward).comm_ms  # busy from first launch to last completion
+    modeled = played(1.0).comm_ms
+    scale = measured / modeled if modeled > 0 else 1.0
+    return Calibration(scale, post, f"comm x{scale:.3f} (measured {measured:.2f} ms / modeled {modeled:.2f} ms, "
+                                    f"none overlapped backward{lanes_note}), +{post:.2f} ms after the last "
+                                    f"collective", lanes=lanes, timeline=played(1.0, scale))

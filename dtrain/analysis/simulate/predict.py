@@ -1,0 +1,189 @@
+"""Predictions: a configuration's step played on the reference step (its buckets ready where the reference step's
+ready curve says, its collectives costed by the model and calibrated), and the sweep over strategies and caps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dtrain.analysis.plans import bucket_plan, narrowed_bytes, ready_params, sync_for
+from dtrain.analysis.simulate.calibration import Calibration
+from dtrain.analysis.simulate.costs import host_ms
+from dtrain.analysis.simulate.reference import ReferenceStep
+from dtrain.collectives import nccl, strategies, tensor_classes
+from dtrain.collectives.timeline import ReadyCurve, gather_stall, optimizer_saving, play_timeline, sharded_times, through
+from dtrain.common.errors import UserError
+
+
+@dataclass
+class Prediction:
+    strategy: str
+    cap_mb: float | None
+    buckets: int
+    comm_ms: float
+    exposed_ms: float
+    step_ms: float
+    lossless: bool = True
+    communicates: bool = True
+    measured_step_ms: float | None = None
+    measured_exposed_ms: float | None = None
+    measured_ci: tuple[float, float] | None = None  # interval of the measured median (see `measured_runs`)
+    measured_optimizer_ms: float | None = None  # the optimizer step: compute only, a probe of the machine's speed
+    measured_runs: int = 0
+    # steady step times keyed by (the run's parent folder, step): configurations of one interleaved job
+    # (`dtrain.analysis.interleave`) share keys, and a pair of them is compared step by step, paired
+    samples: dict = field(default_factory=dict, repr=False)
+    speed: float | None = None  # median over its runs of (run's forward / profiled run's forward): machine speed
+    adjusted_step_ms: float | None = None  # measured, each run scaled to the profiled run's machine speed
+    adjusted_ci: tuple[float, float] | None = None
+    run: str | None = None
+    split: bool = False  # the tied embedding's gradient split (`tied_split`)
+    rows: bool = False  # and that embedding sharded by rows (`sharded` with `shard_tied_split`)
+    narrowed: str | None = None  # `sharded` with `gather_dtype`: the Linear members' dtype in the exchanges
+
+    @property
+    def label(self) -> str:
+        return (self.strategy + (f"@{self.cap_mb:g}M" if self.cap_mb is not None else "")
+                + ("+split" if self.split else "") + ("+rows" if self.rows else "")
+                + (f"+{self.narrowed}" if self.narrowed else ""))
+
+
+def requested_nccl(cfg, class_groups: bool):
+    """bucket -> (algo, proto) as the run would request them (None: NCCL decides): a class's own settings where
+    each class has its communicator (`dtrain.collectives.nccl.resolve`), else `collectives.default` for every bucket."""
+    cache: dict = {}
+
+    def of(bucket):
+        name = bucket.tensor_class if class_groups else None
+        if name not in cache:
+            s = nccl.resolve(cfg, name) if name else cfg.collectives.default
+            cache[name] = (s.algo, s.proto)
+        return cache[name]
+
+    return of
+
+
+def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration, strategy: str,
+            cap_mb: float | None = None, vocab: int | None = None, classes: dict | None = None,
+            cost=None, nccl_of=None) -> Prediction:
+    """Predicted step of `cfg`'s model under `strategy` (bucket cap, per-class overrides), played on the reference
+    step. `cost(nbytes, algo, proto) -> ms` replaces the model's cost of one all-reduce; `nccl_of(bucket)` gives
+    the (algo, proto) a bucket is forced to (default: what the profile requests). A split tied embedding
+    (`tied_split`) under the all-reducing strategies is played as the reducer runs it (`_split_first`, and each
+    lookup's rows one more all-reduce) where the profiled step recorded its lookups' rows, else as its plain plan;
+    under `sharded` its bucket is replicated or sharded by rows, played by `sharded_times` (a lookup's fetch of its
+    rows in the next forward is not played)."""
+    if strategy == "powersgd":
+        raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
+    compute = ref.compute_ms
+    if strategy == "noop":
+        return Prediction("noop", None, 0, 0.0, 0.0, compute - (calib.host_base_ms or 0.0), lossless=False,
+                          communicates=False)
+    plan, overlap, class_groups = bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
+    sharded = strategies.planner(strategy).shards
+    split = _split_classes(cfg, strategy, classes)
+    rows = []  # a split embedding's lookups' rows, where the profiled step recorded them: (ready ms, bytes)
+    if split and not sharded and overlap:
+        rows = [(r["ready_ms"], r["bytes"]) for r in ref.records
+                if r.get("part") == "lookup" and r.get("ready_ms") is not None]
+    if rows:
+        plan, ready = _split_first(cfg, strategy, cap_mb, classes, vocab, curve, split)
+    else:
+        ready = [curve.at(x) for x in through(plan, ready_params(cfg, vocab))]
+    one = cost or (lambda n, a, p: model.allreduce_ms(n, a, p))
+    nccl_of = nccl_of or requested_nccl(cfg, class_groups)
+    dur = [calib.comm_scale * one(b.nbytes, *nccl_of(b)) for b in plan]
+    lat = [calib.comm_scale * model.allreduce_latency_ms(b.nbytes) for b in plan] if cost is None else None
+    groups = [b.tensor_class for b in plan] if class_groups and calib.lanes > 1 else None
+    scatter_bytes = gather_bytes = [b.nbytes for b in plan]
+    gather = dur
+    narrowed = sync_for(cfg, strategy, cap_mb, classes).gather_dtype if sharded else None
+    world = getattr(model, "ranks", None) or 2
+    whole = [False] * len(plan)  # a replicated bucket exchanged whole in bf16 instead of all-reduced
+    if narrowed:  # the Linear members narrowed in the all-gather, and in the reduce-scatter of a one-micro-batch step
+        gather_bytes = narrowed_bytes(cfg, plan, narrowed, vocab)
+        gather = [calib.comm_scale * one(n, *nccl_of(b)) for b, n in zip(plan, gather_bytes)]
+        if cfg.train.accum_steps == 1:
+            scatter_bytes, dur = gather_bytes, gather
+            if world <= 3:  # the split embedding's projection part (`ShardedSync`: this model's only Linear reads it)
+                whole = [b.replicated for b in plan]
+                scatter_bytes = [n // 2 if w else n for n, w in zip(scatter_bytes, whole)]
+    if sharded:
+        # A reduce-scatter (and an all-gather) moves half an all-reduce's bytes: its latency and half the rest. So
+        # does, on 2 ranks, a whole bucket sent once to the peer in half the bytes.
+        alpha = lat or [0.0] * len(dur)
+
+        def half(i, d):
+            return alpha[i] + (d - alpha[i]) / 2
+
+        ready, dur = sharded_times(plan, ready, dur, half)
+        dur = [half(i, d) if w else d for i, (d, w) in enumerate(zip(dur, whole))]
+        gather = [half(i, d) for i, d in enumerate(gather)]
+    if rows:  # each lookup's rows one more all-reduce, launched when that lookup's backward ended
+        entries = list(zip(ready, dur, lat or [0.0] * len(plan), groups or [None] * len(plan), scatter_bytes))
+        for at, nbytes in sorted(rows):
+            i = next((i for i in range(len(entries)) if entries[i][0] > at), len(entries))
+            entries.insert(i, (at, calib.comm_scale * one(nbytes, *nccl_of(plan[0])),
+                               calib.comm_scale * model.allreduce_latency_ms(nbytes) if lat else 0.0,
+                               plan[0].tensor_class if groups else None, nbytes))
+        ready, dur, lats, grps, scatter_bytes = (list(c) for c in zip(*entries))
+        lat, groups = (lats if lat else None), (grps if groups else None)
+    tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups,
+                       model.link_efficiency)
+    exposed = tl.exposed_ms + calib.post_ms
+    if calib.host_base_ms is not None:  # more collectives during backward than the reference step: slower compute
+        compute += host_ms(model, scatter_bytes, tl) - calib.host_base_ms
+    if sharded:
+        compute += _sharded_extra_ms(ref, model, plan, gather, gather_bytes, calib, world)
+    lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
+    return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, len(plan), tl.comm_ms,
+                      exposed, compute + exposed, lossless, split=bool(split),
+                      rows=any(b.row_size for b in plan), narrowed=narrowed)
+
+
+def _split_classes(cfg, strategy: str, classes: dict | None) -> set[str]:
+    """The classes whose tied embedding `strategy` splits under `cfg`'s classes with the overrides `classes`."""
+    if "classes.tied_split" not in strategies.get(strategy).sync_keys:
+        return set()
+    return {name for name, c in sync_for(cfg, strategy, classes=classes).classes.items() if c.tied_split}
+
+
+def _split_first(cfg, strategy: str, cap_mb: float | None, classes: dict | None, vocab: int | None,
+                 curve: ReadyCurve, split: set[str]) -> tuple[list, list[float]]:
+    """The plan of an all-reducing strategy as its reducer re-plans it with a split tied embedding (`tied_split`),
+    in the order gradients became ready in its first backward: the embedding first (its gradient is then the
+    projection part, the first computed), the others in their expected order. And each bucket's ready time: the
+    embedding's at the start of backward, the others' where the reference step's curve puts them."""
+    sync = sync_for(cfg, strategy, cap_mb, classes)
+    params = list(ready_params(cfg, vocab))
+    class_of = tensor_classes.from_config(sync).assign(params)
+    at, x = {}, 0
+    for name, p in params:
+        x += p.numel()
+        at[name] = 0.0 if class_of[name] in split else curve.at(x)
+    first = [(n, p) for n, p in params if class_of[n] in split]
+    plan = strategies.plan_for(sync, first + [(n, p) for n, p in params if class_of[n] not in split]).buckets
+    return plan, [max(at[n] for n in b.names) for b in plan]
+
+
+def _sharded_extra_ms(ref: ReferenceStep, model, plan, gather: list[float], gather_bytes: list[int],
+                      calib: Calibration, world: int) -> float:
+    """What a sharded step adds to (or saves from) the reference step's compute: the next forward waiting for the
+    all-gathers (taking `gather` ms, of buckets of `gather_bytes`; `dtrain.collectives.timeline.gather_stall`), their host
+    cost on a CPU machine, and the optimizer updating 1/world of the sharded parameters (`optimizer_saving`)."""
+    forward = ref.forward_ms / ref.accum_steps  # the gathers delay only the first micro-batch's forward
+    extra = gather_stall(plan, gather, forward)
+    host = getattr(model, "host_us", None)
+    if calib.host_base_ms is not None and host is not None and host(0) is not None:
+        # half an all-reduce's bytes each
+        extra += sum(host(n) / 2 for b, n in zip(plan, gather_bytes) if not b.replicated) / 1000.0
+    return extra - optimizer_saving(plan, ref.optimizer_ms, world)
+
+
+def sweep(cfg, ref, curve, model, calib, names, caps, vocab=None) -> list[Prediction]:
+    """A prediction per strategy of `names`, and per cap of `caps` for those whose buckets follow the cap."""
+    out = []
+    for s in names:
+        for cap in (caps if strategies.get(s).uses_cap else (None,)):
+            out.append(predict(cfg, ref, curve, model, calib, s, cap, vocab))
+    return out

@@ -1,0 +1,141 @@
+"""The reference step: the one synchronized step of a recorded run that every prediction is replayed on (its
+compute phases from steps.jsonl, its buckets' ready, launch and completion times from buckets.jsonl), and the
+gradient-ready curve it gives.
+
+By default it is the run's typical steady step (`dtrain.analysis.runs.typical_step`); `--step` names one, `--median` makes
+a synthetic step of the steady steps' medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from dtrain.analysis.plans import bucket_plan, ready_params
+from dtrain.analysis.runs import Run, slowest_rank_records, typical_step
+from dtrain.collectives.timeline import ReadyCurve, through
+from dtrain.common.errors import UserError
+
+SPLIT_PARTS = ("projection", "lookup")  # the `part` of a split tied embedding's records (`dtrain.collectives.tied_split`)
+
+
+@dataclass
+class ReferenceStep:
+    """One synchronized step as the simulator uses it (ms)."""
+
+    step: int  # 0 for a synthetic step (medians, or a FLOP estimate)
+    data_ms: float
+    forward_ms: float
+    backward_ms: float  # all micro-batches
+    optimizer_ms: float
+    exposed_ms: float
+    step_ms: float
+    accum_steps: int = 1
+    records: list[dict] = field(default_factory=list)  # buckets.jsonl rows of this step
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sync_backward_ms(self) -> float:
+        """When the synchronized (last) micro-batch's backward ends, on the clock of the ready times: the
+        reducer's clock starts at the first gradient hook, after the loss and generator backward, so it is when
+        `wait()` started where the records say, else the trainer's backward time."""
+        starts = [r["wait_start_ms"] for r in self.records if r.get("wait_start_ms") is not None]
+        return max(starts) if starts else self.backward_ms / self.accum_steps
+
+    @property
+    def compute_ms(self) -> float:
+        return self.data_ms + self.forward_ms + self.backward_ms + self.optimizer_ms
+
+
+def reference_step(run: Run, step: int | None = None, warmup: int | None = None, median: bool = False,
+                   steps: list[int] | None = None) -> ReferenceStep:
+    """The step to replay: `step`, or the most typical of the steady steps with bucket records (`typical_step`);
+    with `median`, a synthetic step of the steady steps' medians, phase by phase and bucket time by bucket time
+    (a steadier basis on a noisy machine than any single step); with `steps`, the same of those steps only."""
+    steady = run.steady_steps(warmup)
+    if steps is not None:
+        return _median_step(run, [s for s in steady if s["step"] in set(steps)])
+    if median:
+        return _median_step(run, steady)
+    if step is not None:
+        chosen = next((s for s in run.steps if s["step"] == step), None)
+        if chosen is None:
+            raise UserError(f"{run.path}: no step {step} in steps.jsonl")
+    else:
+        chosen = typical_step(run, [s for s in steady if s["step"] in run.buckets] or steady)
+    records, delay = slowest_rank_records(run, chosen["step"])
+    ref = ReferenceStep(chosen["step"], chosen.get("data_ms", 0.0), chosen["forward_ms"], chosen["backward_ms"],
+                        chosen["optimizer_ms"], chosen.get("comm_exposed_ms", 0.0), chosen["step_ms"],
+                        run.cfg.train.accum_steps, records)
+    if delay is not None:
+        ref.notes.append(f"ready and launch times: the latest of {len(run.rank_buckets) + 1} ranks (the others "
+                         f"delayed a launch by up to {max(0.0, delay):.1f} ms)")
+    return _ddp_backward(run, ref)
+
+
+def _median_step(run: Run, steady: list[dict]) -> ReferenceStep:
+    def med(rows, k):
+        return statistics.median(r.get(k) or 0.0 for r in rows)
+
+    ref = ReferenceStep(0, med(steady, "data_ms"), med(steady, "forward_ms"), med(steady, "backward_ms"),
+                        med(steady, "optimizer_ms"), med(steady, "comm_exposed_ms"), med(steady, "step_ms"),
+                        run.cfg.train.accum_steps)
+    layouts = [slowest_rank_records(run, s["step"])[0] for s in steady if s["step"] in run.buckets]
+    if layouts:
+        shape = statistics.mode(tuple(r["numel"] for r in lay) for lay in layouts)
+        layouts = [lay for lay in layouts if tuple(r["numel"] for r in lay) == shape]
+        for i, first in enumerate(layouts[0]):
+            rec = dict(first)
+            for k in ("ready_ms", "launch_ms", "complete_ms", "wait_start_ms"):
+                vals = [lay[i][k] for lay in layouts if lay[i].get(k) is not None]
+                rec[k] = statistics.median(vals) if vals else None
+            ref.records.append(rec)
+    ref.notes.append(f"profile: medians of {len(steady)} steady steps ({len(layouts)} with bucket records)")
+    return _ddp_backward(run, ref)
+
+
+def _ddp_backward(run: Run, ref: ReferenceStep) -> ReferenceStep:
+    """A DDP run's backward without the communication DDP waits for inside it."""
+    if run.strategy == "ddp":
+        # DDP waits for its buckets inside backward(): its backward time holds exposed communication. The last
+        # gradient's ready time is the end of the compute.
+        readies = [r["ready_ms"] for r in ref.records if r.get("ready_ms") is not None]
+        if readies:
+            ref.backward_ms = max(readies) * ref.accum_steps
+            ref.notes.append("ddp profile: backward compute taken as the last bucket's ready time")
+        else:
+            ref.notes.append("ddp profile without bucket timings: backward includes DDP's exposed communication")
+    return ref
+
+
+def ready_curve(run: Run, ref: ReferenceStep) -> ReadyCurve:
+    """The reference step's ready curve. Bucket positions come from re-planning the run's own strategy when that
+    plan matches the recorded bucket sizes, else the buckets are taken as contiguous in ready order."""
+    params = ready_params(run.cfg, run.vocab)
+    total = sum(p.numel() for _, p in params)
+    # A split tied embedding's parts (`tied_split`) are not where the embedding sits in ready order: its projection
+    # part is ready first, its lookups' rows as each lookup's backward ends. The curve is the rest's; the embedding
+    # keeps its place at the end of the ready order (its encoder lookup, the last gradient computed).
+    recs = [r for r in ref.records if r.get("ready_ms") is not None and r.get("part") not in SPLIT_PARTS]
+    if not recs:
+        ref.notes.append("no per-bucket ready times: gradients assumed ready uniformly over backward")
+        return ReadyCurve.uniform(total, ref.sync_backward_ms)
+    xs = None
+    try:
+        plan = bucket_plan(run.cfg, vocab=run.vocab).buckets
+        if [b.numel for b in plan] == [r["numel"] for r in ref.records]:
+            by_index = dict(zip([b.index for b in plan], through(plan, params)))
+            xs = [by_index[r["bucket"]] for r in recs]
+    except (UserError, KeyError):
+        pass
+    source = "profiled step, bucket positions from the re-planned plan"
+    if xs is None:
+        acc, xs = 0, []
+        for r in sorted(recs, key=lambda r: r["ready_ms"]):
+            acc += r["numel"]
+            xs.append(acc)
+        recs = sorted(recs, key=lambda r: r["ready_ms"])
+        source = "profiled step, buckets taken as contiguous in ready order"
+    pts = [(0, 0.0)] + [(x, r["ready_ms"]) for x, r in zip(xs, recs)]
+    pts.append((total, max(ref.sync_backward_ms, max(t for _, t in pts))))
+    return ReadyCurve(pts, source)

@@ -1,0 +1,6 @@
+"""The communication library: gradient synchronization strategies behind one seam, `attach(model, sync_config)`,
+with tensor classes, bucket plans, the reducer, per-class NCCL settings, NCCL's cost model and a benchmark. It knows
+nothing of the trainer or the study (`dtrain.engine`, `dtrain.analysis`)."""
+
+from dtrain.collectives.strategies import attach  # noqa: F401 (the seam)
+from dtrain.collectives.sync import GradSync  # noqa: F401 (what it returns)

@@ -1,0 +1,92 @@
+"""The communication library's part of a profile: validation of its sections, and loading them on their own.
+
+`dtrain.engine.config` validates a whole profile and calls `validate` for `dist`, `sync` and `collectives`. The library's own
+command-line tools (the benchmark, the NCCL tools) call `load`, which reads just those sections of a profile with the
+same strict loader and the same file:line errors; the engine's sections are left to the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from dtrain.collectives import hooks
+from dtrain.collectives.nccl.settings import validate_config
+from dtrain.collectives.settings import CollectivesConfig, DistConfig, SyncConfig
+from dtrain.collectives.strategies import available, get, unused_keys
+from dtrain.collectives.tensor_classes import config_problems
+from dtrain.common.errors import UserError
+from dtrain.common.schema import Source, apply_overrides, build, read_overlay
+
+SECTIONS = ("dist", "sync", "collectives")
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """The sections of a profile that `collectives` reads."""
+
+    dist: DistConfig = field(default_factory=DistConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    collectives: CollectivesConfig = field(default_factory=CollectivesConfig)
+
+
+def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check: Callable[[bool, str, str], None]
+             ) -> None:
+    """`check(ok, dotted_key, message)` for every rule of the three sections (the caller adds file and line)."""
+    check(dist.backend in ("auto", "gloo", "nccl"), "dist.backend", f"must be auto, gloo or nccl, got '{dist.backend}'")
+    check(dist.timeout_s > 0, "dist.timeout_s", "must be positive")
+    s = sync
+    check(s.bucket_cap_mb is None or s.bucket_cap_mb > 0, "sync.bucket_cap_mb",
+          f"must be positive or null, got {s.bucket_cap_mb}")
+    for key in ("first_bucket_mb", "last_bucket_mb"):
+        value = getattr(s, key)
+        check(value is None or value > 0, f"sync.{key}", f"must be positive or null, got {value}")
+    check(s.powersgd_rank > 0, "sync.powersgd_rank", f"must be positive, got {s.powersgd_rank}")
+    check(s.powersgd_start_iter >= 2, "sync.powersgd_start_iter",
+          f"must be at least 2 (DDP rebuilds its buckets after iteration 1), got {s.powersgd_start_iter}")
+    check(s.gather_dtype in (None, "bf16"), "sync.gather_dtype", f"must be bf16 or null, got '{s.gather_dtype}'")
+    t = s.tune
+    for key, ok, need in (("budget_steps", t.budget_steps > 0, "positive"), ("top_k", t.top_k > 0, "positive"),
+                          ("probe_steps", t.probe_steps > 0, "positive"),
+                          ("warmup_rounds", t.warmup_rounds >= 0, "0 or more"),
+                          ("min_rounds", t.min_rounds >= 2, "at least 2 (a paired difference needs two rounds)"),
+                          ("loss_tolerance", t.loss_tolerance >= 0, "0 or more"),
+                          ("retune_drift", t.retune_drift is None or t.retune_drift > 0, "positive or null"),
+                          ("retune_window", t.retune_window >= 3, "at least 3")):
+        check(ok, f"sync.tune.{key}", f"must be {need}, got {getattr(t, key)}")
+    for path, msg in config_problems(s):
+        check(False, path, msg)
+    # Strategy names are checked against the registry at attach time, and here early.
+    check(s.strategy in available(), "sync.strategy",
+          f"unknown strategy '{s.strategy}' (available: {', '.join(available())})")
+    reads_hook = s.strategy in available() and "hook" in get(s.strategy).sync_keys
+    if reads_hook:  # a name torch does not ship, a missing option, an option the hook's state does not take
+        for path, msg in hooks.hook_problems(s):
+            check(False, path, msg)
+    for path, msg in unused_keys(s):  # a knob the strategy ignores would silently change nothing
+        # ddp with the per-class hook reads the classes' wire dtypes and NCCL settings, as per_class does
+        hook_reads = reads_hook and hooks.hook_name(s.hook) == hooks.PER_CLASS and any(
+            path.startswith("sync.classes.") and path.endswith("." + k.split(".")[1]) for k in hooks.PER_CLASS_KEYS)
+        check(hook_reads, path, msg)
+    validate_config(coll, s, check)  # collectives.* and the NCCL keys of sync.classes
+
+
+def from_dict(raw: dict, source: str | Source = "<dict>", lines: dict[str, int] | None = None) -> CommConfig:
+    """The library's sections of a profile's raw mapping; the other sections are not read."""
+    src = source if isinstance(source, Source) else Source(source, lines)
+    cfg = build(CommConfig, {k: v for k, v in raw.items() if k in SECTIONS}, "", src)
+
+    def check(ok: bool, path: str, msg: str) -> None:
+        if not ok:
+            raise UserError(f"{src.where(path)}: '{path}' {msg}")
+
+    validate(cfg.sync, cfg.collectives, cfg.dist, check)
+    return cfg
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> CommConfig:
+    """Read `dist`, `sync` and `collectives` of a profile (with its includes), with `--set` overrides of those
+    sections."""
+    raw, src = read_overlay(path)
+    return from_dict(raw, apply_overrides(raw, src, overrides))

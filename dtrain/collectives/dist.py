@@ -1,0 +1,115 @@
+"""Process-group set-up under torchrun (or a single process without it), backend choice, rank helpers."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+
+from dtrain.collectives.settings import DistConfig
+from dtrain.common.errors import UserError
+
+
+def env_rank() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) outside torchrun."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def choose_backend(cfg: DistConfig) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init(cfg: DistConfig) -> tuple[torch.device, str]:
+    """Join the job's default process group; returns this rank's device and the backend.
+
+    With NCCL the device is bound at init (`device_id`), so later `new_group` calls create their communicators
+    eagerly; the per-class NCCL settings of `collectives` depend on that.
+    """
+    rank, local_rank, world = env_rank()
+    backend = choose_backend(cfg)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if dist.is_initialized():
+        return device, backend
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    if "MASTER_ADDR" in os.environ:
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
+        # A restarted attempt (torchrun --max-restarts) can be handed the previous attempt's store, keys and all:
+        # a rank would then read its peer's stale gloo address before the peer rewrote it and fail to connect
+        # (a race that restarts under torchrun do lose). A per-attempt prefix keeps the attempts apart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"dtrain/attempt-{attempt}", store)
+        dist.init_process_group(backend, store=store, timeout=timeout, rank=rank, world_size=world, **kwargs)
+    else:  # a plain `python -m dtrain.engine.train`: a one-rank group, so the same code path runs
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
+    return device, backend
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def broadcast_object(obj, src: int = 0):
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def main_decides(fn):
+    """`fn()` on rank 0 only, its result given to every rank; if it fails, every rank raises its message as a
+    UserError, so all ranks exit alike instead of the others waiting for rank 0 at the next collective."""
+    result, problem = None, None
+    if is_main():
+        try:
+            result = fn()
+        except Exception as e:
+            problem = str(e)
+    result, problem = broadcast_object((result, problem))
+    if problem is not None:
+        raise UserError(problem)
+    return result
+
+
+def cleanup() -> None:
+    """Destroy every process group while the interpreter is fully alive.
+
+    A process group lives as long as something references it: DDP's reducer, a strategy's handle, a module's hooks.
+    Such objects often sit in reference cycles, which only the garbage collector frees; left to the interpreter's
+    finalization, a gloo group is destroyed there, its worker threads still holding work whose tensors need the GIL,
+    and the process aborts after its work is done ("terminate called without an active exception": the atexit
+    approach in pytorch/pytorch#179291 describes the same). So the caller drops its references to models and
+    handles first, and the cycles are collected here before the groups are destroyed."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,46 @@
+"""Per-tensor-class NCCL settings: which protocol, algorithm and CTA bounds each class's process group gets.
+
+Sits between the profile (`collectives.mode`/`default` and the NCCL keys of `sync.classes.<name>`) and the groups the
+strategies create through `class_group`. Modules, by concept:
+  settings     the modes, NCCL's names, validation of the profile's NCCL choices
+  classes      each class's resolved choices (`resolve`, `class_names`, `requested`)
+  versions     NCCL's version, at run time or given
+  guards       what NCCL's behaviour calls for: errors and warnings by mode and version
+  groups       the group settings of a profile (`build_groups`, `groups_text`) and applying them (`apply_global`,
+               `class_group`, `run_record`)
+  tuner        dtrain's tuner plugin (build, rules file) and configs for NCCL's example plugin
+  tuner_check  the plugin driven through ctypes, without NCCL
+  log          the one reader of NCCL_DEBUG logs (ENV, TUNING in both formats, the init table)
+  check        observed against requested, per bucket (`verify_run`)
+  gpu_check    two NCCL ranks on one GPU, both modes checked
+  __main__     the command line: groups, build-tuner, tuner-config, tuner-check, parse-log, gpu-check
+"""
+
+from dtrain.collectives.nccl.check import check_decisions, load_buckets, render_check, verify_run
+from dtrain.collectives.nccl.classes import class_names, requested, resolve
+from dtrain.collectives.nccl.groups import (
+    GroupSettings,
+    NcclSetup,
+    apply_global,
+    build_groups,
+    class_group,
+    groups_text,
+    render_groups,
+    reset,
+    run_record,
+)
+from dtrain.collectives.nccl.log import Decision, EnvSetting, InitTable, parse_init_table, parse_log
+from dtrain.collectives.nccl.settings import COLLECTIVES, MODES, validate_config
+from dtrain.collectives.nccl.tuner import (ExampleRule, build_tuner, example_tuner_csv, read_example_config, tuner_lib_path,
+                                    tuner_rules)
+from dtrain.collectives.nccl.tuner_check import TunerHarness, cell_name, render_tuner_table, sample_cost_table, tuner_table
+from dtrain.collectives.nccl.versions import nccl_version, parse_version
+
+__all__ = [
+    "COLLECTIVES", "MODES", "Decision", "EnvSetting", "GroupSettings", "InitTable", "NcclSetup", "TunerHarness",
+    "ExampleRule", "apply_global", "build_groups", "build_tuner", "cell_name", "check_decisions", "class_group", "class_names",
+    "example_tuner_csv", "groups_text", "load_buckets", "nccl_version", "parse_init_table", "parse_log",
+    "parse_version", "read_example_config", "render_check", "render_groups", "render_tuner_table", "requested", "reset", "resolve",
+    "run_record", "sample_cost_table", "tuner_lib_path", "tuner_rules", "tuner_table", "validate_config",
+    "verify_run",
+]

@@ -1,0 +1,132 @@
+"""Settings of the communication library: the profile sections `dist`, `sync` and `collectives`.
+
+Plain frozen dataclasses, loaded by the strict loader (`dtrain.common.schema`) as parts of a profile; the engine's
+`RunConfig` holds them. `collectives` reads nothing else of a profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtrain.common.errors import UserError
+from dtrain.common.schema import Source, build
+
+# NCCL's protocol and algorithm names, in the order of its tuner-plugin indices (NCCL's src/include/nccl_tuner.h and
+# the NCCL_PROTO / NCCL_ALGO environment variables in NCCL's documentation). The one list of them in the project.
+NCCL_PROTOCOLS = ("LL", "LL128", "Simple")
+NCCL_ALGORITHMS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    backend: str = "auto"  # auto: nccl when CUDA is present, else gloo
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class ClassSettings:
+    """One tensor class under `sync.classes.<name>`: which parameters it holds (a rule) and how its buckets travel
+    (wire dtype, bucket size, and on NCCL the protocol, algorithm and CTA bounds of its communicator). Every key is
+    optional; `dtrain.collectives.tensor_classes` turns these into rules and `CollectiveSettings`, `dtrain.collectives.nccl` reads
+    the NCCL keys."""
+
+    match: str | list[str] | None = None  # fnmatch glob(s) of parameter names; needed by a class that is not a default
+    min_numel: int | None = None  # the rule matches parameters with at least this many elements
+    max_numel: int | None = None  # ... and at most this many
+    wire_dtype: str = "fp32"  # fp32, bf16 or fp16: the dtype the gradients travel in
+    bucket_cap_mb: float | None = None  # None: sync.bucket_cap_mb
+    protocol: str | None = None  # NCCL_PROTOCOLS; None: NCCL (or collectives.default) decides
+    algorithm: str | None = None  # NCCL_ALGORITHMS; None: NCCL (or collectives.default) decides
+    min_ctas: int | None = None  # the class communicator's ncclConfig_t.minCTAs
+    max_ctas: int | None = None  # ... and maxCTAs
+    # A tied embedding (one nn.Embedding weight also used as the pre-softmax projection): its gradient goes in two
+    # parts, the projection's as soon as backward has it, the rows each lookup touched as its backward ends
+    # (dtrain.collectives.tied_split)
+    tied_split: bool = False
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """`sync.hook` as a mapping: a DDP comm hook that takes options (`dtrain.collectives.hooks` resolves and checks it).
+    A plain string is the same as `{name: <string>}`."""
+
+    name: str | None = None  # a short name (allreduce, fp16_compress, bf16_compress, powersgd, per_class) or a
+    # dotted name under torch.distributed.algorithms.ddp_comm_hooks
+    wraps: str | None = None  # for a wrapper (fp16_compress_wrapper, bf16_compress_wrapper): the hook it wraps
+    state: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the (wrapped) hook's state object
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """`sync.tune`: how `sync.strategy: auto` searches (the engine's tuner, `dtrain.engine.autotune`, runs it). Budgets count
+    training steps: each measured round runs one step of every candidate still in the race."""
+
+    # name -> the candidate's `sync` keys (dotted below `sync`, e.g. {strategy: bucketed, bucket_cap_mb: 0.5,
+    # classes.embedding.tied_split: true}); empty: the default space (dtrain.engine.autotune.DEFAULT_SPACE)
+    candidates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    budget_steps: int = 60  # training steps the search may spend, the probe's included
+    top_k: int = 4  # candidates measured: the best by the prediction (the others are dropped unmeasured)
+    probe_steps: int = 3  # steps of the no-communication probe whose compute times feed the prediction
+    warmup_rounds: int = 2  # first rounds not counted (DDP rebuilds its buckets after its first step)
+    # counted rounds before a candidate may be dropped: from 6 on, the interval of a paired median (the smallest to
+    # the largest difference at 6) covers the true one with >= 95% probability
+    min_rounds: int = 6
+    lossy: bool = False  # also candidates whose averaged gradient is not the exact mean (bf16/fp16 wire, PowerSGD)
+    loss_tolerance: float = 0.01  # a lossy candidate is dropped when its loss is this much higher (relative)
+    retune_drift: float | None = None  # search again when the median step drifts this much (relative) after a search
+    retune_window: int = 20  # steps per median that `retune_drift` compares (the first window is the baseline)
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    strategy: str = "ddp"  # ddp, per_tensor, flat, bucketed, per_class, sharded, powersgd, noop, auto (strategies/)
+    bucket_cap_mb: float | None = None  # None: DDP's default (25 MiB, with a 1 MiB first bucket); 25 for the others
+    first_bucket_mb: float | None = None  # ddp, bucketed: cap of the bucket ready first; None: as bucket_cap_mb
+    # bucketed, sharded: the last parameters backward completes, as few as hold this many MiB, in a bucket of their
+    # own (its communication is exposed: a smaller one is done sooner after backward); None: no such bucket
+    last_bucket_mb: float | None = None
+    hook: HookConfig | str | None = None  # ddp: a DDP comm hook by name, or {name, wraps, state} (dtrain.collectives.hooks)
+    classes: dict[str, ClassSettings] = field(default_factory=dict)  # tensor class name -> its rule and settings
+    # sharded with a class's tied_split: the tied embedding sharded by rows too, each lookup fetching its rows first
+    shard_tied_split: bool = False
+    # sharded: the updated parameters that only nn.Linear modules read are all-gathered in this dtype ("bf16"), the
+    # dtype the forward's autocast casts them to anyway, and their gradients reduce-scattered in it when a step is one
+    # micro-batch (then bf16 holds them exactly); null: in their own
+    gather_dtype: str | None = None
+    powersgd_rank: int = 1  # powersgd: matrix approximation rank
+    powersgd_start_iter: int = 2  # powersgd: plain all-reduce before this iteration (error feedback needs >= 2)
+    tune: TuneConfig = field(default_factory=TuneConfig)  # auto: how the job searches its configuration
+
+    def __post_init__(self):
+        # The strict loader gives ClassSettings; code (tests, the cost model's what-if plans) may give a class as a
+        # mapping of the same keys, which goes through the same loader so that a bad key is the same one-line error.
+        if not isinstance(self.classes, dict):
+            raise UserError(f"'sync.classes' must be a mapping of class names, got {self.classes!r}")
+        if not all(isinstance(v, ClassSettings) for v in self.classes.values()):
+            src = Source("sync.classes")
+            object.__setattr__(self, "classes", {
+                name: v if isinstance(v, ClassSettings) else build(ClassSettings, v, f"sync.classes.{name}", src)
+                for name, v in self.classes.items()})
+        if isinstance(self.hook, dict):  # code may give the hook's mapping too: the same loader, the same errors
+            object.__setattr__(self, "hook", build(HookConfig, self.hook, "sync.hook", Source("sync.hook")))
+
+
+@dataclass(frozen=True)
+class NcclSettings:
+    """NCCL choices of one communicator: `collectives.default`, and what a tensor class resolves to (its
+    `sync.classes.<name>` protocol/algorithm/CTA bounds over the default); null = NCCL decides. Validated and applied
+    by `dtrain.collectives.nccl`."""
+
+    proto: str | None = None  # LL, LL128, Simple
+    algo: str | None = None  # Ring, Tree, CollNetDirect, CollNetChain, NVLS, NVLSTree, PAT
+    min_ctas: int | None = None
+    max_ctas: int | None = None
+
+
+@dataclass(frozen=True)
+class CollectivesConfig:
+    mode: str = "global"  # global | per_group | tuner
+    default: NcclSettings = field(default_factory=NcclSettings)  # every communicator; a class's keys override it
+    parse_log: bool = False  # NCCL_DEBUG=INFO, SUBSYS=ENV,TUNING into a log file, checked against the bucket plan
+    validated: bool = False  # the forced settings passed the benchmark's #wrong check on this platform

@@ -1,0 +1,315 @@
+"""`sharded`: bucketed's buckets, reduce-scattered in backward; each rank updates its shard of the parameters and of
+the optimizer's state, and the updated parameters are all-gathered while the next forward runs, each module waiting
+only for its own buckets (`dtrain.collectives.shards`). Lossless; optimizer memory divided by the world size.
+
+The loop builds its optimizer over `handle.optimizer_params()` (the shards), clips by `handle.grad_norm()` (the
+global norm: an all-reduce of the shards' sums of squares) and calls `handle.stepped()` after the update. Checkpoints
+hold the whole model and the optimizer state as if one rank had updated it (`optimizer_state`), so they resume on any
+world size and with any strategy. The plan stays in the expected ready order (no re-plan after the first step: the
+optimizer already holds the shards). Knobs: bucketed's.
+
+With `sync.classes.<class>.tied_split` the tied embedding is not sharded: its bucket comes first and holds it alone,
+its projection part is all-reduced from the start of backward and each lookup's rows as that lookup's backward ends
+(`dtrain.collectives.tied_split`), and every rank updates the whole matrix, which the next forward's first lookups need
+before anything else (an all-gather there would hold up the first layer).
+
+With `sync.shard_tied_split` as well, the embedding is sharded too, by whole rows: its projection part is
+reduce-scattered like any bucket, each lookup's rows reduce-scattered to their owners, and in the next forward each
+lookup fetches the rows of its tokens from their owners (`dtrain.collectives.tied_split.ShardedTiedSplit`). The matrix's
+all-gather then only has to be done by the module that reads all of it (the pre-softmax projection, an `nn.Linear`
+holding the embedding's Parameter), so the all-gathers go in the order the first forward waited for the buckets.
+
+With `sync.gather_dtype: bf16` (training under bf16 autocast), the parameters that only `nn.Linear` modules read are
+all-gathered in bf16, half the bytes: autocast casts them to bf16 before any use, so the forward and backward see the
+same values as after an fp32 all-gather. Their gradients are reduce-scattered in bf16 too when a step is one backward
+of one micro-batch: each is then a bf16 product widened to fp32, which bf16 holds exactly, and the sum is taken in
+fp32. Either way the trained parameters equal DDP's bit for bit (`dtrain.collectives.shards`). Such a Linear running outside
+that autocast in a synchronized forward, or while its parameters are narrowed, is an error; `wait_params` gathers
+them again in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.collectives.shards import ShardedReducer, member_offsets
+from dtrain.collectives.strategies import CLASS_RULE_KEYS, register
+from dtrain.collectives.strategies.bucketed import Bucketed
+from dtrain.collectives.strategies.planned import PlannedSync
+from dtrain.collectives.sync import total_norm
+from dtrain.collectives.tensor_classes import WIRE_DTYPES
+from dtrain.collectives.tied_split import ShardedTiedSplit
+from dtrain.common.errors import UserError
+
+
+LOOKUP = object()  # in a recorded forward: a lookup of a sharded matrix ran here
+
+
+class ShardedSync(PlannedSync):
+    def __init__(self, model, cfg, process_group, strategy):
+        super().__init__(model, cfg, process_group, strategy)
+        if strategy.config.shard_tied_split and not self.splits:
+            raise UserError("'sync.shard_tied_split' shards a split tied embedding, but no class sets tied_split")
+        for split in self.splits:
+            if len(self.reducer.buckets[self.reducer.bucket_of(split.name)].params) != 1:
+                raise UserError(f"tied_split: '{split.name}' shares a bucket with other parameters under strategy "
+                                f"'{self.name}'; its plan must give it a bucket of its own")
+        self._replanned = True  # the optimizer holds the shards of this plan
+        # Each module with parameters of its own waits, just before it runs, for the buckets that hold them (a tied
+        # parameter for every module that holds it), except that the lookups of a sharded matrix fetch their rows
+        # themselves: where they stand for the whole matrix (`ShardedTiedSplit.readers`), they mark its place.
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        lookups = {id(m): s for s in self.splits if isinstance(s, ShardedTiedSplit) for m in s.lookups}
+        self._pre_hooks = []
+        for module in model.modules():
+            buckets = {self.reducer.bucket_of(name_of[id(p)]) for p in module.parameters(recurse=False)}
+            if not buckets:
+                continue
+            if id(module) in lookups:
+                buckets.discard(self.reducer.bucket_of(lookups[id(module)].name))
+            self._pre_hooks.append(module.register_forward_pre_hook(
+                self._waiter(sorted(buckets), id(module) in lookups)))
+        # Linear modules whose parameters' gradients travel narrowed, and how often each ran in this forward
+        exact = self.reducer.exact
+        self._narrowed = {id(m) for m in model.modules() if isinstance(m, nn.Linear) and any(
+            name_of[id(p)] not in exact for p in m.parameters(recurse=False))} if self.reducer.gather_dtype else set()
+        if self.reducer.gather_dtype and self.world <= 3:
+            self._narrow_splits(model)
+        self._calls: dict[int, int] = {}
+        # The buckets in the order the first synchronized forward waits for them, and where its lookups of a
+        # sharded matrix come (LOOKUP): the all-gathers' waves from then on (None: not recorded).
+        self._uses: list | None = [] if lookups else None
+
+    def _narrow_splits(self, model: nn.Module) -> None:
+        """A replicated split embedding whose only other holders are Linear modules (the pre-softmax projection)
+        gets its gradient from them alone, the lookups' rows going apart: a bf16 value under autocast, exchanged whole
+        in bf16 (`ShardedReducer.narrow_whole`). Up to 3 ranks, where that is fewer bytes than a ring all-reduce."""
+        for split in self.splits:
+            if isinstance(split, ShardedTiedSplit):
+                continue
+            holders = [m for m in model.modules() if any(p is split.param for p in m.parameters(recurse=False))]
+            linears = [m for m in holders if isinstance(m, nn.Linear)]
+            if linears and all(isinstance(m, (nn.Linear, nn.Embedding)) for m in holders):
+                self.reducer.narrow_whole.add(self.reducer.bucket_of(split.name))
+                self._narrowed |= {id(m) for m in linears}
+
+    def _make_reducer(self, named_params, buckets, groups, process_group):
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        group = dist.new_group(ranks)  # the shards' point-to-point traffic, apart from any collective
+        low = self.strategy.config.gather_dtype
+        return ShardedReducer(named_params, buckets, self.world, group, dist.get_rank(group),
+                              replicated_group=process_group, gather_dtype=low and WIRE_DTYPES[low],
+                              exact=not_cast_only(self.model) if low else frozenset())
+
+    def _make_split(self, model, name, process_group):
+        if not self.strategy.config.shard_tied_split:
+            return super()._make_split(model, name, process_group)
+        table = self.reducer.row_table(self.reducer.bucket_of(name))
+        return ShardedTiedSplit(model, name, process_group, self.world, lambda: self.reducer.armed, table)
+
+    def _waiter(self, indices: list[int], lookup: bool):
+        def hook(module, args):
+            if self._uses is not None and self.reducer.armed:
+                self._uses += [i for i in indices if i not in self._uses] + ([LOOKUP] if lookup else [])
+            self.reducer.wait_gathered(indices)
+            narrowed = id(module) in self._narrowed
+            # it reads narrowed parameters, or its gradients will be reduce-scattered narrowed
+            if (narrowed and self.reducer.armed) or any(self.reducer.shards[i].rounded for i in indices):
+                self._check_autocast(module)
+            if narrowed:
+                self._calls[id(module)] = self._calls.get(id(module), 0) + 1
+
+        return hook
+
+    def _check_autocast(self, module: nn.Module) -> None:
+        """A Linear with narrowed parameters must cast them to that dtype itself: else it would compute with other
+        values than the fp32 parameters', and its gradients would not be values of that dtype."""
+        device = self.reducer.device.type
+        low = self.reducer.gather_dtype
+        if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == low):
+            raise UserError(f"sync.gather_dtype: a {type(module).__name__} whose parameters travel in {low} ran "
+                            f"outside autocast to {low}; run the forward under that autocast (train.amp)")
+
+    def before_forward(self) -> None:
+        super().before_forward()
+        self.reducer.gather()  # if the loop did not call stepped(): now
+        self._calls = {}
+
+    def after_forward(self, out) -> None:
+        super().after_forward(out)
+        if self._uses and self.reducer.armed:
+            self.reducer.gather_waves = self._waves(self._uses)
+            self._uses = None
+        self.reducer.wait_params()  # buckets no module waited for (normally all are done)
+        if any(n > 1 for n in self._calls.values()):  # its weight's gradient: a sum of bf16 products, not one
+            self.reducer.accumulated = True
+
+    def _waves(self, uses: list) -> list[list[int]]:
+        """The all-gathers in the order the forward first waited for them, cut at each lookup of a sharded matrix:
+        each wave goes once the lookup before it has fetched its rows, so that no fetch queues behind all-gathers
+        on the link. A matrix without readers of its own goes in the wave before its last lookup, which waits for
+        all of it; buckets no module waited for go last."""
+        waves: list[list[int]] = [[]]
+        for u in uses:  # each bucket once: the recording keeps only its first wait
+            if u is LOOKUP:
+                waves.append([])
+            else:
+                waves[-1].append(u)
+        for split in self.splits:
+            if isinstance(split, ShardedTiedSplit) and not split.readers:
+                waves[max(0, len(waves) - 2)].append(self.reducer.bucket_of(split.name))
+        placed = {i for w in waves for i in w}
+        waves[-1] += [st.bucket.index for st in reversed(self.reducer.buckets) if st.bucket.index not in placed]
+        return waves
+
+    # -- the seam's sharded side --------------------------------------------------------------------------------
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return [sh.shard for sh in self.reducer.shards]
+
+    def grad_norm(self, exact: bool = False) -> torch.Tensor:
+        # A replicated parameter's gradient is the same on every rank: its squares are counted once, on rank 0.
+        grads = [sh.shard.grad for sh in self.reducer.shards
+                 if sh.shard.grad is not None and (not sh.replicated or self.reducer.rank == 0)]
+        return total_norm(grads, exact=exact, group=self.reducer.group, sharded=True)
+
+    def stepped(self) -> None:
+        self.reducer.gather()
+
+    def wait_params(self) -> None:
+        self.reducer.wait_params()
+        self.reducer.exact_params()  # a narrowed all-gather's chunks again in fp32: they are read whole now
+
+    def wait(self) -> None:
+        super().wait()
+        for r in self._records:
+            if r.part not in (None, "projection"):
+                continue
+            sh = self.reducer.shards[r.bucket]
+            if not sh.replicated:
+                r.part = r.part or "reduce_scatter"  # a sharded matrix's projection part keeps its name
+            if not sh.replicated or sh.scatter_narrowed:
+                r.nbytes = self.reducer.sent_bytes(r.bucket, scatter=True)  # to all peers
+                r.wire_dtype = self.reducer.wire(r.bucket, scatter=True)
+        t0 = self.reducer.step_start()
+        self._records += self.reducer.gather_records(t0, len(self._records))
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The state of an optimizer over `model.parameters()`: every shard's state tensors all-gathered (a
+        collective: every rank calls it) and cut into the parameters' shapes."""
+        sd = optimizer.state_dict()
+        group = _one_group(sd)
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        state = {}
+        for i, (st, sh) in enumerate(zip(self.reducer.buckets, self.reducer.shards)):
+            shard_state = sd["state"].get(i, {})
+            if sh.replicated:  # the whole parameter's state, the same on every rank (none before its first step)
+                if shard_state:
+                    state[index[id(sh.shard)]] = _cloned(shard_state)
+                continue
+            for key in sorted(shard_state):  # the same order on every rank
+                value = shard_state[key]
+                if torch.is_tensor(value) and value.shape == sh.shard.shape:
+                    full = value.new_empty(sh.params.numel())
+                    dist.all_gather_into_tensor(full, value.contiguous(), group=self.reducer.group)
+                    for off, p in zip(member_offsets(st.params), st.params):
+                        state.setdefault(index[id(p)], {})[key] = full[off: off + p.numel()].view_as(p).clone()
+                else:  # a per-tensor scalar such as Adam's step
+                    for p in st.params:
+                        state.setdefault(index[id(p)], {})[key] = value.clone() if torch.is_tensor(value) else value
+        return {"state": state, "param_groups": [{**group, "params": sorted(index.values())}]}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, full: dict) -> None:
+        """Cut a whole-model state (`optimizer_state`'s form, from any world size or strategy) into this rank's
+        shards."""
+        group = _one_group(full)
+        n_params = len(list(self.model.parameters()))
+        covered = len(full["param_groups"][0]["params"])
+        if covered != n_params:
+            raise UserError(f"the checkpoint's optimizer state covers {covered} parameters, the model has {n_params}")
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        state = {}
+        for i, (st, sh) in enumerate(zip(self.reducer.buckets, self.reducer.shards)):
+            members = [full["state"].get(index[id(p)]) for p in st.params]
+            if all(m is None for m in members):
+                continue  # never stepped
+            if any(m is None for m in members):
+                raise UserError("the checkpoint's optimizer state covers only some parameters of a bucket")
+            if sh.replicated:
+                state[i] = _cloned(members[0])
+                continue
+            s, rank = sh.shard.numel(), self.reducer.rank
+            shard_state = {}
+            for key, value in members[0].items():
+                if torch.is_tensor(value) and value.shape == st.params[0].shape and value.dim() > 0:
+                    flat = torch.zeros(sh.params.numel(), dtype=value.dtype, device=value.device)
+                    for off, p, m in zip(member_offsets(st.params), st.params, members):
+                        flat[off: off + p.numel()].copy_(m[key].reshape(-1))
+                    shard_state[key] = flat[rank * s: (rank + 1) * s].clone()
+                else:
+                    shard_state[key] = value
+            state[i] = shard_state
+        optimizer.load_state_dict({"state": state,
+                                   "param_groups": [{**group, "params": list(range(len(self.reducer.shards)))}]})
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["shard_numel"] = sum(sh.shard.numel() for sh in self.reducer.shards)
+        return out
+
+
+def not_cast_only(model: nn.Module) -> set[str]:
+    """The parameters some module other than an `nn.Linear` holds: those the forward may read in their own dtype.
+    An `nn.Linear` calls `F.linear`, which autocast runs in its lower dtype, casting the weight and bias first."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    out = set()
+    for module in model.modules():
+        if not isinstance(module, nn.Linear):
+            out |= {name_of[id(p)] for p in module.parameters(recurse=False)}
+    return out
+
+
+def _cloned(state: dict) -> dict:
+    """One parameter's optimizer state with its tensors copied (a replicated parameter's state, whole)."""
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
+
+def _one_group(sd: dict) -> dict:
+    if len(sd["param_groups"]) != 1:
+        raise UserError(f"strategy 'sharded' needs an optimizer with one parameter group, not "
+                        f"{len(sd['param_groups'])}")
+    return {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
+
+
+@register("sharded")
+class Sharded(Bucketed):
+    sync_keys = ("bucket_cap_mb", "first_bucket_mb", "last_bucket_mb") + CLASS_RULE_KEYS + (
+        "classes.tied_split", "shard_tied_split", "gather_dtype")
+    handle = ShardedSync
+    shards = True
+
+    @dataclass(frozen=True)
+    class Config(Bucketed.Config):
+        shard_tied_split: bool = False  # a tied_split embedding sharded by rows too, not replicated
+        gather_dtype: str | None = None  # "bf16": Linear-only parameters all-gathered as the autocast reads them
+
+    def plan(self, named_params, classes, settings):
+        """Bucketed's plan; a `tied_split` parameter gets a bucket of its own, first: with the split its gradient is
+        complete when the pre-softmax projection's is, the first that backward computes. The rest is planned on its
+        own, so its first bucket follows `first_bucket_mb` as bucketed's would."""
+        split = [(n, p) for n, p in named_params if settings[classes[n]].tied_split]
+        rest = [(n, p) for n, p in named_params if not settings[classes[n]].tied_split]
+        buckets = []
+        for one in split:
+            buckets += super().plan([one], classes, settings)
+        buckets += super().plan(rest, classes, settings)
+        if self.config.shard_tied_split:  # sharded by whole rows (a 2-D embedding's)
+            return [dataclasses.replace(b, index=i, row_size=dict(split)[b.names[0]].shape[-1] if i < len(split)
+                                        else 0) for i, b in enumerate(buckets)]
+        return [dataclasses.replace(b, index=i, replicated=i < len(split)) for i, b in enumerate(buckets)]
+

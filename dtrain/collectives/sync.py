@@ -1,0 +1,121 @@
+"""The handle of the one seam between a training loop and gradient communication.
+
+A training loop calls `collectives.attach(model, sync_config)` once and gets a `GradSync`. It builds its optimizer
+over `handle.optimizer_params()`, runs forward through `handle.module`, wraps all but the last micro-batch of an
+accumulation in `handle.no_sync()`, calls `handle.wait()` before the update and clips by `handle.grad_norm()`; it may
+call `handle.stepped()` after `optimizer.step()`. Before reading the model's parameters outside training (validation, a
+checkpoint) it calls `handle.wait_params()`; it saves and loads the optimizer through `handle.optimizer_state()` and
+`handle.load_optimizer_state()`, and the strategy's own state (PowerSGD's error feedback: this rank's, so gathered per
+rank) through `handle.state_dict()` and `handle.load_state_dict()`. It never branches on which strategy is behind the
+handle: for all but a sharded strategy these calls are the plain ones (the model's parameters, the optimizer's own
+state dict; no state of its own).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.collectives.settings import SyncConfig
+from dtrain.common.rundir import BucketRecord
+
+
+class StrategyFacts:
+    """What every registered strategy says of itself, for the profile's checks, the cost model and the simulator;
+    both kinds of strategy (`GradSync` and `dtrain.collectives.plan.BucketingStrategy`) carry them."""
+
+    name: ClassVar[str] = "base"
+    communicates: ClassVar[bool] = True  # False only for the no-communication headroom baseline
+    class_groups: ClassVar[bool] = False  # each tensor class gets its own process group
+    uses_cap: ClassVar[bool] = False  # its buckets follow `sync.bucket_cap_mb`
+    # The keys of `sync` it reads besides `strategy` ("classes.<key>": that key of every `sync.classes.<class>`); a
+    # profile that sets another one is refused (`dtrain.collectives.config.validate`).
+    sync_keys: ClassVar[tuple[str, ...]] = ()
+    plans_like: ClassVar[str | None] = None  # a planned strategy whose buckets model this one's (None: its own)
+
+
+class GradSync(StrategyFacts):
+    """Base handle. Subclasses synchronize gradients so that after `wait()` each holds the mean over ranks."""
+
+    lossless = True  # False for strategies whose averaged gradients differ from the exact mean
+
+    def __init__(self, model: nn.Module, cfg: SyncConfig, process_group: dist.ProcessGroup | None = None):
+        self.model, self.cfg, self.process_group = model, cfg, process_group
+        self.module: nn.Module = model  # what forward is called on
+
+    def no_sync(self) -> AbstractContextManager:
+        """Inside: backward accumulates locally and communicates nothing (all but the last micro-batch)."""
+        return nullcontext()
+
+    def wait(self) -> None:
+        """Block until every gradient is averaged across ranks; the time spent here is exposed communication."""
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """What the optimizer updates: the model's parameters (a sharded strategy: this rank's shards of them)."""
+        return list(self.model.parameters())
+
+    def grad_norm(self, exact: bool = False) -> torch.Tensor:
+        """The L2 norm of the synchronized gradient, equal on every rank (call after `wait()`); see `total_norm`.
+        `exact`: the same float32 value however the gradient is split over ranks (when the norm scales the update,
+        as clipping does)."""
+        return total_norm([p.grad for p in self.optimizer_params() if p.grad is not None], exact=exact)
+
+    def stepped(self) -> None:
+        """The optimizer has updated `optimizer_params()`: a sharded strategy starts sending the updated shards now
+        rather than when the next forward starts (optional; the next forward waits, module by module, for what it
+        needs)."""
+
+    def wait_params(self) -> None:
+        """Block until the model's parameters are current on this rank (before validation or a checkpoint)."""
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state dict as if it updated the whole model (a collective for a sharded strategy)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load a state dict of `optimizer_state()`'s form, whatever the world size that wrote it."""
+        optimizer.load_state_dict(state)
+
+    def state_dict(self) -> dict:
+        """This rank's state of the strategy itself, for a checkpoint (tensors and plain data, keyed so that it
+        survives a new bucket layout); empty for a strategy that carries nothing from step to step."""
+        return {}
+
+    def load_state_dict(self, state: dict, own: bool = True) -> None:
+        """Restore a `state_dict()`, before the first step. `own`: False when it is another rank's (this rank has
+        none of its own, as after a change of world size): only what every rank holds alike is taken from it."""
+
+    def step_records(self) -> list[BucketRecord]:
+        """Per-bucket records of the step just synchronized, drained by the trainer after `wait()` and written to
+        `<run>/buckets.jsonl` with the step number (bytes, class, dtype, ready/launch/complete times ...)."""
+        return []
+
+    def stats(self) -> dict:
+        """Per-strategy facts for the run header (bucket count, sizes ...)."""
+        return {"strategy": self.name, "lossless": self.lossless, "communicates": self.communicates}
+
+
+def total_norm(grads: list[torch.Tensor], exact: bool = False, group: dist.ProcessGroup | None = None,
+               sharded: bool = False) -> torch.Tensor:
+    """The L2 norm of `grads` as a float32 0-dim tensor; with `sharded`, each rank holds a disjoint part and the
+    sums of squares are all-reduced over `group`.
+
+    `exact` sums the squares in float64: the square of a float32 is exact there, so the sum hardly depends on its
+    order and any split of the gradient gives the same float32 norm (a different norm would scale a clipped update
+    differently, and Adam carries the difference on). Otherwise torch's float32 norm of the per-tensor norms, which
+    is cheaper but depends on how the gradient is split into tensors."""
+    device = grads[0].device if grads else torch.device("cpu")
+    if not (exact or sharded):
+        return torch.nn.utils.get_total_norm(grads).to(device) if grads else torch.zeros((), device=device)
+    dtype = torch.float64 if exact else torch.float32
+    squares = torch.zeros((), dtype=dtype, device=device)
+    for g in grads:
+        flat = g.reshape(-1).to(dtype)  # (numel,) exact: a float64 copy, whose products are exact
+        squares += torch.dot(flat, flat)
+    if sharded:
+        dist.all_reduce(squares, group=group)
+    return squares.sqrt().float()

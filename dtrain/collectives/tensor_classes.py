@@ -1,0 +1,178 @@
+"""Tensor classes: ordered rules that give every parameter exactly one class, and each class its collective settings.
+
+Sits between the model and the bucketing plan: `dtrain.collectives.plan` never mixes classes when asked not to, and the
+reducer sends each bucket with its class's settings (wire dtype, bucket cap, NCCL choices) through its class's group.
+Profiles change the defaults under `sync.classes.<name>` (a `dtrain.collectives.settings.ClassSettings`; see `from_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+
+from dtrain.collectives.settings import ClassSettings
+from dtrain.common.errors import UserError
+
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default bucket size, for the planned strategies too
+
+
+@dataclass(frozen=True)
+class ClassRule:
+    """Parameters whose name matches one of `match` (fnmatch globs) and whose numel lies in [min_numel, max_numel]."""
+
+    name: str
+    match: tuple[str, ...]
+    min_numel: int | None = None
+    max_numel: int | None = None
+
+    def matches(self, param_name: str, numel: int) -> bool:
+        if self.min_numel is not None and numel < self.min_numel:
+            return False
+        if self.max_numel is not None and numel > self.max_numel:
+            return False
+        return any(fnmatch.fnmatchcase(param_name, g) for g in self.match)
+
+    @property
+    def catch_all(self) -> bool:
+        return "*" in self.match and self.min_numel is None and self.max_numel is None
+
+
+@dataclass(frozen=True)
+class CollectiveSettings:
+    """How one class's buckets travel: the dtype on the wire, the bucket size and (NCCL only) protocol, algorithm
+    and CTA bounds."""
+
+    wire_dtype: str = "fp32"
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    protocol: str | None = None
+    algorithm: str | None = None
+    min_ctas: int | None = None
+    max_ctas: int | None = None
+    tied_split: bool = False  # the class's one parameter, a tied embedding, synchronized in two parts
+
+    @property
+    def torch_wire_dtype(self) -> torch.dtype:
+        return WIRE_DTYPES[self.wire_dtype]
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * 1024 * 1024)
+
+    def nccl(self) -> dict:
+        """The NCCL choices actually set (for `class_group`)."""
+        keys = ("protocol", "algorithm", "min_ctas", "max_ctas")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+# The defaults for this Transformer (parameter names from dtrain.engine.model). Order matters: biases of the projections
+# and of the FFN are `norm_bias`, not `projection`/`ffn`, because the bias rule comes first.
+DEFAULT_RULES: tuple[ClassRule, ...] = (
+    ClassRule("embedding", ("embed.weight",)),  # shared by source, target and the pre-softmax projection
+    ClassRule("norm_bias", ("*.norm.weight", "*.norm.bias", "*_norm.weight", "*_norm.bias", "*.bias")),
+    ClassRule("projection", ("*.W_Q.weight", "*.W_K.weight", "*.W_V.weight", "*.W_O.weight")),
+    ClassRule("ffn", ("*.feed_forward.*",)),
+    ClassRule("other", ("*",)),  # the catch-all: empty for this model, required for any other
+)
+
+_SETTING_KEYS = tuple(f.name for f in dataclasses.fields(CollectiveSettings))
+
+
+@dataclass(frozen=True)
+class TensorClasses:
+    """Ordered rules (first match wins, the last one a catch-all) and the settings of each class."""
+
+    rules: tuple[ClassRule, ...] = DEFAULT_RULES
+    settings: dict[str, CollectiveSettings] = field(default_factory=dict)
+
+    def __post_init__(self):
+        names = [r.name for r in self.rules]
+        if len(set(names)) != len(names):
+            raise UserError(f"tensor classes: duplicate class name in {names}")
+        if not self.rules or not self.rules[-1].catch_all:
+            raise UserError("tensor classes: the last rule must be a catch-all (match ['*'], no size bounds)")
+        for r in self.rules[:-1]:
+            if r.catch_all:
+                raise UserError(f"sync.classes.{r.name}.match: a catch-all before the last rule leaves the "
+                                f"classes after it empty")
+
+    def setting(self, name: str) -> CollectiveSettings:
+        return self.settings.get(name, CollectiveSettings())
+
+    def classify(self, param_name: str, numel: int) -> str:
+        return next(r.name for r in self.rules if r.matches(param_name, numel))  # the catch-all always matches
+
+    def assign(self, named_params) -> dict[str, str]:
+        """{parameter name: class name} for (name, tensor) pairs; meta tensors do (only numel is read)."""
+        return {name: self.classify(name, p.numel()) for name, p in named_params}
+
+
+def from_config(sync_cfg) -> TensorClasses:
+    """The classes of a `SyncConfig`: each `sync.classes.<name>` (a `ClassSettings`) gives a rule (match, min_numel,
+    max_numel) and settings (wire_dtype, bucket_cap_mb, protocol, algorithm, min_ctas, max_ctas, tied_split). NCCL's
+    choices are handed to `dtrain.collectives.nccl.class_group` with each class's group; on gloo nothing applies them.
+
+    A class given with `match` is a rule of the profile: those come first, in the order written, followed by the
+    default rules not redefined, so the catch-all `other` stays last. A default class given without `match` keeps its
+    rule and place and only changes its settings. Every class's `bucket_cap_mb` defaults to `sync.bucket_cap_mb`.
+    """
+    problems = config_problems(sync_cfg)
+    if problems:
+        path, msg = problems[0]
+        raise UserError(f"'{path}' {msg}")
+    own = [ClassRule(name, _globs(spec.match), spec.min_numel, spec.max_numel)
+           for name, spec in sync_cfg.classes.items()
+           if spec.match is not None and name != "other"]  # 'other' is always '*' and always last
+    own_names = {r.name for r in own}
+    rules = tuple(own) + tuple(r for r in DEFAULT_RULES if r.name not in own_names)
+    cap = sync_cfg.bucket_cap_mb if sync_cfg.bucket_cap_mb is not None else DEFAULT_BUCKET_CAP_MB
+    settings = {}
+    for r in rules:
+        spec = sync_cfg.classes.get(r.name, ClassSettings())
+        given = {k: getattr(spec, k) for k in _SETTING_KEYS if getattr(spec, k) is not None}
+        settings[r.name] = CollectiveSettings(**{"bucket_cap_mb": cap, **given})
+    return TensorClasses(rules, settings)
+
+
+def _globs(match: str | list[str]) -> tuple[str, ...]:
+    return (match,) if isinstance(match, str) else tuple(match)
+
+
+def config_problems(sync_cfg) -> list[tuple[str, str]]:
+    """What the strict loader cannot see in `sync.classes` (it checks keys and types): rules that leave a parameter
+    without a class, bounds, dtypes. As (dotted key, message) pairs for `dtrain.collectives.config` to report with a line.
+    The NCCL keys (protocol, algorithm, CTA bounds) are checked by `dtrain.collectives.nccl.validate_config`."""
+    defaults = {r.name for r in DEFAULT_RULES}
+    out = []
+
+    def bad(path, msg):
+        out.append((path, msg))
+
+    for name, spec in sync_cfg.classes.items():
+        base = f"sync.classes.{name}"
+        if name not in defaults and spec.match is None:
+            bad(f"{base}.match", f"is required for a class that is not a default one "
+                                 f"({', '.join(r.name for r in DEFAULT_RULES)})")
+        if spec.match is not None:
+            globs = _globs(spec.match)
+            if not (globs and all(globs)):
+                bad(f"{base}.match", f"must be a glob or a non-empty list of globs, got {spec.match!r}")
+            elif "*" in globs and spec.min_numel is None and spec.max_numel is None and name != "other":
+                bad(f"{base}.match", "is a catch-all: only the last class, 'other', may match everything")
+        if name == "other" and spec.match is not None and _globs(spec.match) != ("*",):
+            bad(f"{base}.match", "must stay '*': 'other' is the catch-all that gives every parameter a class")
+        for key in ("min_numel", "max_numel"):
+            v = getattr(spec, key)
+            if v is not None and v < 0:
+                bad(f"{base}.{key}", f"must be a non-negative integer or null, got {v!r}")
+        lo, hi = spec.min_numel, spec.max_numel
+        if lo is not None and hi is not None and lo > hi:
+            bad(f"{base}.min_numel", f"must not exceed max_numel ({lo} > {hi})")
+        if spec.bucket_cap_mb is not None and spec.bucket_cap_mb <= 0:
+            bad(f"{base}.bucket_cap_mb", f"must be a positive number of MiB, got {spec.bucket_cap_mb!r}")
+        if spec.wire_dtype not in WIRE_DTYPES:
+            bad(f"{base}.wire_dtype", f"must be one of {', '.join(WIRE_DTYPES)}, got {spec.wire_dtype!r}")
+    return out

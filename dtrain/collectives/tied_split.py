@@ -1,0 +1,339 @@
+"""The tied embedding's gradient in two parts, each sent when backward has it.
+
+One matrix (V, d) serves the encoder's and the decoder's input lookups and the pre-softmax projection (Vaswani et al.
+2017, section 3.4; weight tying: Press and Wolf 2017). Backward computes the projection's gradient first, dense (V, d),
+and the lookups' last, non-zero only on the rows of the batch's tokens. Sent as one tensor, the whole matrix waits
+for the encoder's lookup, the very last thing backward computes. Split:
+
+- projection part: while a synchronized backward runs, the lookups do not accumulate into `.grad`, so the parameter's
+  gradient is complete as soon as the projection's is, and its bucket goes out at the start of backward;
+- lookup part: the rows that any rank looked up, (|union|, d), are sent whole, each row as soon as no lookup still
+  to come in backward touches it: the decoder's rows half-way through backward, the encoder's (the very last thing
+  backward computes) when backward ends. Which rows those are is known at forward time: each lookup's forward
+  all-reduces a V-length mask of its tokens (V bytes, asynchronously), so the unions are ready when backward needs
+  them and backward never waits for another rank.
+
+A sent row is this rank's whole gradient of that row, added up as autograd would have: the gradient accumulated
+before this micro-batch, plus ((the projection's row + the first lookup's) + the second's), each lookup's row summed
+over its tokens in token order as the embedding's own backward sums them. `finish` overwrites those rows of the
+averaged projection part with their sum over the ranks divided by the world size, so the result is the all-reduced
+mean of the whole gradient: on two ranks the same bits as DDP's (a + b is b + a, and halving is exact). Micro-batches
+under `no_sync()` accumulate as usual (their lookups write `.grad` themselves). The lookups' collectives use a process group of their own: they start inside backward's lookups,
+and on a shared group their order relative to the buckets' all-reduces could differ between ranks.
+
+`ShardedTiedSplit` is the split for a matrix sharded by rows (`sharded` with `shard_tied_split`,
+`dtrain.collectives.shards.RowTable`): each lookup's rows are reduce-scattered to their owners instead of all-reduced (a rank
+adds only its own rows into its shard), and the next forward's lookups, which would otherwise wait for the whole
+matrix's all-gather, fetch just the rows of their tokens from their owners.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dtrain.collectives.p2p import exchange, rank_order_sum
+from dtrain.collectives.shards import RowTable
+from dtrain.collectives.tensor_classes import WIRE_DTYPES
+from dtrain.collectives.timing import Stamp, record_ms, stamp
+from dtrain.common.errors import UserError
+from dtrain.common.rundir import BucketRecord
+
+
+@dataclass
+class _Rows:
+    """One lookup's part: the rows any rank looked up, their summed gradient, and its all-reduce."""
+
+    union: torch.Tensor  # (u,) sorted row ids: every rank's tokens of this lookup
+    rows: torch.Tensor  # (u, d) this rank's gradient rows, summed over the ranks once `work` completes
+    work: object  # the all-reduce's future
+    ready_t: Stamp
+    launch_t: Stamp | None
+    complete_t: Stamp | None = None
+    wait_s: float = 0.0  # host time blocked in finish()
+    sent_bytes: int = 0
+    received: list[torch.Tensor] = field(default_factory=list)  # sharded: per peer, its rows of this rank's part
+    own: slice | None = None  # sharded: this rank's rows in `union`
+
+
+class _Lookup(torch.autograd.Function):
+    """`F.embedding(tokens, weight)` whose backward hands (tokens, grad_out) to the split instead of `weight.grad`.
+
+    `weight` comes in detached, so the parameter's own gradient node no longer waits for the lookups; `anchor`
+    (an empty leaf that requires grad) keeps this node in the backward graph."""
+
+    @staticmethod
+    def forward(ctx, tokens, weight, anchor, split, padding_idx, index):
+        ctx.split, ctx.padding_idx, ctx.index = split, padding_idx, index
+        ctx.save_for_backward(tokens)
+        return F.embedding(tokens, weight, padding_idx)  # (..., d)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (tokens,) = ctx.saved_tensors
+        ctx.split.lookup_backward(tokens, grad_out, ctx.padding_idx, ctx.index)
+        return None, None, None, None, None, None
+
+
+class TiedEmbeddingSplit:
+    """Splits the gradient of parameter `name` (the weight of one or more `nn.Embedding` modules, also used
+    elsewhere) into its projection part, reduced by the caller's bucket, and its lookup rows, reduced here."""
+
+    def __init__(self, model: nn.Module, name: str, group: dist.ProcessGroup | None, world: int, is_armed):
+        self.name, self.world, self.is_armed = name, world, is_armed  # is_armed(): this backward synchronizes
+        self.param = dict(model.named_parameters())[name]
+        lookups = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is self.param]
+        if not lookups:
+            raise UserError(f"tied_split: parameter '{name}' is not the weight of an nn.Embedding; only an "
+                            "embedding's gradient can be split into its lookup rows")
+        for m in lookups:
+            if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
+                raise UserError(f"tied_split: the embedding of '{name}' uses max_norm, scale_grad_by_freq or "
+                                "sparse gradients, which the split does not reproduce")
+        self.vocab, self.dim = self.param.shape
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        self.group = dist.new_group(ranks)  # a collective call: every rank builds its splits in the same order
+        self.anchor = torch.empty(0, device=self.param.device, requires_grad=True)
+        self._hooks = [m.register_forward_hook(self._lookup_forward) for m in lookups]
+        # The projection's gradient, before autograd accumulates it into `.grad` (alone: the lookups are detached)
+        self._hooks.append(self.param.register_hook(self._projection_grad))
+        self.prepare()
+
+    def prepare(self) -> None:
+        """At each forward: forget the last step's rows."""
+        # (mask (V,) uint8, its all-reduce) per lookup, in forward order
+        self.masks: list[tuple[torch.Tensor, object]] = []
+        self.parts: list[_Rows] = []  # per lookup, in backward's order
+        self._lookups = 0  # synchronized lookups run in this forward
+        # this backward's rows: every lookup's union (u,), this rank's gradient there so far (u, d), what is sent
+        self.union: torch.Tensor | None = None
+        self.touched: list[torch.Tensor] = []  # per lookup, (u,) bool: the rows of the union it looked up
+        self.acc: torch.Tensor | None = None
+        self.before: torch.Tensor | None = None  # (u, d) `.grad` there before this micro-batch, or None
+        self.sent: torch.Tensor | None = None  # (u,) bool
+        self.pending: set[int] = set()  # lookups whose backward has not run yet
+        self.applied = True  # nothing to add in finish() until a synchronized lookup's backward
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def _lookup_forward(self, module: nn.Embedding, inputs, output):
+        if not (self.is_armed() and torch.is_grad_enabled()):
+            return None  # no_sync(), evaluation: the lookup stays as it is
+        tokens = inputs[0]
+        if len(self.masks) == self._lookups:  # (a sharded matrix's pre-hook may have sent this lookup's mask)
+            self.masks.append(self._union_mask(tokens, module.padding_idx))
+        self._lookups += 1
+        return _Lookup.apply(tokens, module.weight.detach(), self.anchor, self, module.padding_idx,
+                             len(self.masks) - 1)
+
+    def _union_mask(self, tokens: torch.Tensor, padding_idx: int | None) -> tuple[torch.Tensor, object]:
+        """A (V,) mask of `tokens`' rows, maxed over the ranks asynchronously: the rows any rank looked up. In
+        forward order, the same on every rank."""
+        mask = torch.zeros(self.vocab, dtype=torch.uint8, device=tokens.device)
+        mask[tokens.reshape(-1)] = 1
+        if padding_idx is not None:
+            mask[padding_idx] = 0  # F.embedding gives the padding row no gradient
+        return mask, dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def _projection_grad(self, grad: torch.Tensor) -> None:
+        """The projection part (V, d) as autograd hands it to the parameter, before `.grad` accumulates it: keep this
+        rank's rows of every lookup's union, and those of `.grad` from earlier micro-batches."""
+        if not (self.is_armed() and self.masks) or self.union is not None:
+            return  # not a synchronized backward of the split (its lookups write `.grad` themselves)
+        self._start(grad)
+
+    def _start(self, projection: torch.Tensor | None) -> None:
+        """This backward's rows: every lookup's union, with this rank's projection part there (if any)."""
+        looked_up = torch.zeros(self.vocab, dtype=torch.bool, device=self.param.device)
+        for mask, work in self.masks:
+            work.wait()  # sent during forward: long done
+            looked_up |= mask.bool()
+        self.union = looked_up.nonzero().squeeze(1)  # (u,) sorted row ids
+        self.touched = [mask[self.union].bool() for mask, _ in self.masks]
+        self.acc = (projection[self.union] if projection is not None  # (u, d)
+                    else torch.zeros(len(self.union), self.dim, dtype=self.param.dtype, device=self.param.device))
+        self.before = None if self.param.grad is None else self.param.grad[self.union]
+        self.sent = torch.zeros(len(self.union), dtype=torch.bool, device=self.param.device)
+        self.pending = set(range(len(self.masks)))
+
+    def lookup_backward(self, tokens: torch.Tensor, grad_out: torch.Tensor, padding_idx: int | None,
+                        index: int) -> None:
+        """Lookup `index`'s rows added to this rank's gradient; the rows that no lookup still to come touches are
+        sent at once."""
+        ready_t = stamp(self.param.device)
+        ids = tokens.reshape(-1)
+        grads = grad_out.reshape(-1, self.dim).to(self.param.dtype)  # (tokens, d)
+        if padding_idx is not None:  # as F.embedding: the padding row gets no gradient
+            keep = ids != padding_idx
+            ids, grads = ids[keep], grads[keep]
+        if self.union is None:  # the matrix has no use besides its lookups: no projection part came first
+            self._start(None)
+        rows = torch.zeros(len(self.union), self.dim, dtype=grads.dtype, device=grads.device)
+        rows.index_add_(0, torch.searchsorted(self.union, ids), grads)  # per row in token order, as F.embedding
+        self.acc = self.acc + rows  # autograd's order: the projection's, then each lookup's as backward reaches it
+        self.pending.discard(index)
+        later = torch.zeros_like(self.sent)  # (u,) rows a lookup still to come touches
+        for j in self.pending:
+            later |= self.touched[j]
+        ready = ~self.sent & ~later
+        self.sent |= ready
+        mine = self.acc[ready] if self.before is None else self.before[ready] + self.acc[ready]
+        part = _Rows(self.union[ready], mine, None, ready_t, None)
+        if len(part.union):  # (the same on every rank: the masks are)
+            part.launch_t = stamp(self.param.device)
+            self._reduce_rows(part, index)
+        self.parts.append(part)
+        self.applied = False
+
+    def _reduce_rows(self, part: _Rows, index: int) -> None:
+        """Start summing `part.rows` over the ranks: an all-reduce."""
+        def completed(fut):
+            part.complete_t = stamp(self.param.device)
+            return fut.value()
+
+        part.sent_bytes = part.rows.numel() * part.rows.element_size()
+        part.work = dist.all_reduce(part.rows, group=self.group, async_op=True).get_future().then(completed)
+
+    def _add(self, part: _Rows) -> None:
+        """Those rows of `.grad` (the projection part's mean) become their whole gradient's mean."""
+        self.param.grad.index_copy_(0, part.union, part.rows / self.world)
+
+    def finish(self) -> None:
+        """Wait for each lookup's rows; their mean over the ranks replaces those rows of `.grad`, which holds the mean
+        of the projection part.
+        Once per synchronized step: a step whose forwards all ran under no_sync() has no rows here (its lookups wrote
+        `.grad` themselves)."""
+        if self.applied:
+            return
+        for part in self.parts:
+            if part.work is None:
+                continue  # no row left for this lookup
+            t0 = time.perf_counter()
+            part.work.wait()
+            part.wait_s = time.perf_counter() - t0
+            self._add(part)
+        self.applied = True  # a second finish() without a synchronized forward adds nothing
+        self.union = None  # the next synchronized backward starts its rows afresh
+
+    def records(self, first_index: int, t0: Stamp | None, wait_start_ms: float | None, tensor_class: str
+                ) -> list[BucketRecord]:
+        """One record per lookup's part (indices from `first_index`, after the buckets'), in backward's order; times
+        in ms from `t0`, the step's time zero. Its bytes are what the rows' reduction sends (the masks' V bytes per
+        lookup went during forward)."""
+
+        def ms(t):
+            return record_ms(t0, t)
+
+        out = []
+        for k, part in enumerate(self.parts):
+            numel, dtype = part.rows.numel(), str(part.rows.dtype)[6:]
+            wire = next((name for name, t in WIRE_DTYPES.items() if t == part.rows.dtype), dtype)
+            complete = ms(part.complete_t)
+            if part.complete_t is not None and part.complete_t.event is not None:  # CUDA: finish() blocks no host
+                wait_ms = None
+                if complete is not None and wait_start_ms is not None:
+                    wait_ms = round(max(0.0, complete - wait_start_ms), 3)
+            else:
+                wait_ms = round(part.wait_s * 1000, 3)
+            out.append(BucketRecord(first_index + k, tensor_class, dtype, wire, 1, numel,
+                                    part.sent_bytes, ms(part.ready_t), ms(part.launch_t), complete,
+                                    wait_start_ms, wait_ms, part="lookup"))
+        return out
+
+
+class ShardedTiedSplit(TiedEmbeddingSplit):
+    """The split of a matrix sharded by whole rows (`table`): each lookup's rows reduce-scattered to their owners,
+    and each synchronized forward's lookups fetching their tokens' rows from their owners instead of waiting for the
+    matrix's all-gather.
+
+    The matrix's other readers must wait for all of it. `readers`: the other modules that hold it as a parameter
+    (the pre-softmax projection, an `nn.Linear` whose weight is the embedding's: weight tying as PyTorch does it);
+    the caller has them wait for the matrix's all-gather. A model that reads it only functionally has none, and then
+    the last lookup of each forward waits for the whole matrix instead: whatever follows may read all of it (until
+    one synchronized forward has counted its lookups, every lookup is taken for the last)."""
+
+    def __init__(self, model: nn.Module, name: str, group: dist.ProcessGroup | None, world: int, is_armed,
+                 table: RowTable):
+        super().__init__(model, name, group, world, is_armed)
+        self.table = table
+        self.peers = [dist.get_global_rank(self.group, j) for j in range(world)]
+        self.others = [j for j in range(world) if j != table.rank]
+        self.lookups = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is self.param]
+        self.readers = [m for m in model.modules() if all(m is not k for k in self.lookups)
+                        and any(p is self.param for p in m.parameters(recurse=False))]
+        self.lookups_per_forward = 0  # counted in the last synchronized forward (0: not yet)
+        self._current = table.launched  # the table's all-gathers this split has seen complete
+        self._hooks += [m.register_forward_pre_hook(self._fetch) for m in self.lookups]
+
+    def prepare(self) -> None:
+        if getattr(self, "_lookups", 0):
+            self.lookups_per_forward = self._lookups
+        super().prepare()
+
+    def _owned(self, union: torch.Tensor) -> list[slice]:
+        """Per rank, the slice of `union` (sorted row ids) that its shard holds."""
+        bounds = torch.arange(self.world + 1, device=union.device) * self.table.per_rank
+        cut = torch.searchsorted(union, bounds).tolist()
+        return [slice(cut[j], cut[j + 1]) for j in range(self.world)]
+
+    def _fetch(self, module: nn.Embedding, args) -> None:
+        """Before a lookup: make the rows it reads current. Every rank takes the same branch (no test of whether the
+        all-gather happens to be done): the rows' exchange needs every rank."""
+        t = self.table
+        if self._current == t.launched:
+            return  # no all-gather since the matrix was last whole
+        last = not self.readers and self._lookups + 1 >= self.lookups_per_forward
+        if not (self.is_armed() and torch.is_grad_enabled()) or last:
+            t.wait_whole()
+            self._current = t.launched
+            return
+        tokens = args[0]
+        mask, work = self._union_mask(tokens, module.padding_idx)
+        self.masks.append((mask, work))  # the lookup's own hook and backward use it
+        work.wait()
+        union = mask.nonzero().squeeze(1)  # (u,) every rank's rows: each rank sends the ones it owns to all
+        owned = self._owned(union)
+        mine = t.table[union[owned[t.rank]]]  # (m, d) the current rows of this rank's shard
+        tag = 2 * self._lookups
+        received = {j: t.table.new_empty(owned[j].stop - owned[j].start, t.table.shape[1]) for j in self.others}
+        works = exchange([(mine, self.peers[j]) for j in self.others],
+                         [(received[j], self.peers[j]) for j in self.others], self.group, tag)
+        for w in works:
+            w.wait()
+        with torch.no_grad():
+            for j in self.others:  # the same values the matrix's all-gather will write there
+                t.table.index_copy_(0, union[owned[j]], received[j])
+        t.fetched()
+
+    def _reduce_rows(self, part: _Rows, index: int) -> None:
+        """Start a reduce-scatter of `part.rows` by owner: to each peer its rows, from each its part of ours."""
+        owned = self._owned(part.union)
+        part.own = me = owned[self.table.rank]
+        part.received = [part.rows.new_empty(me.stop - me.start, self.dim) for _ in self.others]
+        tag = 2 * index + 1
+        works = exchange([(part.rows[owned[j]], self.peers[j]) for j in self.others],
+                         [(buf, self.peers[j]) for j, buf in zip(self.others, part.received)], self.group, tag)
+        part.sent_bytes = sum(owned[j].stop - owned[j].start for j in self.others) * self.dim * part.rows.element_size()
+        done = threading.Event()
+        part.work = done
+
+        def completed():
+            part.complete_t = stamp(self.param.device)
+
+        self.table.completions.put(works, completed, done)
+
+    def _add(self, part: _Rows) -> None:
+        """Sum this rank's rows in rank order; their mean replaces them in its shard's gradient."""
+        self.table.completions.check()
+        t, me = self.table, part.own
+        total = rank_order_sum(part.rows[me], part.received, t.rank)
+        t.shard.grad.view(t.per_rank, self.dim).index_copy_(0, part.union[me] - t.rank * t.per_rank,
+                                                             total / self.world)

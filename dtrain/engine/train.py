@@ -1,0 +1,124 @@
+"""Entry point: train the Transformer data-parallel under torchrun.
+
+    torchrun --nproc_per_node=2 -m dtrain.engine.train --profile dtrain/profiles/smoke.yaml
+    torchrun --nproc_per_node=2 -m dtrain.engine.train --profile dtrain/profiles/multi30k-cpu.yaml --run-dir runs/m30k
+    torchrun --nproc_per_node=2 -m dtrain.engine.train --profile dtrain/profiles/multi30k-cpu.yaml --run-dir runs/m30k --resume
+    python -m dtrain.engine.train --profile dtrain/profiles/base.yaml --set train.max_steps=10 --dry-run
+    python -m dtrain.engine.train --profile dtrain/profiles/wmt14-en-de-base.yaml --dry-run --topology h100x8-ib:2  # + the plan
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        -m dtrain.engine.train --profile dtrain/profiles/base.yaml                   # a GPU cluster: NCCL, one process per GPU
+
+Preemption: SIGTERM or SIGUSR1 reaching any rank (torchrun's agent forwards the SIGTERM it receives to every worker,
+and the SIGUSR1 too when TORCHELASTIC_SIGNALS_TO_HANDLE names it, as scripts/slurm/train.sbatch sets) stops every
+rank after the same step: the step in progress finishes, a checkpoint of it is written, and each rank exits with
+status 75 (`dtrain.engine.trainer.PREEMPTED_EXIT`, EX_TEMPFAIL). `--resume` continues bit-identically, on the same number
+of ranks or on another one (the data order is re-sharded; see `dtrain.engine.data.TokenBatcher`). A signal that comes after
+the last step (during the final validation and evaluation) does not stop the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from dtrain.collectives import costmodel as cm
+from dtrain.collectives import dist as ddist
+from dtrain.collectives import nccl
+from dtrain.common.errors import UserError, exit_on_user_error
+from dtrain.engine import autotune, runplan
+from dtrain.engine import config as config_mod
+from dtrain.engine.faults import parse as parse_fault
+from dtrain.engine.log import prepare_run_dir
+from dtrain.engine.trainer import PREEMPTED_EXIT, StopRequest, Trainer
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="dtrain.engine.train", description="Train the Transformer data-parallel.",
+                                 epilog="Launch under torchrun for several ranks; see the module docstring.")
+    ap.add_argument("--profile", required=True, help="a YAML profile, e.g. dtrain/profiles/smoke.yaml")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a profile value by dotted key (repeatable), e.g. --set train.max_steps=100")
+    ap.add_argument("--run-dir", help="where the run writes (default: runs/<name>-<time>)")
+    ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --run-dir")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="validate the profile, print the resolved config and the run's plan, exit")
+    ap.add_argument("--topology", help="--dry-run: plan for this cluster shape, a dtrain.collectives.costmodel preset "
+                                       "(h100x8 for 8 GPUs, h100x8-ib:2 for 2x8); MODELED")
+    ap.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                    help="inject a fault (tests, demos): crash@step=S,rank=R | hang@step=S,rank=R | "
+                         "nan@step=S,rank=R | slow@rank=R,ms=M")
+    return ap.parse_args(argv)
+
+
+def default_run_dir(name: str, restarted: bool) -> str:
+    """runs/<name>-<time>; a restarted attempt (torchrun --max-restarts) takes the newest run of that name."""
+    if restarted:
+        previous = sorted(Path("runs").glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
+        if previous:
+            return str(previous[-1])
+    return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    stop = StopRequest().install()  # from here on SIGTERM/SIGUSR1 end the job at the end of a step, with a checkpoint
+    with exit_on_user_error("dtrain.engine.train"):
+        cfg = config_mod.load(args.profile, args.overrides)
+        faults = [parse_fault(spec) for spec in args.fault]
+        if args.dry_run:
+            topo = cm.topology(args.topology) if args.topology else None  # a bad preset: before any output
+            print(config_mod.dump(cfg), end="")
+            print(nccl.groups_text(cfg), end="")  # what each process group would get from NCCL
+            print("\n".join(["# " + line for line in runplan.plan_lines(cfg, topo)]))
+            if args.topology:
+                print("# the MODELED step time (FLOP-estimated compute + this communication) and the whole run: "
+                      + runplan.simulator_command(args.profile, args.overrides, args.topology))
+            return 0
+        if args.topology:
+            raise UserError("--topology is read by --dry-run only (the plan); a training run uses the machine it is on")
+        if args.resume and not args.run_dir:
+            raise UserError("--resume needs --run-dir (the run to continue)")
+        # Under `torchrun --max-restarts`, a restarted attempt continues from the latest complete checkpoint.
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        resume = args.resume or restarted
+        # Looked at before anything below can create it (NCCL's log directory lives inside the run directory).
+        run_dir_existed = bool(args.run_dir) and Path(args.run_dir).is_dir()
+        # The job's NCCL variables must exist before the first communicator does (no-op on gloo: recorded only).
+        nccl.apply_global(cfg, log_dir=Path(args.run_dir) / "nccl-logs" if args.run_dir else None)
+        device, backend = ddist.init(cfg.dist)
+        try:
+            def name_and_check() -> str:  # rank 0 names the run directory and checks it; the others take its word
+                run_dir = args.run_dir or default_run_dir(cfg.name, restarted)
+                # Only a directory that does not exist is refused: an existing one without a checkpoint is what a
+                # torchrun --max-restarts attempt finds after a crash before the first checkpoint, with the same
+                # command line, and Trainer.resume starts it from step 0 on purpose.
+                if args.resume and not run_dir_existed:
+                    raise UserError(f"{run_dir}: nothing to resume there (no such directory); "
+                                    "leave out --resume to start a new run")
+                prepare_run_dir(Path(run_dir), resume)
+                return run_dir
+
+            run_dir = ddist.main_decides(name_and_check)
+            if cfg.sync.strategy == "auto":  # searched, trained by the winner (on resume: the one recorded)
+                summary = autotune.fit(cfg, Path(run_dir), device, backend, faults, stop, resume)
+            else:
+                trainer = Trainer(cfg, Path(run_dir), device, backend, faults, stop)
+                if resume:
+                    trainer.resume()
+                summary = trainer.fit()
+            if summary.get("preempted"):
+                return PREEMPTED_EXIT
+            if ddist.is_main():
+                print("done: " + ", ".join(f"{k}={v}" for k, v in summary.items()) + f"; run directory {run_dir}",
+                      flush=True)
+        finally:
+            trainer = None  # it holds the model and the strategy's handle, and through them the process groups
+            ddist.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

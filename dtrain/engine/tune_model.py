@@ -1,0 +1,113 @@
+"""The tuner's predictions: each candidate's step time, MODELED from what the job measured of itself.
+
+Two measurements feed it, both taken before any candidate trains:
+- the probe: a few steps of the no-communication baseline (`noop`) on the job's own model and batches, whose
+  forward, backward and optimizer times are the compute every candidate shares;
+- the network: an all-reduce timing of the job's own process group at a few sizes (as `dtrain.collectives.bench` does at
+  more), fitted by `dtrain.collectives.costmodel`'s regime fit.
+
+A candidate's buckets (`dtrain.collectives.strategies.plan_for`) become ready uniformly over the probe's backward and are
+played onto `dtrain.collectives.timeline`; what is still in flight when backward ends is added to the probe's step, and a
+sharded candidate also pays the next forward's wait for its all-gathers and saves (world-1)/world of the optimizer.
+No calibration: the ranking only has to keep the best few for measurement, which decides.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dtrain.collectives import strategies
+from dtrain.collectives.costmodel.fit import FittedModel, fit_regimes
+from dtrain.collectives.plan import ready_order
+from dtrain.collectives.timeline import (
+    GLOO_LANES,
+    ReadyCurve,
+    gather_stall,
+    optimizer_saving,
+    play_timeline,
+    sharded_times,
+    through,
+)
+from dtrain.common.errors import UserError
+from dtrain.common.rundir import StepRecord
+
+BENCH_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce sizes of the network probe
+BENCH_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Median compute of the probe's steps past its first (ms), the same on every rank (averaged over them)."""
+
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    step_ms: float
+    accum_steps: int = 1
+
+
+def probe_of(records: list[StepRecord], accum_steps: int) -> list[float]:
+    """This rank's median forward, backward, optimizer and step times over `records` (the first one dropped: it
+    allocates), to be averaged over the ranks into a `Probe`."""
+    steady = records[1:] or records
+    return [statistics.median(getattr(r, f) for r in steady)
+            for f in ("forward_ms", "backward_ms", "optimizer_ms", "step_ms")] + [float(accum_steps)]
+
+
+def time_allreduce(device, group=None) -> list[float]:
+    """This rank's median time (µs) of one all-reduce of each of BENCH_BYTES over `group`."""
+    out = []
+    for nbytes in BENCH_BYTES:
+        t = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        dist.all_reduce(t, group=group)  # warm-up: connections, buffers
+        times = []
+        for _ in range(BENCH_REPEATS):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - t0) * 1e6)
+        out.append(statistics.median(times))
+    return out
+
+
+def network_model(times_us: list[float], world: int) -> FittedModel:
+    """The all-reduce cost of the job's process group, fitted on the (rank-averaged) timings of `time_allreduce`."""
+    return FittedModel({"in-job": fit_regimes(list(BENCH_BYTES), times_us, max_regimes=2)}, "allreduce", world,
+                       name="in-job", source="the job's own all-reduce timings")
+
+
+def predict_ms(sync, model: torch.nn.Module, probe: Probe, net: FittedModel, world: int, backend: str
+               ) -> float | None:
+    """Modeled step time of `sync` (a candidate's SyncConfig) on this job; None for a strategy that sends no bucket
+    plan (PowerSGD's low-rank factors): such a candidate is measured without a prediction."""
+    cls = strategies.get(sync.strategy)
+    if not cls.communicates:
+        return probe.step_ms
+    params = ready_order(model)
+    try:
+        plan = strategies.plan_for(sync, params)
+    except UserError:  # a strategy without a bucket plan (`strategies.planner` names those with one)
+        return None
+    backward = probe.backward_ms / probe.accum_steps  # only the last micro-batch's backward communicates
+    curve = ReadyCurve.uniform(sum(p.numel() for _, p in params), backward)
+    ready = [curve.at(x) for x in through(plan.buckets, params)]
+    dur = [net.allreduce_ms(b.nbytes) for b in plan.buckets]
+    sharded = strategies.planner(sync.strategy).shards
+    if sharded:  # a reduce-scatter (an all-gather) moves half an all-reduce's bytes
+        ready, dur = sharded_times(plan.buckets, ready, dur, lambda i, d: d / 2)
+    lanes = GLOO_LANES if backend == "gloo" else 1
+    groups = [b.tensor_class for b in plan.buckets] if plan.class_groups and lanes > 1 else None
+    tl = play_timeline(ready, dur, backward, plan.overlap, 1.0, lanes, None, groups, net.link_efficiency)
+    step = probe.step_ms + tl.exposed_ms
+    if sharded:
+        step += gather_stall(plan.buckets, dur, probe.forward_ms / probe.accum_steps)
+        step -= optimizer_saving(plan.buckets, probe.optimizer_ms, world)
+    return step
