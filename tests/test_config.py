@@ -54,7 +54,7 @@ def test_bad_profiles_name_the_key(tmp_path, text, expected):
 def test_set_overrides_parse_values(tmp_path):
     cfg = _load(tmp_path, "train: {max_steps: 5}\n", ["train.max_steps=7", "optim.clip_norm=1e-1", "eval.at_end=false"])
     assert cfg.train.max_steps == 7 and cfg.optim.clip_norm == 0.1 and cfg.eval.at_end is False
-    with pytest.raises(UserError, match="unknown key 'train.max_stpes'"):
+    with pytest.raises(UserError, match=r"unknown key 'train.max_stpes'; did you mean 'train.max_steps'\? \(known: "):
         _load(tmp_path, "{}\n", ["train.max_stpes=3"])
 
 

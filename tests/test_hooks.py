@@ -41,7 +41,7 @@ def load(hook, **sync):
      r"'sync.hook.state.x' is not an option of 'bf16_compress': its state is the process group"),
     ({"name": "per_class", "state": {"x": 1}}, r"'sync.hook.state' is not an option of per_class"),
     ({"state": {}}, r"'sync.hook.name' is required"),
-    ({"nam": "allreduce"}, r"unknown key 'sync.hook.nam' \(known: name, state, wraps\)"),
+    ({"nam": "allreduce"}, r"unknown key 'sync.hook.nam'; did you mean 'sync.hook.name'\? \(known: name, state, wraps\)"),
 ])
 def test_a_bad_hook_is_one_line_naming_the_key(hook, expected):
     with pytest.raises(UserError, match=expected) as e:

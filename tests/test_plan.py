@@ -126,7 +126,7 @@ def test_registry_errors():
         strategies.register("bucketed")(type("Again", (BucketingStrategy,), {}))
     with pytest.raises(UserError, match=r"unknown strategy 'bucketd'.*available: auto, bucketed, ddp, flat"):
         strategies.get("bucketd")
-    with pytest.raises(UserError, match="strategy 'bucketed' has no argument 'bucket_mb'"):
+    with pytest.raises(UserError, match="strategy 'bucketed': unknown argument 'bucket_mb'; did you mean 'bucket_cap_mb'"):
         strategies.get("bucketed").from_args(bucket_mb=4)
     s = strategies.get("bucketed").from_args(bucket_cap_mb=4)
     assert s.config.bucket_cap_mb == 4 and s.name == "bucketed"

@@ -31,17 +31,17 @@ def write_matrix(tmp_path, **body) -> Path:
 
 
 @pytest.mark.parametrize("body, msg", [
-    ({"strategy": ["ddp"]}, "unknown key 'strategy' (known: "),
+    ({"strategy": ["ddp"]}, "unknown key 'strategy'; did you mean 'strategies'? (known: "),
     ({"nproc": "2"}, "'nproc' must be int, got '2'"),
     ({"bench": ["-b", "8"]}, "'bench' must be str"),
     ({"strategies": ["ddp", "nope"]}, "unknown strategy 'nope'"),
-    ({"knobs": {"sync.bucket_cap": [1]}}, "'knobs.sync.bucket_cap' 'bucket_cap' is not a key of sync"),
+    ({"knobs": {"sync.bucket_cap": [1]}}, "'knobs.sync.bucket_cap' unknown key 'sync.bucket_cap'; did you mean 'sync.bucket_cap_mb'?"),
     ({"knobs": {"sync": [1]}}, "'knobs.sync' 'sync' is a section"),
     ({"knobs": {"train.max_steps": 3}}, "'knobs.train.max_steps' must be a non-empty list"),
     ({"only": {"sync.bucket_cap_mb": ["ddp"]}}, "'only.sync.bucket_cap_mb' names a knob"),
     ({"variants": {"a b": {"train.max_steps": 1}}}, "'variants.a b' must be named"),
     ({"variants": {"v": {"sync.strategy": "ddp"}}, "strategies": ["flat"]}, "conflicts with 'strategies'"),
-    ({"set": {"train.max_step": 1}}, "'set.train.max_step' 'max_step' is not a key of train"),
+    ({"set": {"train.max_step": 1}}, "'set.train.max_step' unknown key 'train.max_step'; did you mean 'train.max_steps'?"),
     ({"launcher": "slurm"}, "'launcher' must be one of torchrun, testbed"),
     ({"nodes": 2}, "'nodes' needs 'launcher: testbed'"),
     ({"nproc": 0}, "'nproc' must be a positive integer"),
@@ -70,14 +70,15 @@ def test_class_keys_are_checked_below_any_class_name():
     assert sweep.check_key("sync.classes.ffn.protocol") is None
     assert sweep.check_key("collectives.default.proto") is None
     assert "is a value" in sweep.check_key("train.max_steps.x")
-    assert "'proto' is not a key of sync.classes.ffn" in sweep.check_key("sync.classes.ffn.proto")
+    assert "unknown key 'sync.classes.ffn.proto'; did you mean 'sync.classes.ffn.protocol'?" in \
+        sweep.check_key("sync.classes.ffn.proto")
 
 
 def test_matrix_errors_name_the_line(tmp_path):
     path = tmp_path / "m.yaml"
-    path.write_text(f"profiles: [{REPO / 'profiles' / 'smoke.yaml'}]\nknobs:\n  sync.bucket_cap_mb: [1]\n"
+    path.write_text(f"profiles: [{REPO / 'dtrain' / 'profiles' / 'smoke.yaml'}]\nknobs:\n  sync.bucket_cap_mb: [1]\n"
                     f"variants:\n  v:\n    train.max_stpes: 3\n")
-    with pytest.raises(UserError, match=r"m.yaml:6: 'variants.v.train.max_stpes' 'max_stpes' is not a key of train"):
+    with pytest.raises(UserError, match=r"m.yaml:6: 'variants.v.train.max_stpes' unknown key 'train.max_stpes'; did you mean 'train.max_steps'"):
         sweep.load_matrix(path)
     path.write_text("profiles: x.yaml\nlaunchr: testbed\n")
     with pytest.raises(UserError, match=r"m.yaml:2: unknown key 'launchr'"):

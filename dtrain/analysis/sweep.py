@@ -51,7 +51,7 @@ from dtrain.analysis.runs import finished
 from dtrain.analysis.testbed_net import Names, status
 from dtrain.collectives.strategies import available
 from dtrain.common import rundir
-from dtrain.common.errors import UserError, exit_on_user_error
+from dtrain.common.errors import UserError, exit_on_user_error, unknown
 from dtrain.common.files import output_dir
 from dtrain.common.paths import resolve_profile
 from dtrain.common.schema import Source, build, read_yaml
@@ -112,8 +112,7 @@ def check_key(key: str) -> str | None:
         part, last = parts[i], i == len(parts) - 1
         names = {f.name for f in dataclasses.fields(cls)}
         if part not in names:
-            where = ".".join(parts[:i]) or "the profile"
-            return f"'{part}' is not a key of {where} (known: {', '.join(sorted(names))})"
+            return unknown("key", part, names, "".join(p + "." for p in parts[:i]))
         tp = typing.get_type_hints(cls)[part]
         if typing.get_origin(tp) is dict or tp is dict:
             value = (typing.get_args(tp) or (None, None))[1]

@@ -16,7 +16,7 @@ from torch import nn
 
 from dtrain.collectives.sync import StrategyFacts
 from dtrain.collectives.tensor_classes import CollectiveSettings, TensorClasses
-from dtrain.common.errors import UserError
+from dtrain.common.errors import UserError, unknown
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class BucketingStrategy(StrategyFacts):
         known = [f.name for f in dataclasses.fields(cls.Config)]
         for k in args:
             if k not in known:
-                raise UserError(f"strategy '{cls.name}' has no argument '{k}' (known: {', '.join(known) or 'none'})")
+                raise UserError(f"strategy '{cls.name}': {unknown('argument', k, known)}")
         return cls(cls.Config(**args))
 
     @classmethod

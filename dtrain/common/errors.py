@@ -5,6 +5,7 @@ bad input never shows a traceback. Anything else escaping is a bug in dtrain and
 """
 
 import argparse
+import difflib
 import os
 import sys
 from contextlib import contextmanager
@@ -12,6 +13,15 @@ from contextlib import contextmanager
 
 class UserError(Exception):
     """Bad input from the user; the message names the file, line or dotted key at fault."""
+
+
+def unknown(kind: str, name: str, known, prefix: str = "") -> str:
+    """`unknown key 'a.x'; did you mean 'a.y'? (known: y, z)`: the nearest known name first, for a typo, then them
+    all. `prefix` is the dotted path above `name` and the known names (`a.`), shown in the name and the suggestion."""
+    known = sorted(known)
+    near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"; did you mean '{prefix}{near[0]}'?" if near else ""
+    return f"unknown {kind} '{prefix}{name}'{hint} (known: {', '.join(known) or 'none'})"
 
 
 class JobFailure(Exception):

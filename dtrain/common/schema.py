@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from dtrain.common.errors import UserError
+from dtrain.common.errors import UserError, unknown
 from dtrain.common.paths import resolve_profile
 
 INCLUDE = "include"  # the top-level key of an overlay
@@ -227,9 +227,7 @@ def build(cls, raw, path: str, src: Source):
     for key in raw:
         if key not in names:
             sub = f"{path}.{key}" if path else str(key)
-            raise UserError(
-                f"{src.where(sub)}: unknown key '{sub}' (known: {', '.join(sorted(names))})"
-            )
+            raise UserError(f"{src.where(sub)}: {unknown('key', str(key), names, f'{path}.' if path else '')}")
     kwargs = {k: _coerce(hints[k], v, f"{path}.{k}" if path else k, src) for k, v in raw.items()}
     return cls(**kwargs)
 
