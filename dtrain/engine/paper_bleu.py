@@ -21,8 +21,7 @@ import math
 import re
 from collections import Counter
 
-from sacremoses import MosesPunctNormalizer, MosesTokenizer
-
+from dtrain.common.errors import UserError
 from dtrain.engine.bleu import corpus_bleu
 
 _COMPOUND = re.compile(r"(\S)-(\S)")
@@ -59,8 +58,24 @@ def multi_bleu(hypotheses: list[str], references: list[str]) -> dict:
             "sys_len": hyp_len, "ref_len": ref_len}
 
 
+def _moses():
+    """sacremoses' normalizer and tokenizer classes. sacremoses is the `wmt` extra: only runs on WMT14, scored as the
+    paper scores them, import it, and `check_available` lets them fail at start rather than after training."""
+    try:
+        from sacremoses import MosesPunctNormalizer, MosesTokenizer
+    except ModuleNotFoundError:
+        raise UserError("data.corpus wmt14-*: the paper's tokenized BLEU needs sacremoses: "
+                        "pip install 'dtrain[wmt]'") from None
+    return MosesPunctNormalizer, MosesTokenizer
+
+
+def check_available() -> None:
+    _moses()
+
+
 def tokenize(lines: list[str], lang: str, replace_punct: bool) -> list[str]:
     """Moses tokenisation (step 1) and compound splitting (step 2) of detokenised lines."""
+    MosesPunctNormalizer, MosesTokenizer = _moses()
     tok = MosesTokenizer(lang=lang)
     norm = MosesPunctNormalizer(lang=lang)
     out = []

@@ -26,6 +26,7 @@ from dtrain.common.errors import UserError
 from dtrain.common.paths import cache_root
 from dtrain.engine import checkpoint
 from dtrain.engine import corpus as corpora
+from dtrain.engine import paper_bleu
 from dtrain.engine.config import RunConfig
 from dtrain.engine.data import MULTI30K_SPLITS, Pairs, multi30k_dir, multi30k_split
 from dtrain.engine.tokenizer import Tokenizer, train_or_load
@@ -156,6 +157,8 @@ def resume_state(run_dir: Path) -> tuple[Path | None, dict | None]:
 
 def load_corpus(cfg: RunConfig) -> Corpus:
     """The training and validation pairs, encoded with the BPE model trained on the whole training split."""
+    if cfg.data.corpus.startswith("wmt14-"):
+        paper_bleu.check_available()  # scored with the paper's tokenized BLEU at the end: fail now, not then
     if cfg.data.corpus != "multi30k":  # files, wmt14-*: BPE on a sample, a memory-mapped token cache
         return Corpus(*corpora.load(cfg.data, cfg.seed))
     d = cfg.data
