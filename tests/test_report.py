@@ -18,7 +18,7 @@ from dtrain.analysis.runs import find_runs, load_run, load_runs
 from conftest import REPO
 
 RUNS = REPO / "tests" / "data" / "runs" / "smoke"
-KEYS = ["step_vs_bucket", "busbw", "allreduce_size", "breakdown", "timeline", "pareto"]
+KEYS = ["step_vs_bucket", "busbw", "allreduce_size", "breakdown", "timeline", "pareto", "train_loss", "validation"]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_every_caption_gives_axes_units_and_machine(built):
     host = json.loads(next(RUNS.glob("*/run.json")).read_text())["host"]
     for key, s in sections.items():
         assert "x:" in s.caption and "y:" in s.caption, key
-        assert any(u in s.caption for u in ("(ms", "(GB/s", "(MiB")), key
+        assert any(u in s.caption for u in ("(ms", "(GB/s", "(MiB", "(nats")), key
         assert host in s.caption and "gloo" in s.caption, key  # the benchmark: by the sweep's runs beside it
     assert "MODELED" in sections["busbw"].caption and "bench.json" in sections["busbw"].caption
 
@@ -227,6 +227,78 @@ def test_pareto_front_and_time_to_target_by_hand():
     assert np.isnan(report_tables.time_to_target(run, 0.0))
 
 
+def test_training_loss_and_validation_curves_hold_one_line_per_run(built):
+    out, sections = built
+    runs = load_runs([RUNS])
+    report._unique_labels(runs)  # the labels the report gives them
+    runs = [r for r in runs if r.communicates]  # the baseline is never a quality result
+    assert len(runs) == len(load_runs([RUNS])) - 1
+    loss, val = sections["train_loss"], sections["validation"]
+    lines = {ln.get_gid(): ln for ln in loss.figure.axes[0].get_lines()}
+    assert set(lines) == {f"loss:{r.label}" for r in runs}
+    for r in runs:  # every step's loss as recorded, in step order: nothing smoothed
+        line = lines[f"loss:{r.label}"]
+        assert list(line.get_xdata()) == [s["step"] for s in r.steps]
+        np.testing.assert_array_equal(line.get_ydata(), [s["loss"] for s in r.steps])
+        assert line.get_label() == r.label
+    assert len(loss.figure.axes) == 1 and "nothing smoothed" in loss.caption and "rank 0" in loss.caption
+    # Validation: one line per run through its validations; BLEU (one final score per run here) is not drawn.
+    assert len(val.figure.axes) == 1 and "BLEU is not drawn" in val.caption
+    lines = {ln.get_gid(): ln for ln in val.figure.axes[0].get_lines()}
+    assert set(lines) == {f"val_nll:{r.label}" for r in runs}
+    for r in runs:
+        np.testing.assert_array_equal(lines[f"val_nll:{r.label}"].get_xdata(), r.val["step"])
+        np.testing.assert_array_equal(lines[f"val_nll:{r.label}"].get_ydata(), r.val["val_nll"])
+    # a run drawn alike in both figures; each run its own colour and dash pattern
+    styles = {ln.get_label(): (to_rgba(ln.get_color()), str(ln.get_linestyle())) for ln in lines.values()}
+    assert styles == {ln.get_label(): (to_rgba(ln.get_color()), str(ln.get_linestyle()))
+                      for ln in loss.figure.axes[0].get_lines()}
+    assert len(set(styles.values())) == len(runs)
+    # written and linked: the SVG holds one line per run (matplotlib writes an artist's gid as its group's id)
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    for key, prefix in (("train_loss", "loss"), ("validation", "val_nll")):
+        assert f"]({key}.svg)" in md and f"({key}.csv)" in md and f'<img src="{key}.svg"' in page
+        svg = (out / f"{key}.svg").read_text()
+        assert svg.count(f'<g id="{prefix}:') == len(runs)
+        assert all(f'<g id="{prefix}:{r.label}">' in svg for r in runs)
+    assert len(pd.read_csv(out / "train_loss.csv")) == sum(len(r.steps) for r in runs)
+    assert set(pd.read_csv(out / "validation.csv")["run"]) == {r.label for r in runs}
+
+
+def test_bleu_scored_at_several_steps_gets_a_panel(tmp_path):
+    runs = tmp_path / "runs"
+    for name in ("smoke-ddp", "smoke-flat", "smoke-noop"):
+        shutil.copytree(RUNS / name, runs / name)
+    with (runs / "smoke-ddp" / "eval.jsonl").open("a") as f:  # two more scores: at step 6, and one with no step
+        bleu = next(e for e in map(json.loads, (RUNS / "smoke-ddp" / "eval.jsonl").read_text().splitlines())
+                    if e["kind"] == "bleu")
+        f.write(json.dumps({**bleu, "step": 6, "bleu": 1.5}) + "\n")
+        f.write(json.dumps({k: v for k, v in bleu.items() if k != "step"} | {"bleu": 9.0}) + "\n")
+    loaded = load_runs([runs])
+    report._unique_labels(loaded)
+    s = report_sections.sections_curves(loaded)[1]
+    assert s.title == "Validation loss and BLEU against step" and "split val" in s.caption
+    val_ax, bleu_ax = s.figure.axes
+    lines = {ln.get_gid(): ln for ln in bleu_ax.get_lines()}
+    assert set(lines) == {"bleu:ddp", "bleu:flat"}  # flat: its one final score, a single point
+    assert list(lines["bleu:ddp"].get_xdata()) == [6, 12]  # step order; the score with no step left out
+    assert list(lines["bleu:ddp"].get_ydata()) == [1.5, bleu["bleu"]]
+    assert {ln.get_gid() for ln in val_ax.get_lines()} == {"val_nll:ddp", "val_nll:flat"}
+    assert report_tables.bleu_points(s.table) == 2
+
+
+def test_curves_leave_out_non_finite_and_missing_losses(tmp_path):
+    run = tmp_path / "runs" / "smoke-ddp"
+    shutil.copytree(RUNS / "smoke-ddp", run)
+    steps = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
+    steps[3]["loss"] = float("nan")  # json writes NaN: a non-finite loss is a gap
+    del steps[4]["loss"]  # a record without one is left out
+    (run / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    t = report_tables.train_loss_table(load_runs([run]))
+    assert list(t["step"]) == [s["step"] for i, s in enumerate(steps) if i != 4]
+    assert t["loss"].isna().sum() == 1 and np.isnan(t.loc[t["step"] == steps[3]["step"], "loss"]).all()
+
+
 def test_missing_data_skips_figures_with_a_note(tmp_path):
     run = tmp_path / "runs" / "bare"
     run.mkdir(parents=True)
@@ -234,11 +306,13 @@ def test_missing_data_skips_figures_with_a_note(tmp_path):
     shutil.copy(src / "run.json", run / "run.json")
     shutil.copy(src / "steps.jsonl", run / "steps.jsonl")  # no buckets, no evals, no config
     sections = {s.key: s for s in report.build([tmp_path / "runs"], tmp_path / "out", topology=None)}
-    for key in ("busbw", "allreduce_size", "timeline", "pareto"):
+    # the baseline's losses are no result, and it has no validation records: no curves
+    for key in ("busbw", "allreduce_size", "timeline", "pareto", "train_loss", "validation"):
         assert sections[key].figure is None and sections[key].note.startswith("skipped: "), key
     assert sections["breakdown"].figure is not None and sections["step_vs_bucket"].figure is not None
     md = (tmp_path / "out" / "report.md").read_text()
-    assert md.count("*skipped: ") == 4 and not (tmp_path / "out" / "timeline.png").exists()
+    assert md.count("*skipped: ") == 6 and not (tmp_path / "out" / "timeline.png").exists()
+    assert not (tmp_path / "out" / "train_loss.svg").exists()
 
 
 def test_cli(tmp_path, capsys):

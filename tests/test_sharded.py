@@ -187,6 +187,8 @@ def test_sharded_training_equals_ddp_with_clipping_and_accumulation(tmp_path, dd
     r, diff, norms = resumed_sharded_against(tmp_path, ddp_reference,
                                              ("--set", "optim.clip_norm=0.5", "--set", "train.accum_steps=2"))
     assert "at step 5" in r.stdout
+    # Its checkpoint all-gathered the optimizer state's shards with torch's current API: a normal run warns of nothing.
+    assert "FutureWarning" not in r.stderr and "DeprecationWarning" not in r.stderr, r.stderr[-2000:]
     assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
     assert norms[0] == norms[1] and len(norms[0]) == 10 and max(norms[0]) > 0.5  # the clip was active
 

@@ -24,6 +24,8 @@ HEADROOM = "no communication: headroom"
 # Where in a candidate's row of the tuning figure each mark sits (rows are 1 apart), so that a prediction, a median
 # and a paired interval at nearly the same time stay apart.
 TUNING_ROW = {"predicted": -0.22, "measured": 0.0, "paired": 0.22}
+# Dash patterns of the curve figures, one per run in turn beside its colour.
+RUN_DASHES = ("-", (0, (5, 2)), (0, (1, 1.5)), (0, (6, 2, 1, 2)))
 
 
 def _figure(width: float = 7.0, height: float = 4.2) -> Figure:
@@ -225,6 +227,47 @@ def pareto(table: pd.DataFrame, title: str = "") -> Figure:
     handles, labels = fig.axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="outside right center")
     fig.suptitle(title or "What communication savings cost in quality", fontsize=10)
+    return fig
+
+
+def run_styles(labels: list[str]) -> dict[str, dict]:
+    """A colour and a dash pattern per run, the same in every curve figure: runs that computed the same updates
+    draw the same curve, and different dash patterns let each show through the one drawn over it."""
+    cmap = matplotlib.colormaps["tab10" if len(labels) <= 10 else "tab20"]
+    return {lab: {"color": cmap(i % cmap.N), "linestyle": RUN_DASHES[i % len(RUN_DASHES)]}
+            for i, lab in enumerate(labels)}
+
+
+def train_loss(table: pd.DataFrame, styles: dict[str, dict], title: str = "") -> Figure:
+    """Training loss against step, one line per run, as recorded (no smoothing). Columns: run, step, loss."""
+    fig = _figure(8.0, 4.2)
+    ax = fig.add_subplot()
+    for run, g in table.groupby("run", sort=False):
+        ax.plot(g["step"], g["loss"], linewidth=1.2, label=run, gid=f"loss:{run}", **styles[run])
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss, rank 0 (nats per target token)")
+    ax.set_title(title or "Training loss", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def validation(table: pd.DataFrame, styles: dict[str, dict], bleu: bool, title: str = "") -> Figure:
+    """Validation loss against step, one line per run, a point per validation; with `bleu`, a second panel of BLEU
+    against step from the same table. Columns: run, step, val_nll, bleu."""
+    panels = [("val_nll", "validation loss (nats per target token)")] + ([("bleu", "BLEU (sacreBLEU)")] if bleu else [])
+    fig = _figure(8.0 + 4.0 * (len(panels) - 1), 4.2)
+    for i, (column, ylabel) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for run, g in table.dropna(subset=[column]).groupby("run", sort=False):
+            ax.plot(g["step"], g[column], marker="o", markersize=3, linewidth=1.2, label=run,
+                    gid=f"{column}:{run}", **styles[run])
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="outside right center")
+    fig.suptitle(title or ("Validation loss and BLEU" if bleu else "Validation loss"), fontsize=10)
     return fig
 
 

@@ -2,10 +2,11 @@
 
 Last stage of the pipeline. Each figure is built from a table that is written beside it as CSV, and captioned with
 its axes, units and the machine it was measured on (run.json). Runs of the no-communication baseline appear in timing
-figures as headroom and never in quality figures. A figure whose data is missing is skipped with a note. Runs that
-kept their translations (hyps.<split>.txt) also get a table of BLEU with 95% confidence intervals and paired
-significance against a baseline run (`dtrain.analysis.significance`); runs that tuned their own communication
-(`sync.strategy: auto`) get their search, from tuning.csv (`dtrain.analysis.report_tuning`).
+figures as headroom and never in quality figures (the training-loss and validation curves against step among them).
+A figure whose data is missing is skipped with a note. Runs that kept their translations (hyps.<split>.txt) also get
+a table of BLEU with 95% confidence intervals and paired significance against a baseline run
+(`dtrain.analysis.significance`); runs that tuned their own communication (`sync.strategy: auto`) get their search,
+from tuning.csv (`dtrain.analysis.report_tuning`).
 
 The tables are built in `dtrain.analysis.report_tables`, captioned and drawn in `dtrain.analysis.report_sections`; this module
 puts the sections in order and writes them.
@@ -25,7 +26,7 @@ import pandas as pd
 
 from dtrain.analysis.report_sections import (Section, fmt, machines, section_allreduce_size, section_breakdown,
                                       section_busbw, section_pareto, section_step_vs_bucket, section_timeline,
-                                      sections_significance)
+                                      sections_curves, sections_significance)
 from dtrain.analysis.report_tables import summary_table
 from dtrain.analysis.report_tuning import sections_tuning
 from dtrain.analysis.runs import Run, find_runs, load_run
@@ -54,7 +55,7 @@ def build(run_paths: list[str | Path], out: str | Path, bench: list[str | Path] 
     sections = [section_step_vs_bucket(runs, summary, warmup), section_busbw(bench, topology, runs),
                 section_allreduce_size(runs, bench, topology), section_breakdown(runs, warmup),
                 section_timeline(runs, warmup, timeline), section_pareto(runs, warmup, target),
-                *sections_significance(runs, baseline), *sections_tuning(runs)]
+                *sections_curves(runs), *sections_significance(runs, baseline), *sections_tuning(runs)]
     write(Path(out), runs, summary, sections)
     return sections
 

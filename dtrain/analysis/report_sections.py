@@ -15,8 +15,9 @@ import numpy as np
 import pandas as pd
 
 from dtrain.analysis import plots, significance
-from dtrain.analysis.report_tables import (allreduce_size_table, breakdown_table, busbw_table, network_model,
-                                    pick_timeline_run, quality_table, step_vs_bucket_table, timeline_table)
+from dtrain.analysis.report_tables import (allreduce_size_table, bleu_points, breakdown_table, busbw_table,
+                                           network_model, pick_timeline_run, quality_table, step_vs_bucket_table,
+                                           timeline_table, train_loss_table, validation_table)
 from dtrain.analysis.runs import Run, steady_text
 from dtrain.collectives import strategies
 
@@ -151,6 +152,53 @@ def section_pareto(runs: list[Run], warmup: int | None, target: float | None) ->
                "better). The no-communication baseline is never scored. "
                f"Measured on: {machines(shown)}.")
     return Section(key, title, caption, t, plots.pareto(t))
+
+
+# Said of both curve figures: why a run's line may hide another's, and why the baseline is missing.
+CURVES_NOTE = ("One line per run, each its own colour and dash pattern: runs that computed the same updates (lossless "
+               "strategies from one seed) draw the same curve, one over the other. The no-communication baseline is "
+               "left out: its ranks never combine their gradients, so its losses are not a result.")
+
+
+def sections_curves(runs: list[Run]) -> list[Section]:
+    """Training loss against step, and validation loss (with BLEU where a run was scored at several steps) against
+    step, for every communicating run, each run drawn alike in both."""
+    styles = plots.run_styles([r.label for r in runs if r.communicates])
+    return [section_train_loss(runs, styles), section_validation(runs, styles)]
+
+
+def section_train_loss(runs: list[Run], styles: dict[str, dict]) -> Section:
+    key, title = "train_loss", "Training loss against step"
+    t = train_loss_table(runs)
+    if t.empty:
+        return missing(key, title, "no communicating run has step records with a training loss")
+    shown = [r for r in runs if r.label in set(t["run"])]
+    caption = ("x: optimizer step; y: training loss (nats per target token): rank 0's, the mean over the target "
+               "tokens of its own micro-batches of that step, not averaged across ranks. Every step as recorded, "
+               f"nothing smoothed; a non-finite loss leaves a gap. {CURVES_NOTE} Measured on: {machines(shown)}.")
+    return Section(key, title, caption, t, plots.train_loss(t, styles))
+
+
+def section_validation(runs: list[Run], styles: dict[str, dict]) -> Section:
+    key, title = "validation", "Validation loss against step"
+    t = validation_table(runs)
+    if t["val_nll"].isna().all():
+        return missing(key, title, "no communicating run has validation records (eval.jsonl kind 'val')")
+    shown = [r for r in runs if r.label in set(t["run"])]
+    with_bleu = bleu_points(t) >= 2
+    if with_bleu:
+        title = "Validation loss and BLEU against step"
+        splits = ", ".join(sorted({str(r.bleu.get("split")) for r in shown if r.bleu}))
+        bleu = (f"Right, y: BLEU (sacreBLEU, split {splits}) at each step a run was scored at, from the run's "
+                "records (a score taken afterwards, with no step, is left out).")
+    else:
+        bleu = ("BLEU is not drawn: no run was scored at more than one step (the Runs table gives each run's "
+                "final score).")
+    caption = (f"x: optimizer step; {'left, ' if with_bleu else ''}y: validation loss (nats per target token: the "
+               "negative log-likelihood over the whole validation split, every rank's share summed), a point at "
+               f"each validation (every train.val_every steps and after the last), joined by lines. {bleu} "
+               f"{CURVES_NOTE} Measured on: {machines(shown)}.")
+    return Section(key, title, caption, t, plots.validation(t, styles, with_bleu))
 
 
 def sections_significance(runs: list[Run], baseline: str | None) -> list[Section]:

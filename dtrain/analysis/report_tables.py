@@ -6,6 +6,7 @@ are over each run's steady steps (`dtrain.analysis.runs`' warm-up rule) unless a
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -171,6 +172,58 @@ def quality_table(runs: list[Run], warmup: int | None, target: float | None) -> 
     if len(reached):
         t.loc[reached.index, "on_front_wall"] = pareto_front(reached["to_target_s"], reached["bleu"])
     return t, target
+
+
+def _number(v) -> float | None:
+    """A record's field as a float (NaN for a non-finite one), or None where it is missing or not a number."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) else float("nan")
+
+
+def train_loss_table(runs: list[Run]) -> pd.DataFrame:
+    """Rank 0's training loss at every recorded step of each communicating run, in step order; a non-finite loss is
+    NaN (a gap in the curve), a record without one is left out. Columns: run, series, step, loss."""
+    rows = []
+    for r in runs:
+        if not r.communicates:
+            continue
+        mine = [{"run": r.label, "series": r.series, "step": int(s["step"]), "loss": loss} for s in r.steps
+                if isinstance(s.get("step"), int) and (loss := _number(s.get("loss"))) is not None]
+        rows += sorted(mine, key=lambda row: row["step"])
+    return pd.DataFrame(rows, columns=["run", "series", "step", "loss"])
+
+
+def validation_table(runs: list[Run]) -> pd.DataFrame:
+    """Each communicating run's validation loss at every validation, and its BLEU scores at the steps they were
+    taken: those on the split of its last score (the one the summary shows); a score with no step (`dtrain.engine.
+    evaluate` run afterwards) cannot be placed and is left out. One row per run and step, in step order.
+    Columns: run, series, step, val_nll, bleu (NaN where that step has none)."""
+    parts = []
+    for r in runs:
+        if not r.communicates:
+            continue
+        val = [{"step": int(e["step"]), "val_nll": nll} for e in r.evals if e.get("kind") == "val"
+               and isinstance(e.get("step"), int) and (nll := _number(e.get("val_nll"))) is not None]
+        split = (r.bleu or {}).get("split")
+        bleu = [{"step": int(e["step"]), "bleu": score} for e in r.evals if e.get("kind") == "bleu"
+                and e.get("split") == split and isinstance(e.get("step"), int)
+                and (score := _number(e.get("bleu"))) is not None]
+        if not val and not bleu:
+            continue
+        # a step scored twice keeps its later record
+        t = pd.merge(pd.DataFrame(val, columns=["step", "val_nll"]).drop_duplicates("step", keep="last"),
+                     pd.DataFrame(bleu, columns=["step", "bleu"]).drop_duplicates("step", keep="last"),
+                     on="step", how="outer").sort_values("step")
+        parts.append(t.assign(run=r.label, series=r.series))
+    columns = ["run", "series", "step", "val_nll", "bleu"]
+    return pd.concat(parts, ignore_index=True)[columns] if parts else pd.DataFrame(columns=columns)
+
+
+def bleu_points(table: pd.DataFrame) -> int:
+    """The most steps any one run of a `validation_table` was scored at."""
+    counts = table.dropna(subset=["bleu"]).groupby("run")["step"].nunique()
+    return int(counts.max()) if len(counts) else 0
 
 
 def busbw_table(bench_paths: list[Path], topology: str | None) -> tuple[pd.DataFrame, str]:
