@@ -2,7 +2,11 @@
 
 import json
 
+import numpy as np
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import dtrain
 
 from conftest import NO_EVAL, checkpoint_diff, records, torchrun
 
@@ -12,7 +16,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("smoke") / "run"
-    r = torchrun("--run-dir", str(run))
+    r = torchrun("--run-dir", str(run), "--set", "train.tensorboard=true")
     return run, r
 
 
@@ -34,6 +38,30 @@ def test_smoke_run_writes_the_run_directory(smoke_run):
     assert [e["kind"] for e in evals] == ["val", "val", "bleu"]
     assert evals[-1]["signature"].startswith("nrefs:1|case:mixed") and evals[-1]["sentences"] == 1014
     assert len(list((run / "checkpoints").glob("step-*.pt"))) == 3  # keep_ckpts
+
+
+def test_smoke_run_writes_tensorboard_events_and_plain_progress(smoke_run):
+    """train.tensorboard on 2 ranks: rank 0's events hold the records of steps.jsonl and eval.jsonl, BLEU included;
+    stderr, a pipe here, holds one plain line per log interval and no bar."""
+    run, r = smoke_run
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert {"train/loss", "train/lr", "train/step_ms", "train/comm_exposed_ms", "train/tokens_per_s", "val/nll",
+            "val/bleu"} <= set(events.Tags()["scalars"])
+    steps = records(run / "steps.jsonl")
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (s["step"], float(np.float32(s["loss"]))) for s in steps]  # TensorBoard keeps float32
+    evals = records(run / "eval.jsonl")
+    assert [e.step for e in events.Scalars("val/nll")] == [e["step"] for e in evals if e["kind"] == "val"]
+    bleu = evals[-1]
+    assert [(e.step, e.value) for e in events.Scalars("val/bleu")] == [(40, float(np.float32(bleu["bleu"])))]
+    assert [e.step for e in events.Scalars("train/tokens_per_s")] == list(range(5, 41, 5))
+    lines = [line for line in r.stderr.splitlines() if line.startswith("smoke step")]
+    assert [line.split()[2] for line in lines] == [f"{s}/40" for s in range(5, 41, 5)], r.stderr[-2000:]
+    assert "\r" not in r.stderr  # no bar redraws
+    assert "decoding val (rank 0): 507 sentences" in r.stderr and "decoding val (rank 0): done in" in r.stderr
+    versions = json.loads((run / "run.json").read_text())["versions"]
+    assert versions["dtrain"] == dtrain.__version__
 
 
 def test_smoke_loss_decreases(smoke_run):

@@ -120,6 +120,9 @@ class TrainConfig:
     # "aot_eager" traces forward and backward the same way but runs them eagerly, with no C compiler needed)
     compile: str = "off"
     compile_backend: str = "inductor"
+    # rank 0 also writes TensorBoard event files, <run>/tensorboard/ (dtrain.engine.board): the step and eval records
+    # of steps.jsonl and eval.jsonl; needs the tensorboard package (pip install 'dtrain[tensorboard]')
+    tensorboard: bool = False
 
 
 @dataclass(frozen=True)

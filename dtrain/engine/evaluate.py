@@ -42,14 +42,21 @@ def score_split(model: Transformer, tokenizer: Tokenizer, cfg: RunConfig, ecfg: 
         src, ref = corpora.split_text(cfg.data, ecfg.split)
     rank, world = ddist.rank(), ddist.world_size()
     mine = list(range(rank, len(src), world))
-    progress = None
-    if rank == 0:
-        progress = tqdm(total=len(mine), desc=f"decoding {ecfg.split} (rank 0)", unit="sent", leave=False)
+    progress, what = None, f"decoding {ecfg.split} (rank 0)"
+    # In a terminal a bar; elsewhere (a batch job's log file) a line when decoding starts and one when it ends
+    # instead of the bar's redraws.
+    plain = rank == 0 and not sys.stderr.isatty()
+    if plain:
+        print(f"{what}: {len(mine):,} sentences, beam {ecfg.beam}", file=sys.stderr, flush=True)
+    elif rank == 0:
+        progress = tqdm(total=len(mine), desc=what, unit="sent", leave=False)
     t0 = time.perf_counter()
     hyps = translate(model, tokenizer, [src[i] for i in mine], ecfg.beam, ecfg.length_penalty, ecfg.max_len_b,
                      ecfg.batch_size, device, progress)
     if progress is not None:
         progress.close()
+    if plain:
+        print(f"{what}: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     shards = [None] * world if rank == 0 else None
     if world > 1:
         dist.gather_object(list(zip(mine, hyps)), shards, dst=0)

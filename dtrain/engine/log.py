@@ -5,6 +5,7 @@ resolved config, a header, and the JSONL step, bucket and eval records; the file
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import torch
 
+import dtrain
 from dtrain.common import rundir
+from dtrain.common.checkout import git_commit
 from dtrain.common.errors import UserError
 from dtrain.common.jsonl import append_jsonl, read_jsonl, rewrite_jsonl
 from dtrain.common.rundir import BucketRecord, StepRecord, ValRecord
@@ -35,8 +38,17 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> None:
         raise UserError(f"{run_dir}: run directory is not writable ({e.strerror or e})") from None
 
 
+@functools.cache
+def source() -> dict:
+    """The git commit of the checkout dtrain was imported from ("dirty": True with changes), {} for an installed
+    copy; asked once per process, since the code a process runs does not change under it."""
+    return git_commit(Path(dtrain.__file__).parent)
+
+
 def versions() -> dict:
-    v = {"torch": torch.__version__, "python": platform.python_version()}
+    """run.json's `versions`: dtrain's (and its commit, where it runs from a git checkout), torch's, Python's; with
+    CUDA also the CUDA and NCCL versions and the GPU."""
+    v = {"dtrain": dtrain.__version__, **source(), "torch": torch.__version__, "python": platform.python_version()}
     if torch.cuda.is_available():
         v["cuda"] = torch.version.cuda
         v["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))

@@ -13,7 +13,6 @@ import random
 import re
 import shutil
 import signal
-import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -21,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from dtrain.collectives import attach, nccl
 from dtrain.collectives import dist as ddist
@@ -31,6 +29,7 @@ from dtrain.common.host_memory import keep_freed_memory
 from dtrain.common.jsonl import append_jsonl, read_jsonl, rewrite_jsonl
 from dtrain.common.rundir import StepRecord, ValRecord, rank_buckets_file, rank_steps_file
 from dtrain.engine import checkpoint
+from dtrain.engine.board import Board, summary_writer
 from dtrain.engine.config import RunConfig
 from dtrain.engine.data import BatchStream, TokenBatcher, collate
 from dtrain.engine.evaluate import score_split, write_score
@@ -40,6 +39,7 @@ from dtrain.engine.log import RunWriter
 from dtrain.engine.loss import LabelSmoothing
 from dtrain.engine.model import Transformer, count_parameters, sdpa_backend
 from dtrain.engine.profiler import StepProfiler
+from dtrain.engine.progress import Progress
 from dtrain.engine.schedule import make_scheduler
 from dtrain.engine.startup import load_corpus, resume_state
 from dtrain.engine.telemetry import Telemetry
@@ -93,6 +93,8 @@ def samples_file(rank: int) -> str:
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path, device: torch.device, backend: str, faults: list[Fault] = (),
                  stop: StopRequest | None = None):
+        if cfg.train.tensorboard:  # on every rank, before the corpus: all stop alike, at once
+            summary_writer()
         self.cfg, self.run_dir, self.device, self.backend = cfg, Path(run_dir), device, backend
         self.stop = stop  # None: no handler installed, and no per-step stop all-reduce
         self.samples: list[dict] = []  # train.record_samples: this step's micro-batches, written after it
@@ -102,6 +104,7 @@ class Trainer:
         self.bad_steps = 0  # consecutive steps with non-finite gradients
         self.main = self.rank == 0
         self.writer = RunWriter(self.run_dir, self.main, self.rank, cfg.train.record_ranks)
+        self.board = Board(None)  # fit() opens rank 0's with train.tensorboard
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         # Process-wide: in an interleaved job every configuration shares the allocator of its process.
@@ -398,7 +401,12 @@ class Trainer:
 
     def fit(self) -> dict:
         with sdpa_backend(self.cfg.train.sdpa_backend, self.device):
-            return self._fit()
+            # TensorBoard's scalars of this fit, flushed and closed however it ends (preempted, failed)
+            self.board = Board(self.run_dir if self.main and self.cfg.train.tensorboard else None, self.step + 1)
+            try:
+                return self._fit()
+            finally:
+                self.board.close()
 
     def _fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -406,31 +414,31 @@ class Trainer:
         start_step, t_start = self.step, time.perf_counter()
         self.telemetry.start()
         self.profiler.start(self.step)
-        # Under a wall-clock budget the step count is open, so the bar counts steps without an ETA.
+        # Under a wall-clock budget the step count is open, so progress counts steps without an ETA.
         desc = cfg.name if t.max_minutes is None else f"{cfg.name} (budget {t.max_minutes:g} min)"
-        bar = tqdm(total=None if t.max_minutes else t.max_steps, initial=self.step, disable=not self.main, desc=desc,
-                   unit="step", dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 60.0)
+        progress = Progress(desc, None if t.max_minutes else t.max_steps, self.step, enabled=self.main)
         window = [0.0, 0, 0.0]  # since the last log line: loss x tokens, tokens, seconds
         val, stopped = None, None
         while self.step < t.max_steps:
             rec = self.recorded_step()
+            self.board.step(rec)
             if rec.skipped:
-                bar.write(f"step {self.step}: non-finite gradients (norm {rec.grad_norm}); update skipped "
-                          f"({self.bad_steps} in a row, limit {t.max_bad_steps})")
+                progress.write(f"step {self.step}: non-finite gradients (norm {rec.grad_norm}); update skipped "
+                               f"({self.bad_steps} in a row, limit {t.max_bad_steps})")
                 if self.bad_steps > t.max_bad_steps:
                     raise JobFailure(f"stopping at step {self.step}: {self.bad_steps} consecutive steps with "
                                      f"non-finite gradients (train.max_bad_steps = {t.max_bad_steps})")
             window = [window[0] + rec.loss * rec.tokens, window[1] + rec.tokens, window[2] + rec.step_ms / 1000]
-            bar.update(1)
+            progress.update(1)
             if self.step % t.log_every == 0 or self.step == t.max_steps:
-                stop = self._log_window(bar, window, rec, t_start)
+                stop = self._log_window(progress, window, rec, t_start)
                 window = [0.0, 0, 0.0]
                 if stop:
                     break
             if t.val_every and self.step % t.val_every == 0:
                 self.phase = "validation"
                 val = self._guarded(self.validate)
-                self.writer.eval(val)
+                self._record_eval(val)
             stopped = self.stop_agreed()
             if not stopped and self.watch is not None and self.watch(rec):
                 stopped = RETUNE
@@ -439,7 +447,7 @@ class Trainer:
                 self._guarded(self.save)
             if stopped:
                 break
-        bar.close()
+        progress.close()
         self.profiler.stop()
         self.telemetry.stop()
         if stopped == RETUNE:  # the caller searches again from the checkpoint just saved
@@ -453,7 +461,7 @@ class Trainer:
                     "preempted": stopped}
         return self._wrap_up(start_step, time.perf_counter() - t_start, val)
 
-    def _log_window(self, bar, window: list, rec: StepRecord, t_start: float) -> bool:
+    def _log_window(self, progress: Progress, window: list, rec: StepRecord, t_start: float) -> bool:
         """One small all-reduce per log interval: the global loss and throughput, and the stop decision of the
         wall-clock budget, taken on rank 0 and shared so that every rank stops at the same step. True: stop."""
         t = self.cfg.train
@@ -461,10 +469,11 @@ class Trainer:
         self.phase = "log all-reduce"
         loss_sum, toks, stop = self._guarded(ddist.all_reduce_sum, [window[0], window[1], float(over and self.main)],
                                              self.device)
-        bar.set_postfix(loss=f"{loss_sum / max(toks, 1):.3f}", tok_s=f"{toks / max(window[2], 1e-9):,.0f}",
-                        step_ms=f"{rec.step_ms:.0f}")
+        tokens_per_s = toks / max(window[2], 1e-9)  # all ranks' tokens over rank 0's time
+        progress.log(self.step, loss_sum / max(toks, 1), rec.lr, rec.step_ms, tokens_per_s)
+        self.board.interval(self.step, tokens_per_s)
         if stop and self.main:
-            bar.write(f"wall-clock budget of {t.max_minutes} min reached at step {self.step}")
+            progress.write(f"wall-clock budget of {t.max_minutes} min reached at step {self.step}")
         return bool(stop)
 
     def _wrap_up(self, start_step: int, train_s: float, val: ValRecord | None) -> dict:
@@ -475,7 +484,7 @@ class Trainer:
             self.save()
         if val is None or val.step != self.step:
             val = self.validate()
-            self.writer.eval(val)
+            self._record_eval(val)
         summary = {"steps": self.step, "steps_this_run": self.step - start_step, "recomputed": self.recomputed,
                    "train_s": round(train_s, 1),
                    "val_nll": round(val.val_nll, 4)}
@@ -490,6 +499,11 @@ class Trainer:
             self.phase = "final evaluation"
             summary.update(self._guarded(self.final_eval))
         return summary
+
+    def _record_eval(self, val: ValRecord) -> None:
+        """A validation record to eval.jsonl, and to TensorBoard with train.tensorboard."""
+        self.writer.eval(val)
+        self.board.eval(val)
 
     def _guarded(self, fn, *args):
         """Run `fn`; a failed or timed-out collective becomes a one-line JobFailure naming the phase and step."""
@@ -530,4 +544,5 @@ class Trainer:
             return {}
         label = "averaged" if self.cfg.train.average_last > 1 else f"step-{self.step:07d}"
         record = write_score(self.run_dir, record, step=self.step, model=label)
+        self.board.eval(record)
         return {"bleu": record["bleu"], "signature": record["signature"], "decode_s": record["decode_s"]}
