@@ -1,7 +1,9 @@
-"""Shared fixtures: the Multi30k directory (from $DTRAIN_DATA_DIR, as in CI) and a tiny model."""
+"""Shared fixtures: the Multi30k directory (from $DTRAIN_DATA_DIR, as in CI) and a tiny model; and the rule that
+keeps `-m "not slow"` fast."""
 
 import contextlib
 import io
+import multiprocessing.process
 import os
 import socket
 import subprocess
@@ -15,6 +17,34 @@ from dtrain.common.jsonl import read_jsonl
 from dtrain.engine import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _starts_python(args) -> bool:
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    return any(os.path.basename(str(a)).startswith(("python", "torchrun")) or str(a) == sys.executable
+               for a in argv[:8])
+
+
+@pytest.fixture(autouse=True)
+def processes_only_in_slow_tests(request, monkeypatch):
+    """The `slow` mark is what `-m "not slow"` leaves out, so a test without it may not start Python processes
+    (ranks, torchrun, the tools as commands): each costs seconds of torch's start-up. Such a test fails here at once,
+    naming the mark it needs. Other programs (git, ip, tc) are fine."""
+    if request.node.get_closest_marker("slow"):
+        return
+    test = request.node.nodeid
+    popen_init = subprocess.Popen.__init__
+
+    def popen(self, args, *a, **kw):
+        if _starts_python(args):
+            raise RuntimeError(f"{test} starts a Python process: mark it @pytest.mark.slow")
+        popen_init(self, args, *a, **kw)
+
+    def start(self):
+        raise RuntimeError(f"{test} starts a process ({self.name}): mark it @pytest.mark.slow")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
 
 
 @pytest.fixture(scope="session")

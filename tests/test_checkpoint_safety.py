@@ -63,6 +63,7 @@ def test_evaluate_refuses_a_crafted_checkpoint(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_inspect_and_diff_refuse_a_crafted_checkpoint(tmp_path):
     run, path, marker = _crafted_run(tmp_path)
     cli = [sys.executable, "-m", "dtrain.engine.checkpoint"]
@@ -76,6 +77,7 @@ def test_inspect_and_diff_refuse_a_crafted_checkpoint(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_crafted_checkpoint(tmp_path):
     run, path, marker = _crafted_run(tmp_path)
     (run / "steps.jsonl").write_text('{"step": 10}\n')

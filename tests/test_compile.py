@@ -64,6 +64,7 @@ def test_inductor_matches_eager(tmp_path, one_rank):
     assert eager[1][0] != eager[0][0]  # the second step saw the first update
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "per_tensor", "flat", "bucketed", "per_class", "sharded", "powersgd",
                                       "noop"])
 def test_every_strategy_trains_the_compiled_model(tmp_path, one_rank, strategy):

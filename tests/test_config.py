@@ -58,6 +58,7 @@ def test_set_overrides_parse_values(tmp_path):
         _load(tmp_path, "{}\n", ["train.max_stpes=3"])
 
 
+@pytest.mark.slow
 def test_cli_bad_profile_is_one_line_exit_2(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("model:\n  h: 0\n")
@@ -68,6 +69,7 @@ def test_cli_bad_profile_is_one_line_exit_2(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_dry_run_prints_resolved_config():
     r = subprocess.run([sys.executable, "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/base.yaml", "--dry-run"],
                        capture_output=True, text=True, cwd=REPO)

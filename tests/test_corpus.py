@@ -158,6 +158,7 @@ def test_checksum_mismatch_is_an_error_and_keeps_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_cli_download_then_train_data_from_it(tmp_path):
     blobs, train, _, _ = wmt14_en_de_archives()
     server = Server(blobs)
@@ -251,6 +252,7 @@ def _rank_loads(rank, world, init, raws, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("break_rank_1", ["other_files", "missing_file"])
 def test_ranks_agree_on_the_corpus_or_all_fail_alike(tmp_path, break_rank_1):
     import torch.multiprocessing as tmp_mp

@@ -20,6 +20,7 @@ def dry_run(*args):
                           cwd=REPO, timeout=120)
 
 
+@pytest.mark.slow
 def test_plan_of_the_wmt14_base_profile_on_two_nodes():
     r = dry_run("--profile", "dtrain/profiles/wmt14-en-de-base.yaml", "--topology", "h100x8-ib:2",
                 "--set", "train.accum_steps=2")
@@ -37,6 +38,7 @@ def test_plan_of_the_wmt14_base_profile_on_two_nodes():
             "--topology h100x8-ib:2") in r.stdout
 
 
+@pytest.mark.slow
 def test_without_topology_the_plan_is_for_this_launch():
     r = dry_run("--profile", "dtrain/profiles/wmt14-en-de-big.yaml")
     assert r.returncode == 0, r.stderr
@@ -44,6 +46,7 @@ def test_without_topology_the_plan_is_for_this_launch():
     assert "300 in all, the last 20 kept" in r.stdout and "MODELED" not in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,expected", [
     (["--dry-run", "--topology", "h100x8-ib:1"], "topology 'h100x8-ib:1': give the node count (>= 2)"),
     (["--topology", "h100x8"], "--topology is read by --dry-run only"),
@@ -55,6 +58,7 @@ def test_bad_topology_is_one_line_and_prints_nothing(args, expected):
     assert expected in r.stderr and r.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.slow
 def test_simulator_plan_is_the_predicted_step_of_the_profiles_strategy():
     profile, topology = "dtrain/profiles/wmt14-en-de-big.yaml", "h100x8"
     command = shlex.split(runplan.simulator_command(profile, [], topology))
@@ -72,6 +76,7 @@ def test_simulator_plan_is_the_predicted_step_of_the_profiles_strategy():
     assert out.splitlines()[0] == "# MODELED (no measurement)"
 
 
+@pytest.mark.slow
 def test_simulator_plan_needs_a_profile():
     r = subprocess.run([sys.executable, "-m", "dtrain.analysis.simulate", "--plan", "--topology", "h100x8"],
                        capture_output=True, text=True, cwd=REPO, timeout=120)

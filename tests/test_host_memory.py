@@ -41,6 +41,7 @@ def faults_per_step(tmp_path, keep: bool) -> tuple[str, int]:
     return what, int(faults)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc parameters")
 def test_kept_memory_is_not_faulted_in_again_each_step(tmp_path, multi30k_dir):
     what, default = faults_per_step(tmp_path, keep=False)

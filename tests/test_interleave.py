@@ -24,6 +24,7 @@ def run_job(matrix, out, *extra):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow
 def test_an_interleaved_job_trains_every_configuration_in_turn_on_the_same_batches(tmp_path):
     matrix = tmp_path / "m.yaml"
     matrix.write_text(f"name: il\nprofiles: [dtrain/profiles/smoke.yaml]\nstrategies: [ddp, bucketed, per_class]\n{SET}\n")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -17,12 +19,14 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
                           cwd=root, capture_output=True, text=True, env={"PYTHONPATH": str(root), "PATH": "/usr/bin"})
 
 
+@pytest.mark.slow
 def test_the_layers_hold():
     r = lint_imports(REPO)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "1 kept, 0 broken" in r.stdout
 
 
+@pytest.mark.slow
 def test_an_import_up_the_layers_breaks_the_contract(tmp_path):
     shutil.copytree(REPO / "dtrain", tmp_path / "dtrain", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path)

@@ -179,6 +179,7 @@ def _two_rank_gloo(rank, init_file, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_create_the_class_groups_and_record_them(tmp_path):
     mp.spawn(_two_rank_gloo, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     records = {rank: json.loads((tmp_path / f"record-{rank}.json").read_text()) for rank in (0, 1)}

@@ -237,6 +237,7 @@ def test_help_lists_every_verb(capsys):
     assert "    plan" not in out
 
 
+@pytest.mark.slow
 def test_module_entry_point_runs():
     r = subprocess.run([sys.executable, "-m", "dtrain.collectives.nccl", "groups", "--profile", "dtrain/profiles/ll128.yaml"],
                        capture_output=True, text=True, cwd=REPO, env=dict(os.environ))

@@ -70,6 +70,7 @@ def window(steps: list[dict]) -> tuple[str, str]:
     return f"{sum(s['loss'] * s['tokens'] for s in steps) / tokens:.3f}", f"{tokens / seconds:,.0f}"
 
 
+@pytest.mark.slow
 def test_plain_progress_lines_where_stderr_is_not_a_terminal(fitted):
     run, err = fitted
     lines = [line for line in err.splitlines() if line.startswith("smoke step")]
@@ -84,6 +85,7 @@ def test_plain_progress_lines_where_stderr_is_not_a_terminal(fitted):
     assert LINE.fullmatch(lines[-1]).group(7) == "00:00"  # nothing left after the last step
 
 
+@pytest.mark.slow
 def test_tensorboard_events_are_the_run_records(fitted):
     run, err = fitted
     events = EventAccumulator(str(run / FOLDER))
@@ -109,6 +111,7 @@ def test_tensorboard_events_are_the_run_records(fitted):
     assert all(abs(v - printed) <= 0.5 + 1e-6 * v for (_, v), printed in zip(tokens_per_s, shown, strict=True))
 
 
+@pytest.mark.slow
 def test_run_json_records_the_dtrain_version_and_commit(fitted):
     run, _ = fitted
     versions = json.loads((run / "run.json").read_text())["versions"]

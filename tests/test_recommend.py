@@ -79,6 +79,7 @@ def test_bad_command_lines_are_one_line_errors(argv, msg, capsys):
         and msg in err, err
 
 
+@pytest.mark.slow
 def test_the_command_runs_as_a_module_and_only_there():
     repo = Path(__file__).parent.parent
     r = subprocess.run([sys.executable, "-m", "dtrain.analysis.recommend", "--help"], capture_output=True, text=True,

@@ -104,11 +104,13 @@ def assert_one_line_error(r, pattern):
     assert len(lines) == 1 and re.search(pattern, lines[0]), r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_bad_fault_spec_is_one_line_error():
     assert_one_line_error(run_train("--profile", "dtrain/profiles/smoke.yaml", "--fault", "crash@rank=1"),
                           r"--fault 'crash@rank=1': crash takes exactly rank, step")
 
 
+@pytest.mark.slow
 def test_unwritable_run_dir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -116,6 +118,7 @@ def test_unwritable_run_dir(tmp_path):
                           r"run directory is not writable")
 
 
+@pytest.mark.slow
 def test_missing_corpus_without_network(tmp_path):
     # No data anywhere; the download points at a closed local port, so it fails at once like an offline machine.
     r = run_train("--profile", "dtrain/profiles/smoke.yaml", "--run-dir", str(tmp_path / "r"),
@@ -145,6 +148,7 @@ def _run_with_foreign_checkpoint(tmp_path):
     return run, path
 
 
+@pytest.mark.slow
 def test_checkpoint_of_wrong_contents_is_a_one_line_error(tmp_path):
     import torch
 
@@ -171,6 +175,7 @@ def test_checkpoint_of_wrong_contents_is_a_one_line_error(tmp_path):
             checkpoint.load(bad_model)
 
 
+@pytest.mark.slow
 def test_resume_from_a_checkpoint_of_wrong_contents(tmp_path):
     run, path = _run_with_foreign_checkpoint(tmp_path)
     before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
@@ -180,6 +185,7 @@ def test_resume_from_a_checkpoint_of_wrong_contents(tmp_path):
     assert (run / "steps.jsonl").read_text() == '{"step": 10}\n'
 
 
+@pytest.mark.slow
 def test_evaluate_rejects_a_beam_below_one(tmp_path):
     for beam in ("-3", "0"):
         r = subprocess.run([sys.executable, "-m", "dtrain.engine.evaluate", "--run", str(tmp_path), "--beam", beam,
@@ -187,6 +193,7 @@ def test_evaluate_rejects_a_beam_below_one(tmp_path):
         assert_one_line_error(r, rf"--beam must be at least 1 \(1 = greedy\), got {beam}$")
 
 
+@pytest.mark.slow
 def test_resume_of_a_run_dir_that_does_not_exist(tmp_path):
     missing = tmp_path / "no-such-run"
     r = run_train("--profile", "dtrain/profiles/smoke.yaml", "--run-dir", str(missing), "--resume", *NO_EVAL)

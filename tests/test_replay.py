@@ -53,6 +53,7 @@ def test_two_ranks_replay_a_recorded_step_on_its_class_groups(tmp_path):
     assert "# last completion: run" in r.stdout and "the network adds" in r.stdout
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line(tmp_path):
     _write_run(tmp_path / "run")
     for args, msg in (((tmp_path / "nowhere",), "not a run directory"),

@@ -352,6 +352,7 @@ def test_an_output_folder_in_the_way_is_named_before_any_work(tmp_path, capsys):
     assert e.value.code == 2 and "--out" in err and "a file is in the way" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_runs_with_translations_get_a_bleu_significance_section(tmp_path, capsys):
     from test_significance import degrade, half_wrong, make_run, write_corpus
 

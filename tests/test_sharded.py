@@ -18,6 +18,7 @@ from dtrain.engine.model import Transformer
 SHARDED = ("--set", "sync.strategy=sharded", "--set", "sync.bucket_cap_mb=0.05")  # many buckets on the tiny model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_sharded_gradients_equal_the_reference(nproc):
     results = verify.run(nproc, ["sharded"], accums=[1, 2], steps=3)
@@ -31,6 +32,7 @@ def test_sharded_gradients_equal_the_reference(nproc):
 SPLIT = ("sync.classes.embedding.tied_split=true",)
 
 
+@pytest.mark.slow
 def test_sharded_with_the_split_equals_the_reference():
     """The tied embedding replicated and split, the rest sharded: each gradient the exact mean on 3 ranks, with and
     without accumulation (on 2 ranks the training test below compares it with the bucketed split bit for bit)."""
@@ -97,6 +99,7 @@ def _fetch_on_two_ranks(rank: int, init: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_lookup_fetches_the_rows_of_every_ranks_tokens_from_their_owner(tmp_path):
     mp.spawn(_fetch_on_two_ranks, args=(str(tmp_path / "init"),), nprocs=2, join=True)
 
@@ -148,6 +151,7 @@ def _narrowed_gather_on_two_ranks(rank: int, init: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_narrowed_all_gather_rounds_only_what_autocast_rounds(tmp_path):
     mp.spawn(_narrowed_gather_on_two_ranks, args=(str(tmp_path / "init"),), nprocs=2, join=True)
 

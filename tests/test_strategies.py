@@ -185,6 +185,7 @@ def test_ddp_records_its_buckets(one_rank, hook):
 # -- several ranks --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_every_lossless_strategy_matches_the_reference(nproc):
     """The issue's check: per-tensor all-reduce / world size as the reference, with and without accumulation."""
@@ -200,6 +201,7 @@ def test_every_lossless_strategy_matches_the_reference(nproc):
             "ddp", "per_tensor", "flat", "bucketed", "per_class", "sharded"}
 
 
+@pytest.mark.slow
 def test_verify_cli_json_and_lossy_per_class():
     r = subprocess.run([sys.executable, "-m", "dtrain.engine.verify", "--nproc", "2", "--strategies",
                         "per_class", "--set", "sync.classes.ffn.wire_dtype=bf16", "--json"],

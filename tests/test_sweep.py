@@ -193,6 +193,7 @@ def test_next_attempt(tmp_path):
     assert sweep.next_attempt(tmp_path / "never-started") == "fresh"
 
 
+@pytest.mark.slow
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     """`... --dry-run | head -1`: the reader is gone before the listing is written; no traceback, exit 1."""
     read_end, write_end = os.pipe()

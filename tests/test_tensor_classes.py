@@ -135,6 +135,7 @@ def test_classes_summary_counts_bytes_and_ranges():
     assert sum(r["bytes"] for r in rows.values()) == sum(p.numel() * 4 for _, p in named)
 
 
+@pytest.mark.slow
 def test_classes_cli_prints_the_table_and_fails_in_one_line():
     r = subprocess.run([sys.executable, "-m", "dtrain.engine.describe", "--profile", "dtrain/profiles/smoke.yaml",
                         "--set", "sync.strategy=per_class", "--set", "sync.classes.ffn.wire_dtype=bf16"], cwd=REPO,

@@ -112,6 +112,7 @@ def test_up_leaves_nothing_behind_on_failure(bed, monkeypatch, exc):
     assert bed.existing() == ([], [])
 
 
+@pytest.mark.slow
 @needs_netns
 def test_shaping_limits_throughput(bed):
     testbed_net.up(bed, [testbed_links.Link(40 * 10**6)] * 2)  # 40 Mbit/s = 5 MB/s
@@ -154,6 +155,7 @@ def _no_processes_left(bed):
         assert out.split() == [], f"processes left in {bed.node(i)}"
 
 
+@pytest.mark.slow
 @needs_netns
 def test_run_all_reduce_across_two_nodes(bed, tmp_path):
     testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
@@ -169,6 +171,7 @@ def test_run_all_reduce_across_two_nodes(bed, tmp_path):
     _no_processes_left(bed)
 
 
+@pytest.mark.slow
 @needs_netns
 def test_run_returns_the_failure_and_stops_the_rest(bed, tmp_path):
     testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
@@ -180,6 +183,7 @@ def test_run_returns_the_failure_and_stops_the_rest(bed, tmp_path):
     _no_processes_left(bed)
 
 
+@pytest.mark.slow
 @needs_netns
 def test_ctrl_c_stops_the_job(bed, tmp_path):
     testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
@@ -276,6 +280,7 @@ def _mounts() -> str:
     return open("/proc/self/mountinfo").read()
 
 
+@pytest.mark.slow
 @needs_netns
 def test_private_fs_gives_node_1_its_own_run_dirs_cache_and_tmp(bed, tmp_path):
     testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
@@ -384,6 +389,7 @@ with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f
 """
 
 
+@pytest.mark.slow
 @needs_netns
 def test_pin_cpus_runs_each_node_on_its_own_cpus(bed, tmp_path):
     testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)

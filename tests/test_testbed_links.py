@@ -77,7 +77,8 @@ def test_congestion_control_must_be_available_and_allowed(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("testbed:\n  nodes: 2\n  lnk: 1gbit\n", r"tb.yaml:3: unknown key 'testbed.lnk' \(known: burst, congestion_control, latency_ms"),
+    ("testbed:\n  nodes: 2\n  lnk: 1gbit\n",
+     r"tb.yaml:3: unknown key 'testbed.lnk'; did you mean 'testbed.link'\? \(known: burst, congestion_control, latency_ms"),
     ("testbed:\n  nodes: two\n", r"tb.yaml:2: 'testbed.nodes' must be int, got 'two'"),
     ("testbed:\n  latency_ms: .inf\n", r"tb.yaml:2: 'testbed.latency_ms' must be a finite number"),
     ("testbed:\n  link_per_node: [1gbit, 3]\n", r"tb.yaml:2: 'testbed.link_per_node"),

@@ -92,6 +92,7 @@ def _build_in_child(args):
     return str(ensure(Path(root), "shared", Tokenizer(model), pairs(), clean=False, max_len=None, describe={}))
 
 
+@pytest.mark.slow
 def test_ranks_of_a_node_build_the_cache_once(corpus, tmp_path):
     _, src, tgt, tok = corpus
     marker = tmp_path / "markers"
