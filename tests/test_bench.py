@@ -1,10 +1,12 @@
-"""dtrain.collectives.bench: the sweep's flags, bandwidths, the correctness pass, the table, and a 2-rank sweep (sizes and
-the bus-bandwidth factor: tests/test_units.py)."""
+"""dtrain.collectives.bench: the sweep's flags, the collectives' sizes, bandwidths, the correctness pass, the table,
+and a 2-rank sweep (sizes and the bus-bandwidth factor: tests/test_units.py; the reduce-scatter and all-gather tables
+under torchrun: tests/test_nccl_tests_format.py)."""
 
 import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -51,7 +53,12 @@ def test_dtypes_and_ops():
                                       (["--csv", "."], "is a directory"),
                                       (["--path", "nope"], "argument --path: invalid choice"),
                                       (["--groups", "1"], "--groups must be at least 2"),
-                                      (["--groups", "2", "--class", "ffn"], "--groups makes world groups")])
+                                      (["--groups", "2", "--class", "ffn"], "--groups makes world groups"),
+                                      (["--collective", "alltoall"], "unknown collective 'alltoall'"),
+                                      (["--collective", "all_gather,all_gather"], "names a collective twice"),
+                                      (["--collective", "reduce_scatter", "--path", "reducer"],
+                                       "--path reducer: the reducer all-reduces"),
+                                      (["--collective", "all_gather", "--overlap"], "add all_reduce to --collective")])
 def test_bad_input_is_one_line_and_exit_2(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
@@ -60,12 +67,39 @@ def test_bad_input_is_one_line_and_exit_2(argv, msg, capsys):
     assert err.startswith("dtrain.collectives.bench: error: ") and msg in err and err.count("\n") == 1
 
 
-# ---- bandwidths --------------------------------------------------------------------------------------------------
+def test_collectives_by_name_in_order():
+    assert bench.parse_collectives("all_reduce") == [bench.ALL_REDUCE]
+    assert bench.parse_collectives("all_gather, reduce_scatter") == [bench.ALL_GATHER, bench.REDUCE_SCATTER]
+    assert bench.parse_collectives("all") == [bench.ALL_REDUCE, bench.REDUCE_SCATTER, bench.ALL_GATHER]
+    assert [c.program for c in bench.parse_collectives("all")] == ["all_reduce_perf", "reduce_scatter_perf",
+                                                                   "all_gather_perf"]
+    with pytest.raises(UserError, match="no collective"):
+        bench.parse_collectives(",")
+
+
+# ---- sizes and bandwidths ------------------------------------------------------------------------------------------
+
+def test_count_and_size_as_nccl_tests_prints_them():
+    # nccl-tests' GetCollByteCount (src/reduce_scatter.cu, src/all_gather.cu): a rank's share of the requested count,
+    # rounded down to 16 bytes; the size column is every rank's share, the count column one rank's.
+    for coll in (bench.REDUCE_SCATTER, bench.ALL_GATHER):
+        assert coll.count(1 << 20, 4, 8) == (1 << 18) // 8 and coll.size((1 << 18) // 8, 4, 8) == 1 << 20
+        assert coll.count(1000, 4, 8) == 28 and coll.size(28, 4, 8) == 896  # 31 floats a rank, down to 28 (112 B)
+        assert coll.count(1000, 2, 3) == 160 and coll.count(1000, 1, 3) == 320 and coll.count(1000, 8, 3) == 40
+        assert coll.count(64, 4, 8) == 0  # 2 floats a rank: under 16 bytes, nothing to measure
+    assert coll.buffers(28, 8) == (28, 224) and bench.REDUCE_SCATTER.buffers(28, 8) == (224, 28)
+    # all-reduce: count and size are the requested ones, one buffer in and out
+    assert bench.ALL_REDUCE.count(1000, 4, 8) == 250 and bench.ALL_REDUCE.size(250, 4, 8) == 1000
+    assert bench.ALL_REDUCE.buffers(250, 8) == (250, 250)
+
 
 def test_bandwidths_in_gb_per_s():
     algbw, busbw = bench.bandwidths(1_000_000_000, 1_000_000.0, 4)  # 1 GB in one second on 4 ranks
     assert algbw == pytest.approx(1.0) and busbw == pytest.approx(1.5)
     assert bench.bandwidths(8, 0.0, 2) == (0.0, 0.0)
+    # reduce-scatter and all-gather: busbw = algbw x (n-1)/n (nccl-tests' doc/PERFORMANCE.md)
+    for coll in ("reducescatter", "allgather"):
+        assert bench.bandwidths(1_000_000_000, 1_000_000.0, 4, coll) == pytest.approx((1.0, 0.75))
 
 
 # ---- the correctness pass ----------------------------------------------------------------------------------------
@@ -109,6 +143,83 @@ def test_check_catches_a_deliberately_wrong_result():
         assert bench.check(emulated_allreduce(1, 2, "sum", corrupt), 1000, torch.float32, "sum", 1, 2, "cpu") == wrong
 
 
+def emulated_reduce_scatter(rank, nranks, op, corrupt=None):
+    """Rank `rank`'s view of a reduce-scatter over `nranks` ranks: its share of the reduction of every rank's input,
+    the other ranks' inputs rebuilt as the correctness pass fills them; `corrupt(out)` damages the result."""
+    def run(t):
+        count = t.numel() // nranks
+        inputs = []
+        for r in range(nranks):
+            x = torch.empty_like(t)
+            for c, share in enumerate(x.view(nranks, count)):
+                bench.fill(share, bench.pattern(r, op, t.dtype), start=c)
+            inputs.append(x)
+        stack = torch.stack(inputs)
+        full = {"sum": lambda: stack.sum(0, dtype=t.dtype), "max": lambda: stack.amax(0),
+                "prod": lambda: stack.prod(0, dtype=t.dtype)}[op]()
+        out = full.view(nranks, count)[rank].clone()
+        if corrupt:
+            corrupt(out, full.view(nranks, count))
+        return out
+
+    return run
+
+
+def emulated_all_gather(rank, nranks, corrupt=None):
+    """Rank `rank`'s view of an all-gather: every rank's input, as the correctness pass fills them, in rank order."""
+    def run(t):
+        shares = [t.clone() if r == rank else torch.empty_like(t) for r in range(nranks)]
+        for r, x in enumerate(shares):
+            if r != rank:
+                bench.fill(x, bench.pattern(r, "sum", t.dtype), start=r)
+        out = torch.cat(shares)
+        if corrupt:
+            corrupt(out.view(nranks, -1))
+        return out
+
+    return run
+
+
+@pytest.mark.parametrize("dtype", ["float", "bfloat16", "int8", "double"])
+def test_reduce_scatter_and_all_gather_results_have_no_wrong_elements(dtype):
+    dt = bench.DTYPES[dtype]
+    for op in ("sum", "prod", "max"):
+        assert bench.check(emulated_reduce_scatter(2, 4, op), 600, dt, op, 2, 4, "cpu",
+                           collective="reduce_scatter") == 0
+    assert bench.check(emulated_all_gather(1, 3), 600, dt, "none", 1, 3, "cpu", collective="all_gather") == 0
+
+
+def test_check_catches_a_wrong_reduce_scatter_or_all_gather():
+    def one_off(out, *_):
+        out.view(-1)[17] += 1
+
+    def share(k):  # this rank handed share k of the reduction instead of its own
+        return lambda out, shares: out.copy_(shares[k])
+
+    def rs(rank, corrupt):
+        return bench.check(emulated_reduce_scatter(rank, 4, "sum", corrupt), 771, torch.float32, "sum", rank, 4,
+                           "cpu", collective="reduce_scatter")
+
+    assert rs(2, one_off) == 1
+    assert rs(2, share(1)) == 771  # a phase one step off: the 1..3 cycle of every element shifted
+    # three steps off: the 1..3 cycle matches again, the period's restart (a prime length) does not
+    assert 0 < rs(3, share(0)) < 771
+
+    def swap(j, k):  # ranks j and k gathered into each other's place
+        def corrupt(shares):
+            shares[[j, k]] = shares[[k, j]].clone()
+        return corrupt
+
+    def stale(shares):  # rank 1's share never arrived: the output's zeros there
+        shares[1].zero_()
+
+    def ag(corrupt):
+        return bench.check(emulated_all_gather(0, 4, corrupt), 771, torch.float32, "none", 0, 4, "cpu",
+                           collective="all_gather")
+
+    assert ag(stale) == 771 and ag(swap(0, 1)) > 771 and ag(swap(0, 3)) > 0
+
+
 def test_check_against_the_mean():
     def mean(t):
         t.copy_((t + bench.pattern(1, "sum", t.dtype).repeat(4)[: t.numel()]) / 2)
@@ -145,6 +256,35 @@ def test_measure_reports_wrong_elements_of_a_broken_path(one_rank_group):
 
     broken = bench.BenchPath("raw", "broken", broken_bind)
     assert bench.measure(broken, 4096, "float", "sum", _Args, None, 1, 0, torch.device("cpu")).wrong == 1
+
+
+@pytest.mark.parametrize("coll", ["reduce_scatter", "all_gather"])
+def test_reduce_scatter_and_all_gather_paths_measure_and_check(one_rank_group, coll):
+    c = bench.COLLECTIVES[coll]
+    raw = bench.bench_paths("all", None, None, None, c)
+    assert [(p.name, p.place, p.collective) for p in raw] == [("raw", "out-of-place", c), ("raw", "in-place", c)]
+    for path in raw:
+        op = "sum" if c.reduces else "none"
+        row = bench.measure(path, 4096, "bfloat16", op, _Args, None, 1, 0, torch.device("cpu"))
+        assert (row.coll, row.wrong, row.size, row.count, row.redop, row.place) == (coll, 0, 8192, 4096, op,
+                                                                                     path.place)
+    # no deprecated call (torch 2.13 warns of reduce_scatter_tensor and all_gather_into_tensor on every call)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for path in raw:
+            path.bind(torch.zeros(8), op)[0]()
+
+
+def test_in_place_paths_use_the_ranks_own_share(one_rank_group):
+    """In place, the reduce-scatter's output is the rank's share of its input (nccl-tests' recvbuff + rank x count)
+    and the all-gather's input the rank's share of its output (the input copied there when bound)."""
+    t = torch.arange(6, dtype=torch.float32)
+    fn, result = bench.raw_reduce_scatter(None, "in-place").bind(t, "sum")
+    fn()
+    assert result().data_ptr() == t.data_ptr() and torch.equal(result(), torch.arange(6.0))
+    fn, result = bench.raw_all_gather(None, "in-place").bind(t, "none")
+    fn()
+    assert result().data_ptr() != t.data_ptr() and torch.equal(result(), t)
 
 
 def test_reducer_path_averages_correctly(one_rank_group):
@@ -207,6 +347,25 @@ def test_table_has_nccl_tests_columns_and_footer():
     assert bench.line(None, rows[1]).split()[5:9] == ["N/A"] * 4
     rows[1].wrong = None  # -c 0: not checked
     assert bench.line(rows[0], rows[1]).split()[-1] == "N/A"
+
+
+def test_reduce_scatter_and_all_gather_lines_are_nccl_tests():
+    """reduce_scatter_perf's and all_gather_perf's lines: size is every rank's share, count one rank's; redop the op,
+    or none for all-gather; root -1; busbw = algbw x (n-1)/n; the footer names the program that concluded."""
+    def row(coll, place, t):
+        c = bench.COLLECTIVES[coll]
+        size = c.size(1 << 18, 4, 4)
+        return bench.Row("raw", size, 1 << 18, "float", "sum" if c.reduces else "none", t,
+                         *bench.bandwidths(size, t, 4, c.coll), 0, place=place, coll=coll)
+
+    rs = [row("reduce_scatter", "out-of-place", 4000.0), row("reduce_scatter", "in-place", 4100.0)]
+    assert bench.line(*rs) == ("     4194304        262144     float     sum      -1   4000.0    1.05    0.79      0   "
+                               "4100.0    1.02    0.77      0")
+    ag = [row("all_gather", "out-of-place", 2000.0), row("all_gather", "in-place", 2000.0)]
+    assert bench.line(*ag).split()[:5] == ["4194304", "262144", "float", "none", "-1"]
+    foot = bench.footer(ag, "all_gather_perf")
+    assert foot[1] == f"# Avg bus bandwidth    : {ag[0].busbw:g} " and foot[2:] == [
+        "#", "# Collective test concluded: all_gather_perf"]
 
 
 def test_out_of_place_keeps_its_input(one_rank_group):

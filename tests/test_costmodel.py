@@ -392,6 +392,7 @@ def test_cli_fit_saves_a_local_model(tmp_path, capsys):
     assert "MODELED from a fit" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_bad_topology_is_one_line_exit_2():
     r = subprocess.run([sys.executable, "-m", "dtrain.collectives.costmodel", "--topology", "nope"], capture_output=True,
                        text=True, cwd=Path(__file__).parent.parent)
@@ -507,3 +508,84 @@ def test_one_allreduce_costs_the_same_way_on_every_model():
     assert fit.allreduce_latency_ms(n) == pytest.approx(10.0 / 1000)
     for model in (H100, table, fit):
         assert isinstance(model, cm.CollectiveCost)
+
+
+# ---- reduce-scatter and all-gather --------------------------------------------------------------------------------
+
+def test_a_reduce_scatter_log_is_fitted_as_one_with_its_bus_factor(tmp_path, capsys):
+    ms = cm.read_measurements(DATA / "reduce_scatter_perf_synthetic.log")
+    fm = cm.FittedModel.from_measurements(ms)
+    assert fm.coll == "reducescatter" and fm.colls == ["reducescatter"] and not fm.other_colls
+    (regs,) = fm.fits.values()
+    # The sample's generating parameters: 12 us + bytes/60 GB/s, then 30 us + bytes/170 GB/s (+-1.5 % noise).
+    assert [r.lat_us for r in regs] == pytest.approx([12.0, 30.0], rel=0.05)
+    assert [r.bw for r in regs] == pytest.approx([60.0, 170.0], rel=0.03)
+    pick = fm.pick(1 << 30, "reducescatter")
+    assert pick.busbw == pytest.approx(pick.algbw * 7 / 8)  # (n-1)/n on 8 ranks, not all-reduce's 2(n-1)/n
+    with pytest.raises(UserError, match="fitted on reducescatter, not allreduce"):
+        fm.allreduce_ms(1 << 20)
+    # `fit --topology`: the preset's modeled time is of the same collective
+    cm.main(["fit", str(DATA / "reduce_scatter_perf_synthetic.log"), "--topology", "h100x8", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["colls"] == ["reducescatter"] and {r["coll"] for r in rep["rows"]} == {"reducescatter"}
+    row = rep["rows"][-1]
+    assert row["preset_us"] == pytest.approx(H100.time_us(row["size"], "reducescatter"), abs=1e-3)
+    assert row["preset_us"] != pytest.approx(H100.time_us(row["size"], "allreduce"), rel=0.1)
+
+
+def _bench_rows(coll: str, lat: float, gbps: float, path: str = "raw", cpu: float | None = None) -> list[dict]:
+    """A benchmark JSON's rows of one collective on 8 ranks: t = lat + size / gbps, both column groups; the in-place
+    group 1 % slower."""
+    rows = []
+    for k in range(10, 25, 2):
+        t = lat + (1 << k) / (1000 * gbps)
+        for place, f in (("out-of-place", 1.0), ("in-place", 1.01)):
+            rows.append({"coll": coll, "path": path, "place": place, "size": 1 << k, "count": 1 << (k - 3),
+                         "type": "float", "redop": "none" if coll == "all_gather" else "sum", "time_us": t * f,
+                         "wrong": 0, "cpu_us": cpu, "world_size": 8})
+    return rows
+
+
+def test_a_benchmark_of_several_collectives_is_fitted_per_collective(tmp_path, capsys):
+    rows = (_bench_rows("all_reduce", 100.0, 1.0, cpu=50.0) + _bench_rows("all_reduce", 200.0, 1.0, "reducer", 60.0)
+            + _bench_rows("reduce_scatter", 80.0, 2.0, cpu=40.0) + _bench_rows("all_gather", 60.0, 4.0, cpu=30.0))
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(rows))
+    ms = cm.read_measurements(path)
+    assert ms.colls == ["allreduce", "allgather", "reducescatter"] and ms.coll == "allreduce"
+    # all-reduce keeps its in-place rows (the out-of-place ones add a copy), the others their out-of-place ones
+    kept = {(ms.coll_of(m), m.label): m.time_us for m in ms.rows if m.size == 1 << 10}
+    assert kept[("allreduce", "raw")] == pytest.approx(1.01 * (100 + 1024 / 1000))
+    assert kept[("reducescatter", "raw")] == pytest.approx(80 + 1024 / 2000)
+    fm = cm.FittedModel.from_measurements(ms)
+    assert fm.colls == ["allreduce", "allgather", "reducescatter"]
+    n = 1 << 22
+    assert fm.time_us(n, "reducescatter") == pytest.approx(80 + n / 2000, rel=1e-3)
+    assert fm.time_us(n, "allgather") == pytest.approx(60 + n / 4000, rel=1e-3)
+    assert fm.time_us(n) == pytest.approx(1.01 * (200 + n / 1000), rel=1e-3)  # all-reduce: the reducer, in place
+    assert fm.pick(n, "allgather").busbw == pytest.approx(fm.pick(n, "allgather").algbw * 7 / 8)  # 8 ranks
+    assert fm.cpu_us(0) == pytest.approx(60.0)  # the all-reduce's reducer path, not the other collectives'
+    with pytest.raises(UserError, match="fitted on allreduce, allgather, reducescatter, not broadcast"):
+        fm.time_us(n, "broadcast")
+    assert "allreduce, allgather, reducescatter" in fm.header()[0]
+    again = cm.FittedModel.from_dict(json.loads(json.dumps(fm.to_dict())))
+    assert again.time_us(n, "allgather") == pytest.approx(fm.time_us(n, "allgather"))
+    # the text report names each fit's and each row's collective
+    cm.main(["fit", str(path)])
+    out = capsys.readouterr().out
+    assert out.startswith(f"# fit of {path}: allreduce, allgather, reducescatter, ")
+    assert any(ln.split()[:3] == ["reducescatter", "raw", "sizes"] for ln in out.splitlines())
+    assert any(ln.split()[2:4] == ["allgather", "raw"] for ln in out.splitlines())
+
+
+def test_a_fit_of_one_collective_is_saved_as_before(tmp_path):
+    """An all-reduce fit's saved form has no other collectives' key; one with them names each."""
+    one = cm.FittedModel.from_measurements(cm.read_measurements(DATA / "bench_gloo_synthetic.csv")).to_dict()
+    assert set(one) == {"kind", "name", "coll", "ranks", "source", "fits", "cpu", "host"}
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps(_bench_rows("all_reduce", 100.0, 1.0) + _bench_rows("all_gather", 60.0, 4.0)))
+    d = cm.FittedModel.from_measurements(cm.read_measurements(path)).to_dict()
+    assert d["coll"] == "allreduce" and set(d["other_colls"]) == {"allgather"}
+    d["other_colls"]["alltoall"] = d["other_colls"]["allgather"]
+    with pytest.raises(UserError, match="unknown collective 'alltoall'"):
+        cm.FittedModel.from_dict(d, "b.fit.json")

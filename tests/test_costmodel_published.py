@@ -1,7 +1,8 @@
 """Published nccl-tests all_reduce_perf logs (tests/data/nccl_tests_published/<name>.txt, each with its source in
 <name>.source.md): `costmodel fit` on every other size predicts the sizes it did not see, and the analytical preset
 matching each log's hardware is compared with the log's large-message bus bandwidth. The comparisons are written up
-in docs/costmodel.md, whose tables this test checks against what the code computes."""
+in docs/costmodel.md, whose tables this test checks against what the code computes. A published all_gather_perf log
+(ALL_GATHER) is fitted the same way, as an all-gather."""
 
 import re
 import statistics
@@ -38,6 +39,7 @@ OVER_10 = {
     "a100x8_16node_ib": {(1, 64 * MIB), (1, 1024 * MIB)},  # the bus bandwidth stalls from 32 to 64 MiB
 }
 HARD_LIMIT = 0.30  # no held-out size >= 1 MiB is further off than this, explained or not
+ALL_GATHER = "h200x8_2node_rdma_all_gather"  # 16 H200 ranks over GPUDirect-RDMA; no `Collective test` line
 
 
 # A launcher's label in front of each line (Open MPI's --tag-output), as the reader strips it
@@ -178,3 +180,26 @@ def test_interpolation_between_training_sizes_is_what_the_docs_say(name, tmp_pat
     doc = _doc_rows("Against interpolation")[name]
     where = f" ({worst // MIB} MiB)" if abs(interp[worst]) > 0.10 else ""
     assert doc == [f"{100 * abs(interp[worst]):.1f} %{where}", f"{100 * fit:.1f} %"], (doc, interp)
+
+
+def test_the_published_all_gather_is_fitted_as_one(tmp_path):
+    """Read whole as an all-gather of 16 ranks (from its rows and rank lines); the fit of every other size predicts
+    each held-out size >= 1 MiB within 10 %, and its bus bandwidth is the log's ((n-1)/n of algbw, all-gather's)."""
+    src = PUBLISHED / f"{ALL_GATHER}.txt"
+    assert re.search(r"https://github\.com/\S+", (PUBLISHED / f"{ALL_GATHER}.source.md").read_text())
+    ms = read_measurements(src)
+    assert ms.coll == "allgather" and ms.ranks == 16 and ms.skipped == 0
+    assert len(ms.rows) == len([ln for ln in src.read_text().splitlines() if _is_row(ln)])
+    measured = measured_times(ALL_GATHER)
+    sizes = sorted(measured)
+    for half in (0, 1):
+        train = set(sizes[half::2])
+        part, saved = tmp_path / f"{half}.txt", tmp_path / f"{half}.json"
+        _half(src, part, train)
+        cm.main(["fit", str(part), "--out", str(saved)])
+        model = cm.load_model(f"fit:{saved}")
+        errors = {s: model.time_us(s, "allgather") / measured[s] - 1 for s in sizes if s not in train and s >= MIB}
+        assert max(abs(e) for e in errors.values()) < 0.10, errors
+    top = max(ms.rows, key=lambda m: m.size)
+    pick = cm.FittedModel.from_measurements(ms).pick(top.size, "allgather")
+    assert pick.busbw == pytest.approx(pick.algbw * 15 / 16) and pick.busbw == pytest.approx(top.busbw, rel=0.02)

@@ -1,6 +1,8 @@
 """One reader for nccl-tests' output and the benchmark's: a real, published all_reduce_perf output
-(tests/data/nccl_tests_format/, its source beside it) and `dtrain.collectives.bench`'s own table, run here on 2 gloo ranks,
-both read by `dtrain.collectives.costmodel.measurements` and by the column layout nccl-tests' parsers assume."""
+(tests/data/nccl_tests_format/, its source beside it), a published all_gather_perf output
+(tests/data/nccl_tests_published/), synthetic reduce_scatter_perf and all_gather_perf samples, and
+`dtrain.collectives.bench`'s own tables (all-reduce; reduce-scatter and all-gather), run here on 2 gloo ranks, all read
+by `dtrain.collectives.costmodel.measurements` and by the column layout nccl-tests' parsers assume."""
 
 import json
 import os
@@ -10,10 +12,16 @@ import sys
 
 import pytest
 
+from dtrain.collectives.costmodel import FittedModel
 from dtrain.collectives.costmodel.measurements import read_measurements
+from dtrain.common.errors import UserError
 from conftest import REPO
 
-REAL = REPO / "tests" / "data" / "nccl_tests_format" / "h100x16_2nodes_roce_nccl2.21.5_all_reduce_perf.txt"
+DATA = REPO / "tests" / "data"
+REAL = DATA / "nccl_tests_format" / "h100x16_2nodes_roce_nccl2.21.5_all_reduce_perf.txt"
+REAL_ALL_GATHER = DATA / "nccl_tests_published" / "h200x8_2node_rdma_all_gather.txt"
+SYNTHETIC = {"reducescatter": DATA / "reduce_scatter_perf_synthetic.log",
+             "allgather": DATA / "all_gather_perf_synthetic.log"}
 
 
 def table(text: str) -> list[list[str]]:
@@ -23,9 +31,10 @@ def table(text: str) -> list[list[str]]:
             and ln.split()[0].isdigit()]
 
 
-def check_layout(text: str) -> list[list[str]]:
-    """What all_reduce_perf's output promises a parser: its heading rows, 13 columns a row (size, count, type, redop,
-    root -1, then out-of-place and in-place time/algbw/busbw/#wrong), and the two footer lines."""
+def check_layout(text: str, trimmed: bool = False) -> list[list[str]]:
+    """What all_reduce_perf's output (and reduce_scatter_perf's, all_gather_perf's) promises a parser: its heading
+    rows, 13 columns a row (size, count, type, redop, root -1, then out-of-place and in-place time/algbw/busbw/#wrong),
+    and the two footer lines. `trimmed`: an output stored where trailing blanks were cut (a Markdown page)."""
     lines = text.splitlines()
     heads = [ln for ln in lines if re.match(r"#\s+size\s+count\s+type\s+redop\s+root\s+time", ln)]
     assert heads and heads[0].split() == ["#", "size", "count", "type", "redop", "root", "time", "algbw", "busbw",
@@ -34,7 +43,7 @@ def check_layout(text: str) -> list[list[str]]:
     rows = table(text)
     assert rows and {len(r) for r in rows} == {13} and {r[4] for r in rows} == {"-1"}
     assert re.search(r"^# Out of bounds values : 0 OK$", text, re.M)
-    assert re.search(r"^# Avg bus bandwidth    : [0-9.e+-]+ $", text, re.M)
+    assert re.search(r"^# Avg bus bandwidth    : [0-9.e+-]+" + ("$" if trimmed else " $"), text, re.M)
     return rows
 
 
@@ -100,3 +109,86 @@ def test_benchmark_json_keeps_each_paths_in_place_rows(tmp_path):
         ("raw", 1024, 11.0), ("raw", 4096, 14.0), ("reducer", 1024, 31.0), ("reducer", 4096, 34.0)]
     path.write_text(json.dumps([r for r in rows if r["place"] == "out-of-place"]))
     assert [m.time_us for m in read_measurements(path).rows] == [21.0, 24.0]
+
+
+@pytest.mark.parametrize("coll", sorted(SYNTHETIC))
+def test_synthetic_reduce_scatter_and_all_gather_samples(coll, tmp_path):
+    """The samples' layout is nccl-tests' and the reader takes their collective from the starting line, with
+    nccl-tests' sizes (size = count x 4 B x 8 ranks) and bus factor ((n-1)/n)."""
+    text = SYNTHETIC[coll].read_text()
+    rows = check_layout(text)
+    assert {r[3] for r in rows} == {"none" if coll == "allgather" else "sum"}
+    assert all(int(r[0]) == int(r[1]) * 4 * 8 for r in rows)
+    ms = read_measurements(SYNTHETIC[coll])
+    assert ms.coll == coll and ms.colls == [coll] and ms.ranks == 8 and len(ms.rows) == len(rows) == 21
+    assert all(m.coll == coll and m.busbw == pytest.approx(m.algbw * 7 / 8, abs=0.011) for m in ms.rows)
+    both = [float(r[7]) for r in rows] + [float(r[11]) for r in rows]
+    assert ms.avg_busbw == footer_avg(text) == pytest.approx(sum(both) / len(both), abs=5e-4)
+    # Without the starting line (nccl-tests before June 2025) the rows tell: redop none, or size = count x itemsize x ranks
+    bare = tmp_path / "bare.log"
+    bare.write_text("\n".join(ln for ln in text.splitlines() if "Collective test" not in ln))
+    assert read_measurements(bare).coll == coll
+    # and an all-reduce's rows (size = count x itemsize) stay an all-reduce's
+    bare.write_text((DATA / "all_reduce_perf_synthetic.log").read_text().replace("Collective test", "-"))
+    assert read_measurements(bare).coll == "allreduce"
+
+
+def test_real_all_gather_perf_output():
+    """A published all_gather_perf output without the starting line: an all-gather by its rows, 16 ranks by its
+    rank lines, every row read from its out-of-place group."""
+    text = REAL_ALL_GATHER.read_text()
+    rows = check_layout(text, trimmed=True)
+    ms = read_measurements(REAL_ALL_GATHER)
+    assert ms.coll == "allgather" and ms.ranks == 16 and ms.skipped == 0 and len(ms.rows) == len(rows) == 24
+    assert [m.size for m in ms.rows] == [1024 << k for k in range(24)]
+    assert [m.time_us for m in ms.rows[-2:]] == [12400.0, 24739.0] and ms.rows[-1].busbw == 325.52
+    assert ms.avg_busbw == 121.902
+
+
+def test_a_log_of_several_tables_and_one_the_cost_model_does_not_model(tmp_path):
+    """Tables one after the other in one log (a job script running several programs) each keep their collective;
+    a collective the cost model does not model is a one-line error naming it."""
+    both = tmp_path / "both.log"
+    both.write_text((DATA / "all_reduce_perf_synthetic.log").read_text() + SYNTHETIC["reducescatter"].read_text())
+    ms = read_measurements(both)
+    assert ms.colls == ["allreduce", "reducescatter"] and ms.coll == "allreduce" and ms.ranks == 8
+    assert [m.coll for m in ms.rows] == ["allreduce"] * 28 + ["reducescatter"] * 21
+    other = tmp_path / "alltoall.log"
+    other.write_text(SYNTHETIC["allgather"].read_text().replace("all_gather_perf", "alltoall_perf"))
+    with pytest.raises(UserError, match="measurements of 'alltoall_perf', which the cost model does not model"):
+        read_measurements(other)
+
+
+@pytest.mark.slow
+def test_the_benchmarks_reduce_scatter_and_all_gather_tables(tmp_path):
+    """One 2-rank run of both collectives: a table each in nccl-tests' layout (size = count x 4 B x 2 ranks, redop
+    sum / none, busbw = algbw / 2), no wrong element, the JSON's rows, and the reader taking both tables (printed or
+    JSON) apart by collective."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "dtrain.collectives.bench", "-b", "1K", "-e", "64K", "-f", "8", "-w", "1", "-n", "3",
+           "--collective", "reduce_scatter,all_gather", "--json", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    tables = r.stdout.split("# Collective test starting: ")[1:]
+    assert [t.split("\n", 1)[0] for t in tables] == ["reduce_scatter_perf", "all_gather_perf"]
+    for table, redop in zip(tables, ("sum", "none")):
+        rows = check_layout(table)
+        assert [int(f[0]) for f in rows] == [1024, 8192, 65536] and {f[3] for f in rows} == {redop}
+        assert all(int(f[0]) == int(f[1]) * 4 * 2 for f in rows)
+        assert "# Collective test concluded: " + table.split("\n", 1)[0] in table
+    rows = json.loads(out.read_text())
+    assert [(d["coll"], d["place"]) for d in rows[:2]] == [("reduce_scatter", "out-of-place"),
+                                                           ("reduce_scatter", "in-place")]
+    assert {d["coll"] for d in rows} == {"reduce_scatter", "all_gather"} and len(rows) == 12
+    for d in rows:
+        assert d["wrong"] == 0 and d["path"] == "raw" and d["size"] == d["count"] * 8
+        assert d["busbw"] == pytest.approx(d["algbw"] / 2)
+    log = tmp_path / "bench.txt"
+    log.write_text(r.stdout)
+    for path in (log, out):
+        ms = read_measurements(path)
+        assert ms.colls == ["allgather", "reducescatter"] and ms.ranks == 2 and len(ms.rows) == 6
+        fm = FittedModel.from_measurements(ms)
+        assert fm.colls == ["allgather", "reducescatter"] and fm.time_us(65536, "reducescatter") > 0

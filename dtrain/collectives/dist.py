@@ -12,6 +12,12 @@ import torch.distributed as dist
 from dtrain.collectives.settings import DistConfig
 from dtrain.common.errors import UserError
 
+# One tensor per rank in, one tensor out: torch 2.13 names these `all_gather_single` and `reduce_scatter_single` and
+# deprecates the older `all_gather_into_tensor` and `reduce_scatter_tensor` (a FutureWarning on every call); the
+# releases before it have only the older names. Same arguments, `async_op` included.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def env_rank() -> tuple[int, int, int]:
     """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) outside torchrun."""

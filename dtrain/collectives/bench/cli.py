@@ -1,5 +1,5 @@
-"""The command line: nccl-tests' flags (`-b -e -f -i -w -n -c -d -o`), the paths, the tensor class and its group,
-and the sweep on every rank, rank 0 printing all_reduce_perf's table and writing the rows."""
+"""The command line: nccl-tests' flags (`-b -e -f -i -w -n -c -d -o`), the collectives, the paths, the tensor class
+and its group, and the sweep on every rank, rank 0 printing nccl-tests' table per collective and writing the rows."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dtrain.collectives import dist as ddist
 from dtrain.collectives import nccl, tensor_classes
+from dtrain.collectives.bench.collectives import ALL_REDUCE, NO_OP, Collective, parse_collectives
 from dtrain.collectives.bench.groups import measure_groups
 from dtrain.collectives.bench.measure import Row, measure
 from dtrain.collectives.bench.output import extra_lines, footer, header, line, to_csv, to_json, write_out
@@ -69,7 +70,8 @@ def sweep_sizes(min_bytes: int, max_bytes: int, factor: float, increment: int) -
 
 
 def parse_args(argv=None):
-    ap = ArgumentParser(prog=PROG, description="all_reduce_perf-like sweep on torch.distributed.",
+    ap = ArgumentParser(prog=PROG, description="all_reduce_perf-like sweep on torch.distributed (also "
+                                               "reduce_scatter_perf and all_gather_perf: --collective).",
                         epilog="Run under torchrun (or dtrain.analysis.testbed run); see the module docstring.")
     ap.add_argument("-b", "--minbytes", default="32M", help="smallest size in bytes, K/M/G suffix (default 32M)")
     ap.add_argument("-e", "--maxbytes", default="32M", help="largest size (default 32M)")
@@ -80,8 +82,12 @@ def parse_args(argv=None):
     ap.add_argument("-c", "--check", type=int, default=1, help="correctness pass: 1 on, 0 off (default 1)")
     ap.add_argument("-d", "--datatype", default="float", help=f"{', '.join(DTYPES)} or all (default float)")
     ap.add_argument("-o", "--op", default="sum", help=f"{', '.join(OPS)} or all (default sum)")
+    ap.add_argument("--collective", default=ALL_REDUCE.name, metavar="NAME",
+                    help="all_reduce, reduce_scatter, all_gather, a comma list of them or all: each measured in "
+                         "turn, with its own nccl-tests table (default all_reduce)")
     ap.add_argument("--path", choices=["raw", "reducer", "all"], default="all",
-                    help="which all-reduce path(s) to measure (default all)")
+                    help="which path(s) to measure: raw (the torch.distributed call), reducer (the project's "
+                         "bucketed all-reduce; all-reduce only) or all (default all)")
     ap.add_argument("--class", dest="tensor_class", metavar="NAME",
                     help="run over this tensor class's process group (dtrain.collectives.nccl.class_group)")
     ap.add_argument("--profile", help="a run profile whose sync.classes give the class's settings (with --class)")
@@ -117,6 +123,9 @@ def main(argv=None) -> int:
         sizes = sweep_sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor,
                             parse_size(args.stepbytes))
         dtypes = parse_dtypes(args.datatype)
+        colls = parse_collectives(args.collective)
+        if args.path == "reducer" and colls != [ALL_REDUCE]:
+            raise UserError("--path reducer: the reducer all-reduces; drop --path reducer or measure all_reduce only")
         if args.iters < 1 or args.warmup < 0:
             raise UserError("-n must be at least 1 and -w at least 0")
         if args.groups is not None and args.tensor_class:
@@ -132,6 +141,8 @@ def main(argv=None) -> int:
             args.overlap = parse_size(args.overlap)
             if args.path == "raw":
                 raise UserError("--overlap measures the reducer path: drop --path raw")
+            if ALL_REDUCE not in colls:
+                raise UserError("--overlap measures the reducer's all-reduces: add all_reduce to --collective")
         comm = load_comm_config(args.profile) if args.profile else None
         if comm is not None:
             # Before the default group exists: sets the profile's job-wide NCCL variables and arms class_group, so
@@ -139,7 +150,7 @@ def main(argv=None) -> int:
             nccl.apply_global(comm)
         device, backend = ddist.init(comm.dist if comm is not None else DistConfig())
         try:
-            return _bench(args, sizes, dtypes, device, backend, comm)
+            return _bench(args, sizes, dtypes, colls, device, backend, comm)
         finally:
             ddist.cleanup()
 
@@ -153,12 +164,23 @@ def _device_text(device) -> str:
     return f"{-1:2d} [cpu] {platform.processor() or platform.machine() or 'CPU'}"
 
 
-def _preamble(args, paths, nranks: int, backend: str, what: str, device, settings, emit) -> None:
-    """The table's head, as all_reduce_perf prints it (one process a rank: nThread 1 nGpus 1; a rank line each),
-    then, as comments of its own, what this benchmark adds: backend, group and the reducer path."""
-    hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, (dist.get_rank(), os.getpid(), socket.gethostname(), _device_text(device)))
+# What each column group times, per collective (nccl-tests' size and count: `dtrain.collectives.bench.collectives`).
+_PLACES = {
+    "all_reduce": "# out-of-place: dist.all_reduce into an output buffer (the input copied there first, timed with it: "
+                  "torch.distributed reduces in place only); in-place: dist.all_reduce of the tensor itself",
+    "reduce_scatter": "# out-of-place: dist.reduce_scatter_single of the input (size bytes) into an output buffer "
+                      "(count elements); in-place: into this rank's share of the input itself; size = count x ranks",
+    "all_gather": "# out-of-place: dist.all_gather_single of an input buffer (count elements) into the output (size "
+                  "bytes); in-place: from this rank's share of the output itself; size = count x ranks",
+}
+
+
+def _preamble(args, coll: Collective, paths, hosts, nranks: int, backend: str, what: str, settings, emit) -> None:
+    """The table's head, as nccl-tests prints it for `coll` (the program starting; one process a rank: nThread 1
+    nGpus 1; a rank line each), then, as comments of its own, what this benchmark adds: backend, group, what the
+    column groups time and the reducer path."""
     step = f"{parse_size(args.stepbytes)}(bytes)" if parse_size(args.stepbytes) > 0 else f"{args.stepfactor:g}(factor)"
+    emit(f"# Collective test starting: {coll.program}")
     emit(f"# nThread 1 nGpus 1 minBytes {parse_size(args.minbytes)} maxBytes {parse_size(args.maxbytes)} "
          f"step: {step} warmup iters: {args.warmup} iters: {args.iters} agg iters: 1 validation: {args.check} "
          f"graph: 0")
@@ -167,8 +189,7 @@ def _preamble(args, paths, nranks: int, backend: str, what: str, device, setting
         emit(f"#  Rank {r:2d} Group  0 Pid {pid:6d} on {host:>10} device {dev}")
     emit("#")
     emit(f"# {PROG}: nRanks {nranks} backend {backend} group: {what}")
-    emit("# out-of-place: dist.all_reduce into an output buffer (the input copied there first, timed with it: "
-         "torch.distributed reduces in place only); in-place: dist.all_reduce of the tensor itself")
+    emit(_PLACES[coll.name])
     if any(p.name == "reducer" for p in paths):
         cap = (settings or CollectiveSettings()).bucket_cap_mb
         emit(f"# reducer path: dtrain.collectives.reducer.Reducer, the size cut into buckets of <= {cap:g} MiB, launched "
@@ -181,8 +202,9 @@ def _preamble(args, paths, nranks: int, backend: str, what: str, device, setting
         emit(h)
 
 
-def _bench(args, sizes: list[int], dtypes: list[str], device, backend: str, comm: CommConfig | None) -> int:
-    """The sweep on every rank; rank 0 prints and writes."""
+def _bench(args, sizes: list[int], dtypes: list[str], colls: list[Collective], device, backend: str,
+           comm: CommConfig | None) -> int:
+    """The sweep on every rank, one collective after the other; rank 0 prints and writes."""
     ops = parse_ops(args.op, backend)
     group, settings, what = None, None, "world"  # settings None: the reducer's defaults
     if args.tensor_class:
@@ -193,24 +215,30 @@ def _bench(args, sizes: list[int], dtypes: list[str], device, backend: str, comm
     table = args.csv != "-" and args.json != "-"
     emit = print if (main_rank and table) else (lambda *a, **k: None)
 
-    paths = bench_paths(args.path, group, args.tensor_class, settings)
-    _preamble(args, paths, nranks, backend, what, device, settings, emit)
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, (dist.get_rank(), os.getpid(), socket.gethostname(), _device_text(device)))
     rows: list[Row] = []
-    for dtype_name in dtypes:
-        for op in ops:
-            for size in sizes:
-                count = size // DTYPES[dtype_name].itemsize
-                if count == 0:  # nccl-tests too skips sizes below one element
-                    continue
-                # A path that cannot do this op (the reducer only sums) is skipped at that size.
-                cells = [measure(p, count, dtype_name, op, args, group, nranks, rank, device) for p in paths
-                         if p.can(op, dtype_name)]
-                rows += cells
-                raw = {c.place: c for c in cells if c.path == "raw"}
-                if raw:
-                    emit(line(raw.get("out-of-place"), raw.get("in-place")), flush=True)
-    for f in footer(rows) + extra_lines(rows):
-        emit(f)
+    for coll in colls:
+        paths = bench_paths(args.path, group, args.tensor_class, settings, coll)
+        _preamble(args, coll, paths, hosts, nranks, backend, what, settings, emit)
+        measured: list[Row] = []
+        for dtype_name in dtypes:
+            itemsize = DTYPES[dtype_name].itemsize
+            for op in ops if coll.reduces else [NO_OP]:
+                for size in sizes:
+                    count = coll.count(size, itemsize, nranks)
+                    if count == 0:  # below one element (a share of 16 bytes a rank): nothing to measure
+                        continue
+                    # A path that cannot do this op (the reducer only sums) is skipped at that size.
+                    cells = [measure(p, count, dtype_name, op, args, group, nranks, rank, device) for p in paths
+                             if p.can(op, dtype_name)]
+                    measured += cells
+                    raw = {c.place: c for c in cells if c.path == "raw"}
+                    if raw:
+                        emit(line(raw.get("out-of-place"), raw.get("in-place")), flush=True)
+        for f in footer(measured, coll.program) + extra_lines(measured):
+            emit(f)
+        rows += measured
     if args.overlap is not None:
         measure_overlap(rows, args.overlap, group, nranks, device, emit)
     if args.groups is not None:

@@ -1,5 +1,6 @@
-"""One measurement: a path timed at one size, dtype and op over the group, as nccl-tests times it (warm-up, then
-`-n` timed iterations, the mean over ranks), with the bandwidths and the correctness pass's count of wrong elements."""
+"""One measurement: a path of one collective timed at one size, dtype and op over the group, as nccl-tests times it
+(warm-up, then `-n` timed iterations, the mean over ranks), with the bandwidths and the correctness pass's count of
+wrong elements."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dtrain.collectives.bench.collectives import ALL_REDUCE
 from dtrain.collectives.bench.correctness import check
 from dtrain.collectives.bench.paths import DTYPES, BenchPath, run_bound
 from dtrain.common.units import bus_factor
@@ -42,12 +44,16 @@ class Row:
     place: str = "in-place"
     # --groups: this many process groups all-reduced `size` each at once (time_us: until all were done)
     groups: int | None = None
+    # the collective, by nccl-tests' name (all_reduce, reduce_scatter, all_gather): `size` and `count` are its
+    # table's (`dtrain.collectives.bench.collectives`)
+    coll: str = ALL_REDUCE.name
 
 
-def bandwidths(nbytes: int, time_us: float, nranks: int) -> tuple[float, float]:
-    """(algbw, busbw) in GB/s: algbw = size / time, busbw = algbw · 2(n-1)/n (`dtrain.common.units.bus_factor`)."""
+def bandwidths(nbytes: int, time_us: float, nranks: int, coll: str = ALL_REDUCE.coll) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s: algbw = size / time, busbw = algbw x the bus factor of the cost model's collective
+    `coll` (2(n-1)/n for all-reduce, (n-1)/n for reduce-scatter and all-gather: `dtrain.common.units.bus_factor`)."""
     algbw = nbytes / time_us / 1e3 if time_us > 0 else 0.0
-    return algbw, algbw * bus_factor("allreduce", nranks)
+    return algbw, algbw * bus_factor(coll, nranks)
 
 
 def _sync(device) -> None:
@@ -57,9 +63,10 @@ def _sync(device) -> None:
 
 def measure(path: BenchPath, count: int, dtype_name: str, op: str, args, group, nranks: int, rank: int,
             device) -> Row:
-    dtype = DTYPES[dtype_name]
+    """`path` at the table's `count` (elements per rank: `Collective.count`)."""
+    dtype, coll = DTYPES[dtype_name], path.collective
     # Zeros for timing: the values stay zero under every op, so no overflow, infinities or denormals in the loop.
-    t = torch.zeros(count, dtype=dtype, device=device)
+    t = torch.zeros(coll.buffers(count, nranks)[0], dtype=dtype, device=device)
     fn, _ = path.bind(t, op)
     for _ in range(args.warmup):
         fn()
@@ -86,12 +93,12 @@ def measure(path: BenchPath, count: int, dtype_name: str, op: str, args, group, 
     wrong = None
     if args.check:
         bad = check(lambda x: run_bound(path.bind(x, op)), count, dtype, op, rank, nranks, device,
-                    path.result_op(op))
+                    path.result_op(op), coll.name)
         total = torch.tensor([bad], dtype=torch.int64, device=device)
         dist.all_reduce(total, group=group)
         wrong = int(total)
-    nbytes = count * dtype.itemsize
-    algbw, busbw = bandwidths(nbytes, time_us, nranks)
+    nbytes = coll.size(count, dtype.itemsize, nranks)
+    algbw, busbw = bandwidths(nbytes, time_us, nranks, coll.coll)
     return Row(path.name, nbytes, count, dtype_name, op, time_us, algbw, busbw, wrong, round(cpu_us, 3),
                median_us=None if math.isnan(median_us) else round(median_us, 3),
-               iqr_us=None if math.isnan(iqr_us) else round(iqr_us, 3), place=path.place)
+               iqr_us=None if math.isnan(iqr_us) else round(iqr_us, 3), place=path.place, coll=coll.name)

@@ -1,7 +1,8 @@
-"""What the benchmark prints and writes: all_reduce_perf's table, column for column (nccl-tests' src/common.cu: the
-heading rows, one line per size with the raw path's out-of-place and in-place column groups and root -1, the footer
-with the wrong-element count and the average bus bandwidth), the project's own columns and the reducer path's rows
-after it as `#` comments (which nccl-tests' parsers skip), and the rows as JSON or CSV."""
+"""What the benchmark prints and writes: nccl-tests' table per collective, column for column (src/common.cu and
+src/util.cu: the heading rows, one line per size with the raw path's out-of-place and in-place column groups and root
+-1, the footer with the wrong-element count and the average bus bandwidth, the line naming the program that
+concluded), the project's own columns and the reducer path's rows after it as `#` comments (which nccl-tests' parsers
+skip), and the rows as JSON or CSV."""
 
 from __future__ import annotations
 
@@ -44,20 +45,23 @@ def header() -> list[str]:
 
 
 def line(out_of_place: Row | None, in_place: Row | None) -> str:
-    """One size: size, count, type, redop, root (-1: an all-reduce has none), then the two column groups."""
+    """One size: size, count, type, redop, root (-1: all-reduce, reduce-scatter and all-gather have none), then the
+    two column groups."""
     r0 = out_of_place or in_place
     return f"{r0.size:12d}  {r0.count:12d}  {r0.type:>8}  {r0.redop:>6}  {-1:6d}" + fmt_cells(out_of_place) \
         + fmt_cells(in_place)
 
 
-def footer(rows: list[Row]) -> list[str]:
-    """all_reduce_perf's two footer lines over the table's rows: the wrong elements of every correctness pass, and
-    the mean bus bandwidth over both column groups of every size (as nccl-tests averages it)."""
+def footer(rows: list[Row], program: str | None = None) -> list[str]:
+    """nccl-tests' two footer lines over one table's rows: the wrong elements of every correctness pass, and the mean
+    bus bandwidth over both column groups of every size (as nccl-tests averages it); then, given the program
+    (`all_reduce_perf` ...), the line saying it concluded."""
     table = [r for r in rows if r.path == "raw"]
     wrong = sum(r.wrong or 0 for r in table)
     avg = sum(r.busbw for r in table) / len(table) if table else 0.0
-    return [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
-            f"# Avg bus bandwidth    : {avg:g} ", "#"]
+    out = [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
+           f"# Avg bus bandwidth    : {avg:g} ", "#"]
+    return out + [f"# Collective test concluded: {program}"] if program else out
 
 
 def extra_header(title: str) -> list[str]:
@@ -98,9 +102,9 @@ def extra_lines(rows: list[Row]) -> list[str]:
 def ratio_lines(rows: list[Row], from_bytes: int = 4 << 20) -> list[str]:
     """busbw of the reducer path over the raw in-place one (the same collective as training calls it), for the sizes
     where bandwidth (not latency) dominates."""
-    raw = {(r.size, r.type, r.redop): r.busbw for r in rows if r.path == "raw" and r.place == "in-place"}
+    raw = {(r.coll, r.size, r.type, r.redop): r.busbw for r in rows if r.path == "raw" and r.place == "in-place"}
     ratios = [r.busbw / raw[k] for r in rows if r.path == "reducer" and r.size >= from_bytes
-              and raw.get(k := (r.size, r.type, r.redop))]
+              and raw.get(k := (r.coll, r.size, r.type, r.redop))]
     if not ratios:
         return []
     return [f"# reducer/raw busbw at >= {from_bytes >> 20} MiB : min {min(ratios):.3f} "
@@ -108,7 +112,7 @@ def ratio_lines(rows: list[Row], from_bytes: int = 4 << 20) -> list[str]:
 
 
 FIELDS = ["path", "size", "count", "type", "redop", "time_us", "algbw", "busbw", "wrong", "cpu_us", "median_us",
-          "iqr_us", "host_us", "place", "groups"]
+          "iqr_us", "host_us", "place", "groups", "coll"]
 
 
 def to_json(rows: list[Row]) -> str:

@@ -1,5 +1,7 @@
-"""The all-reduce paths the benchmark measures side by side: the raw `dist.all_reduce`, and the project's reducer
-(`dtrain.collectives.reducer.Reducer`) used as training uses it. Also the data types and reduction ops, by nccl-tests'
+"""The paths the benchmark measures side by side: for all-reduce the raw `dist.all_reduce` and the project's reducer
+(`dtrain.collectives.reducer.Reducer`) used as training uses it; for reduce-scatter and all-gather the raw
+`reduce_scatter_single` and `all_gather_single` (torch 2.13's names; `dtrain.collectives.dist` falls back to the
+older `reduce_scatter_tensor` and `all_gather_into_tensor` before it). Also the data types and reduction ops, by nccl-tests'
 names."""
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from dtrain.collectives.bench.collectives import ALL_GATHER, ALL_REDUCE, NO_OP, REDUCE_SCATTER, Collective
+from dtrain.collectives.dist import all_gather_single, reduce_scatter_single
 from dtrain.collectives.plan import Bucket
 from dtrain.collectives.reducer import Reducer
 from dtrain.collectives.tensor_classes import CollectiveSettings
@@ -33,8 +37,9 @@ def name_of(dtype: torch.dtype) -> str:
 
 @dataclass
 class BenchPath:
-    """A way of all-reducing one flat tensor. `bind(t, op)` takes t's values as input and returns (the
-    zero-argument operation to time, a function giving the result as one flat tensor once it has run)."""
+    """A way of running one collective on flat tensors. `bind(t, op)` takes t's values as input (the collective's
+    input buffer, `Collective.buffers`) and returns (the zero-argument operation to time, a function giving this
+    rank's result as one flat tensor once it has run)."""
 
     name: str  # "raw" | "reducer": the `path` of a JSON row
     title: str  # what it is, for the table's comments
@@ -43,6 +48,7 @@ class BenchPath:
     ops: tuple[str, ...] = tuple(OPS)  # the reduction ops this path can do
     dtypes: tuple[str, ...] = tuple(DTYPES)  # and the data types
     result_op: Callable[[str], str] = lambda op: op  # what the result equals: the reducer averages its sum
+    collective: Collective = ALL_REDUCE
 
     def can(self, op: str, dtype_name: str) -> bool:
         return op in self.ops and dtype_name in self.dtypes
@@ -73,6 +79,37 @@ def raw_path(group, place: str = "in-place") -> BenchPath:
             return fn, (lambda: out)
 
     return BenchPath("raw", "dist.all_reduce", bind, place=place)
+
+
+def raw_reduce_scatter(group, place: str = "in-place") -> BenchPath:
+    """`dist.reduce_scatter_single` of the input (ranks x count elements) into this rank's share (count), as
+    reduce_scatter_perf calls ncclReduceScatter: out-of-place into a buffer of its own, in-place into the share's
+    own place in the input (nccl-tests' recvbuff + rank x count)."""
+    rank, nranks = dist.get_rank(group), dist.get_world_size(group)
+
+    def bind(t, op):
+        out = torch.empty(t.numel() // nranks, dtype=t.dtype, device=t.device) if place == "out-of-place" \
+            else t.view(nranks, -1)[rank]
+        return (lambda: reduce_scatter_single(out, t, op=OPS[op], group=group)), (lambda: out)
+
+    return BenchPath("raw", "dist.reduce_scatter_single", bind, place=place, collective=REDUCE_SCATTER)
+
+
+def raw_all_gather(group, place: str = "in-place") -> BenchPath:
+    """`dist.all_gather_single` of this rank's input (count elements) into the output (ranks x count), as
+    all_gather_perf calls ncclAllGather: out-of-place from a buffer of its own, in-place from the rank's own place in
+    the output (nccl-tests' sendbuff = recvbuff + rank x count; the input is copied there when bound, not timed)."""
+    rank, nranks = dist.get_rank(group), dist.get_world_size(group)
+
+    def bind(t, op):
+        out = torch.empty(t.numel() * nranks, dtype=t.dtype, device=t.device)
+        src = t
+        if place == "in-place":
+            src = out.view(nranks, -1)[rank]
+            src.copy_(t)
+        return (lambda: all_gather_single(out, src, group=group)), (lambda: out)
+
+    return BenchPath("raw", "dist.all_gather_single", bind, place=place, ops=(NO_OP,), collective=ALL_GATHER)
 
 
 def reducer_path(group, class_name: str | None, settings) -> BenchPath:
@@ -113,12 +150,15 @@ def reducer_path(group, class_name: str | None, settings) -> BenchPath:
                      result_op=lambda op: "avg")
 
 
-def bench_paths(which: str, group, class_name: str | None, settings) -> list[BenchPath]:
-    """The paths `--path` names: raw (out-of-place, then in-place, as nccl-tests' two column groups), reducer, or
-    all."""
+def bench_paths(which: str, group, class_name: str | None, settings, collective: Collective = ALL_REDUCE
+                ) -> list[BenchPath]:
+    """The paths of `collective` that `--path` names: raw (out-of-place, then in-place, as nccl-tests' two column
+    groups), reducer (all-reduce only), or all."""
+    raw = {ALL_REDUCE.name: raw_path, REDUCE_SCATTER.name: raw_reduce_scatter,
+           ALL_GATHER.name: raw_all_gather}[collective.name]
     paths = []
     if which in ("raw", "all"):
-        paths += [raw_path(group, "out-of-place"), raw_path(group, "in-place")]
-    if which in ("reducer", "all"):
+        paths += [raw(group, "out-of-place"), raw(group, "in-place")]
+    if which in ("reducer", "all") and collective == ALL_REDUCE:
         paths.append(reducer_path(group, class_name, settings))
     return paths

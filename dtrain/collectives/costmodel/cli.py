@@ -4,6 +4,7 @@
     python -m dtrain.collectives.costmodel --topology h100x8-ib:2 --sizes 8:1G --json
     python -m dtrain.collectives.costmodel fit all_reduce_perf.log [--topology h100x8] [--out fit.json]
     python -m dtrain.collectives.costmodel --topology fit:fit.json --sizes 1K:64M      # gloo / fitted model
+    python -m dtrain.collectives.costmodel --topology fit:rsag.json --coll reducescatter  # a fit of that collective
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ def _cmd_table(argv) -> None:
 
 def _cmd_fit(argv) -> None:
     ap = ArgumentParser(prog="python -m dtrain.collectives.costmodel fit",
-                        description="Fit latency/bandwidth per size regime (and per algo/proto when the log tells) "
-                                    "to an nccl-tests log or the project's benchmark CSV/JSON, with the error per "
-                                    "size.")
+                        description="Fit latency/bandwidth per size regime (per collective, and per algo/proto "
+                                    "when the log tells) to an nccl-tests log (all_reduce_perf, reduce_scatter_perf, "
+                                    "all_gather_perf) or the project's benchmark CSV/JSON, with the error per size.")
     ap.add_argument("file")
     ap.add_argument("--topology", help="also show a model's time and error per size: a preset, or nccl-log:<file> "
                                        "(NCCL's own table)")

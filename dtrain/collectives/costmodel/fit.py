@@ -2,8 +2,10 @@
 
 A regime is a line t = lat + bytes / (1000 · bw) over a contiguous range of sizes; a fit splits the size axis into
 as few regimes as explain the measurements, least squares on relative error. A `FittedModel` holds the regimes per
-label (per code path, or per NCCL algorithm/protocol when the log said what ran) and, from the project's benchmark,
-the CPU time one all-reduce costs the process and the computation it takes from a backward it overlaps.
+collective measured (all-reduce, reduce-scatter, all-gather: each its own fit, over nccl-tests' size of that
+collective) and per label (per code path, or per NCCL algorithm/protocol when the log said what ran) and, from the
+project's benchmark, the CPU time one all-reduce costs the process and the computation it takes from a backward it
+overlaps.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from dtrain.collectives.costmodel.base import Choice, CollectiveCost, check_coll, timed_choice
+from dtrain.collectives.costmodel.base import COLLECTIVES, Choice, CollectiveCost, check_coll, timed_choice
 from dtrain.collectives.costmodel.measurements import Measurement, MeasurementSet
 from dtrain.common.errors import UserError
 
@@ -171,33 +173,59 @@ def _label_matches(label: str, algo: str | None, proto: str | None) -> bool:
 # ---- the model ----------------------------------------------------------------------------------------------------
 
 class FittedModel(CollectiveCost):
-    """Measured costs: regimes per label ("measured", or "Ring/LL128" ... when the log says what NCCL ran).
-    This is the `fit:` model for gloo, and a calibrated model wherever a benchmark exists."""
+    """Measured costs: regimes per collective and label ("measured", or "Ring/LL128" ... when the log says what NCCL
+    ran). This is the `fit:` model for gloo, and a calibrated model wherever a benchmark exists.
+
+    `fits` (label -> regimes) are `coll`'s, the collective the model is named by (all-reduce where measured);
+    `other_colls` (collective -> label -> regimes) those of the other collectives measured with it. Each collective
+    is costed by its own fit and its bandwidths by its own bus factor; asked for one it was not fitted on, the model
+    says so."""
 
     kind = "fitted"
 
     def __init__(self, fits: dict[str, list[Regime]], coll: str = "allreduce", ranks: int | None = None,
                  name: str = "local", source: str = "", cpu: dict[str, tuple[float, float]] | None = None,
                  host: dict[str, tuple[float, float]] | None = None,
-                 link_efficiency: dict[int, float] | None = None):
+                 link_efficiency: dict[int, float] | None = None,
+                 other_colls: dict[str, dict[str, list[Regime]]] | None = None):
         self.fits, self.coll, self.ranks, self.name, self.source = fits, coll, ranks, name, source
+        self.other_colls = {c: f for c, f in (other_colls or {}).items() if c != coll}
         self.cpu = cpu or {}  # label -> (µs per operation, µs per byte): the process's CPU time, where measured
         self.host = host or {}  # label -> (µs per operation, µs per byte): computation lost per overlapped one
         self.together = dict(sorted((link_efficiency or {}).items()))  # k groups -> their share of the link
 
     @classmethod
     def from_measurements(cls, ms: MeasurementSet, name: str = "local", max_regimes: int = 4) -> "FittedModel":
-        groups: dict[str, list[Measurement]] = {}
+        """A fit per collective and label. The CPU time and the computation lost are the all-reduce's (the
+        benchmark's reducer path), where measured."""
+        groups: dict[str, dict[str, list[Measurement]]] = {}  # collective -> label -> rows
         for m in ms.rows:
-            groups.setdefault(m.label, []).append(m)
-        fits = {lab: fit_regimes([m.size for m in rows], [m.typical_us for m in rows], max_regimes,
-                                 spreads=[m.spread for m in rows])
-                for lab, rows in sorted(groups.items())}
-        cpu = {lab: fit_per_op([(m.size, m.cpu_us) for m in rows]) for lab, rows in sorted(groups.items())
+            groups.setdefault(ms.coll_of(m), {}).setdefault(m.label, []).append(m)
+        fits = {coll: {lab: fit_regimes([m.size for m in rows], [m.typical_us for m in rows], max_regimes,
+                                        spreads=[m.spread for m in rows])
+                       for lab, rows in sorted(by_label.items())}
+                for coll, by_label in groups.items()}
+        reduced = groups.get("allreduce", {})
+        cpu = {lab: fit_per_op([(m.size, m.cpu_us) for m in rows]) for lab, rows in sorted(reduced.items())
                if all(m.cpu_us is not None for m in rows)}
-        host = {lab: fit_per_op(pts) for lab, rows in sorted(groups.items())
+        host = {lab: fit_per_op(pts) for lab, rows in sorted(reduced.items())
                 if (pts := [(m.size, m.host_us) for m in rows if m.host_us is not None])}
-        return cls(fits, ms.coll, ms.ranks, name, ms.source, cpu, host, ms.link_efficiency)
+        return cls(fits.get(ms.coll, {}), ms.coll, ms.ranks, name, ms.source, cpu, host, ms.link_efficiency,
+                   {c: fits[c] for c in ms.colls if c != ms.coll})
+
+    @property
+    def colls(self) -> list[str]:
+        """The collectives fitted: `coll`, then the others."""
+        return [self.coll, *self.other_colls]
+
+    def fits_of(self, coll: str) -> dict[str, list[Regime]]:
+        """The fits (label -> regimes) of `coll`; a one-line error where the model was not fitted on it."""
+        check_coll(coll)
+        if coll == self.coll:
+            return self.fits
+        if coll not in self.other_colls:
+            raise UserError(f"model '{self.name}' was fitted on {', '.join(self.colls)}, not {coll}")
+        return self.other_colls[coll]
 
     @staticmethod
     def _per_op(table: dict[str, tuple[float, float]], nbytes: float) -> float | None:
@@ -231,48 +259,44 @@ class FittedModel(CollectiveCost):
         e0, e1 = self.together[k0], self.together[k1]
         return e0 + (e1 - e0) * (k - k0) / (k1 - k0)
 
-    def _regime(self, label: str, nbytes: float) -> Regime:
-        return next(r for r in self.fits[label] if nbytes <= r.max_bytes)
+    def _regime(self, label: str, nbytes: float, coll: str | None = None) -> Regime:
+        return next(r for r in self.fits_of(coll or self.coll)[label] if nbytes <= r.max_bytes)
 
-    def label_time_us(self, label: str, nbytes: float) -> float:
-        return self._regime(label, nbytes).time_us(nbytes)
-
-    def _check_coll(self, coll: str) -> None:
-        check_coll(coll)
-        if coll != self.coll:
-            raise UserError(f"model '{self.name}' was fitted on {self.coll}, not {coll}")
+    def label_time_us(self, label: str, nbytes: float, coll: str | None = None) -> float:
+        """The time of `label`'s fit of `coll` (default: the model's `coll`) at `nbytes`."""
+        return self._regime(label, nbytes, coll).time_us(nbytes)
 
     def _label(self, nbytes: float, coll: str, algo: str | None, proto: str | None) -> str:
         """The fit that costs this call: with labelled fits, (algo, proto) selects one, else the fastest of them
         (NCCL-like); the bench's reducer path when there is one, which is what the planned strategies run."""
-        self._check_coll(coll)
-        labels = [lab for lab in self.fits if _label_matches(lab, algo, proto)]
+        fits = self.fits_of(coll)
+        labels = [lab for lab in fits if _label_matches(lab, algo, proto)]
         if "reducer" in labels:
             return "reducer"
         if not labels:
             raise UserError(f"model '{self.name}' has no fit for {algo or 'any'}/{proto or 'any'} "
-                            f"(fitted: {', '.join(self.fits)})")
-        return min(labels, key=lambda lab: self.label_time_us(lab, nbytes))
+                            f"(fitted: {', '.join(fits)})")
+        return min(labels, key=lambda lab: self.label_time_us(lab, nbytes, coll))
 
     def time_us(self, nbytes: float, coll: str = "allreduce", algo: str | None = None, proto: str | None = None
                 ) -> float:
-        return self.label_time_us(self._label(nbytes, coll, algo, proto), nbytes)
+        return self.label_time_us(self._label(nbytes, coll, algo, proto), nbytes, coll)
 
     def latency_us(self, nbytes: float, coll: str = "allreduce", algo: str | None = None, proto: str | None = None
                    ) -> float:
         """The part of `time_us` that does not grow with the bytes: the latency of the size's regime."""
-        return self._regime(self._label(nbytes, coll, algo, proto), nbytes).lat_us
+        return self._regime(self._label(nbytes, coll, algo, proto), nbytes, coll).lat_us
 
     def allreduce_latency_ms(self, nbytes: float) -> float:
         """The fit's latency term (ms): the part of `allreduce_ms` that does not share the link."""
         return self.latency_us(nbytes, "allreduce") / 1000.0
 
     def choices(self, nbytes: int, coll: str = "allreduce") -> list[Choice]:
-        self._check_coll(coll)
+        """One choice per label of `coll`'s fit, its busbw by `coll`'s bus factor."""
         out = []
-        for lab in self.fits:
+        for lab in self.fits_of(coll):
             algo, _, proto = lab.partition("/")
-            r = self._regime(lab, nbytes)
+            r = self._regime(lab, nbytes, coll)
             out.append(timed_choice(algo, proto, nbytes, r.lat_us, r.bw, coll, self.ranks))
         return out
 
@@ -281,7 +305,7 @@ class FittedModel(CollectiveCost):
 
     def header(self) -> list[str]:
         lines = [f"MODELED from a fit to measurements ({self.source or 'fit'}): latency + bytes/bandwidth per size "
-                 f"regime; {self.coll}, {self.ranks or '?'} ranks"]
+                 f"regime; {', '.join(self.colls)}, {self.ranks or '?'} ranks"]
         if self.cpu_us(0) is not None:
             lines.append(f"CPU time per all-reduce (benchmark, all threads): {self.cpu_us(0):.0f} us + "
                          f"{(self.cpu_us(1 << 20) - self.cpu_us(0)):.0f} us per MiB")
@@ -298,18 +322,27 @@ class FittedModel(CollectiveCost):
                 "fits": {lab: [regime_dict(r) for r in regs] for lab, regs in self.fits.items()},
                 "cpu": {lab: {"per_op_us": round(a, 4), "per_byte_us": b} for lab, (a, b) in self.cpu.items()},
                 "host": {lab: {"per_op_us": round(a, 4), "per_byte_us": b} for lab, (a, b) in self.host.items()},
-                **({"link_efficiency": {str(k): e for k, e in self.together.items()}} if self.together else {})}
+                **({"link_efficiency": {str(k): e for k, e in self.together.items()}} if self.together else {}),
+                **({"other_colls": {c: {lab: [regime_dict(r) for r in regs] for lab, regs in fits.items()}
+                                    for c, fits in self.other_colls.items()}} if self.other_colls else {})}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "") -> "FittedModel":
-        try:
-            fits = {lab: [Regime(math.inf if r["max_bytes"] is None else float(r["max_bytes"]), float(r["lat_us"]),
+        def regimes(fits: dict) -> dict[str, list[Regime]]:
+            return {lab: [Regime(math.inf if r["max_bytes"] is None else float(r["max_bytes"]), float(r["lat_us"]),
                                  math.inf if r["bw_GBps"] is None else float(r["bw_GBps"])) for r in regs]
-                    for lab, regs in d["fits"].items()}
+                    for lab, regs in fits.items()}
+
+        try:
+            fits = regimes(d["fits"])
+            others = {c: regimes(f) for c, f in (d.get("other_colls") or {}).items()}
+            unknown = [c for c in others if c not in COLLECTIVES]
+            if unknown:
+                raise UserError(f"{where}: not a fitted cost model (unknown collective '{unknown[0]}')")
             cpu, host = ({lab: (float(c["per_op_us"]), float(c["per_byte_us"])) for lab, c in (d.get(k) or {}).items()}
                          for k in ("cpu", "host"))
             together = {int(k): float(e) for k, e in (d.get("link_efficiency") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UserError(f"{where}: not a fitted cost model ({e})") from e
         return cls(fits, d.get("coll", "allreduce"), d.get("ranks"), d.get("name", "local"), d.get("source", where),
-                   cpu, host, together)
+                   cpu, host, together, others)

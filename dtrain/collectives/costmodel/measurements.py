@@ -1,9 +1,15 @@
-"""Measurements to fit: the rows of an nccl-tests log (`all_reduce_perf` ...) or of the project's benchmark
-(`dtrain.collectives.bench` CSV / JSON / JSONL), each row a size, its time, and a label saying what ran.
+"""Measurements to fit: the rows of an nccl-tests log (`all_reduce_perf`, `reduce_scatter_perf`, `all_gather_perf`
+...) or of the project's benchmark (`dtrain.collectives.bench` CSV / JSON / JSONL), each row a collective, a size,
+its time, and a label saying what ran.
 
-The benchmark's printed table is all_reduce_perf's, column for column, so one reader takes both: the rows of the
-first `# size count type redop root time algbw busbw #wrong ...` heading, their out-of-place column group, and the
-footer's average bus bandwidth; `#` lines are comments to it (the benchmark's own columns live there). Also read:
+The benchmark's printed table is nccl-tests', column for column, so one reader takes both: the rows under the
+`# size count type redop root time algbw busbw #wrong ...` heading, their out-of-place column group, and the
+footer's average bus bandwidth; `#` lines are comments to it (the benchmark's own columns live there). The collective
+is the one the `# Collective test starting: <name>_perf` line names (nccl-tests prints it since June 2025; several
+tables in one log each name theirs); without it, the rows say it (nccl-tests' src/*.cu): a root other than -1 is a
+broadcast's, redop `none` with root -1 an all-gather's, a reduction whose size is count x itemsize an all-reduce's
+and one whose size is count x itemsize x ranks (the whole buffer, every rank's share of `count`) a reduce-scatter's.
+A row's `size` is the cost model's size of that collective either way. Also read:
 - older nccl-tests tables, without `root` and with an `error` column (the largest deviation from the expected result
   rather than a count of wrong ones): a row is wrong where it exceeds what those versions accepted for the type
   (nccl-tests' src/common.cu, `DeltaMaxValue`: 1e-5 for float, 1e-12 for double, 5e-2 for half and bfloat16, exact
@@ -26,7 +32,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtrain.collectives.costmodel.base import PROTOS
+from dtrain.collectives.costmodel.base import COLLECTIVES, PROTOS
 from dtrain.collectives.nccl.log import canonical, forced, parse_log
 from dtrain.collectives.settings import NCCL_ALGORITHMS
 from dtrain.common.errors import UserError
@@ -40,6 +46,21 @@ _DELTA_MAX = {"float": 1e-5, "double": 1e-12, "half": 5e-2, "bfloat16": 5e-2}
 # nccl-tests' binary names, without `_perf`, to the cost model's collective names.
 _TEST_NAMES = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reducescatter",
                "broadcast": "broadcast"}
+# Bytes per element of nccl-tests' type names (src/common.cu, test_typenames), to tell a reduce-scatter's row
+# (size = count x itemsize x ranks) from an all-reduce's (size = count x itemsize) in a log that does not name it.
+_ITEMSIZE = {"int8": 1, "uint8": 1, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8, "half": 2, "float": 4,
+             "double": 8, "bfloat16": 2, "f8e4m3": 1, "f8e5m2": 1}
+
+
+def coll_name(name: str, where) -> str:
+    """The cost model's name of a collective named the cost model's way or nccl-tests' (`all_gather`,
+    `all_gather_perf`, `all_gather_perf_mpi`); one it does not model is a one-line error naming `where`."""
+    base = re.sub(r"_perf(_mpi)?$", "", str(name).strip())
+    coll = _TEST_NAMES.get(base, base)
+    if coll not in COLLECTIVES:
+        raise UserError(f"{where}: measurements of '{name}', which the cost model does not model (it models "
+                        f"{', '.join(COLLECTIVES)}: nccl-tests' {', '.join(n + '_perf' for n in _TEST_NAMES)})")
+    return coll
 
 
 @dataclass
@@ -53,6 +74,7 @@ class Measurement:
     host_us: float | None = None  # its --overlap: extra computation per all-reduce launched during it
     median_us: float | None = None  # its median operation (CPU devices); time_us is the mean, as nccl-tests'
     iqr_us: float | None = None  # the interquartile range of its operations (CPU devices)
+    coll: str | None = None  # the cost model's collective; None: the set's `coll`
 
     @property
     def typical_us(self) -> float:
@@ -69,6 +91,8 @@ class Measurement:
 @dataclass
 class MeasurementSet:
     rows: list[Measurement]
+    # the collective of the rows that do not say theirs; with several, all-reduce if measured, else the first of
+    # `COLLECTIVES` measured
     coll: str = "allreduce"
     ranks: int | None = None
     source: str = ""
@@ -77,6 +101,19 @@ class MeasurementSet:
     # reach together (k x one group's time / k groups' time, at one size)
     link_efficiency: dict[int, float] | None = None
     avg_busbw: float | None = None  # an nccl-tests table's footer: the mean busbw over both column groups
+
+    def coll_of(self, m: Measurement) -> str:
+        return m.coll or self.coll
+
+    @property
+    def colls(self) -> list[str]:
+        """The collectives measured, in `COLLECTIVES` order."""
+        return [c for c in COLLECTIVES if any(self.coll_of(m) == c for m in self.rows)]
+
+
+def _main_coll(colls) -> str:
+    """Which of several collectives a set is named by: all-reduce if measured, else the first of `COLLECTIVES`."""
+    return next((c for c in COLLECTIVES if c in colls), "allreduce")
 
 
 def read_measurements(path: str | Path) -> MeasurementSet:
@@ -100,8 +137,11 @@ def read_measurements(path: str | Path) -> MeasurementSet:
         ms = _read_bench_csv(body, path)
     else:
         ms = _read_nccl_tests(text, path)
-    if len({m.size for m in ms.rows}) < 2:
-        raise UserError(f"{path}: need measurements at two sizes at least, found {len(ms.rows)} row(s)")
+    for coll in ms.colls or [ms.coll]:
+        rows = [m for m in ms.rows if ms.coll_of(m) == coll]
+        if len({m.size for m in rows}) < 2:
+            of = f" of {coll}" if len(ms.colls) > 1 else ""
+            raise UserError(f"{path}: need measurements at two sizes at least, found {len(rows)} row(s){of}")
     ms.source = str(path)
     if ms.ranks is None:
         ms.ranks = _ranks_from_bus_factor(ms)
@@ -109,15 +149,20 @@ def read_measurements(path: str | Path) -> MeasurementSet:
 
 
 def _ranks_from_bus_factor(ms: MeasurementSet) -> int | None:
-    """Recover the rank count from busbw/algbw (`dtrain.common.units.bus_factor` inverted), using the third of the rows
-    with the largest algbw: printed bandwidths are rounded, so small ones say little."""
-    rows = sorted((m for m in ms.rows if m.algbw and m.busbw), key=lambda m: m.algbw)
-    ratios = [m.busbw / m.algbw for m in rows[-max(1, len(rows) // 3):]]
-    if not ratios or ms.coll == "broadcast":
-        return None
-    r = statistics.median(ratios)
-    n = 2 / (2 - r) if ms.coll == "allreduce" else 1 / (1 - r) if r < 1 else None
-    return round(n) if n and n < 1e6 else None
+    """Recover the rank count from busbw/algbw (`dtrain.common.units.bus_factor` inverted: 2(n-1)/n for all-reduce,
+    (n-1)/n for all-gather and reduce-scatter), using the third of a collective's rows with the largest algbw:
+    printed bandwidths are rounded, so small ones say little. The first collective measured that tells."""
+    for coll in ms.colls:
+        rows = sorted((m for m in ms.rows if ms.coll_of(m) == coll and m.algbw and m.busbw), key=lambda m: m.algbw)
+        ratios = [m.busbw / m.algbw for m in rows[-max(1, len(rows) // 3):]]
+        if not ratios or coll == "broadcast":
+            continue
+        r = statistics.median(ratios)
+        # nccl-tests before 2020 printed an all-gather's and a reduce-scatter's busbw as its algbw (r = 1): no count
+        n = 2 / (2 - r) if coll == "allreduce" else 1 / (1 - r) if r < 1 else None
+        if n and n < 1e6:
+            return round(n)
+    return None
 
 
 # ---- the project's benchmark: CSV, JSON, JSONL --------------------------------------------------------------------
@@ -138,22 +183,35 @@ def bench_row(d: dict, where: str) -> Measurement:
             label = f"{canonical(algo, NCCL_ALGORITHMS) if algo else '*'}/{canonical(proto, PROTOS) if proto else '*'}"
         return Measurement(int(float(d["size"])), _num(d["time_us"]), _num(d.get("algbw")), _num(d.get("busbw")),
                            label, _num(d.get("cpu_us")), _num(d.get("host_us")), _num(d.get("median_us")),
-                           _num(d.get("iqr_us")))
+                           _num(d.get("iqr_us")), _row_coll(d, where))
     except (KeyError, ValueError, TypeError) as e:
         raise UserError(f"{where}: bad benchmark row {d!r} ({e.__class__.__name__}: {e})") from e
 
 
-def _by_path(dicts: list[dict]) -> list[dict]:
+def _row_coll(d: dict, where) -> str | None:
+    """The cost model's collective a benchmark row names in `coll` (nccl-tests' name); None where it names none."""
+    return coll_name(d["coll"], where) if d.get("coll") not in (None, "") else None
+
+
+def _by_path(dicts: list[dict], where) -> list[dict]:
     """nccl-tests and the bench report out-of-place and in-place: keep out-of-place when both exist. Any other
     'path' values (code paths) become labels, so each is fitted on its own. The benchmark's rows say their column
-    group in 'place': a code path measured in place keeps those rows (dist.all_reduce as training calls it; its
-    out-of-place rows add a copy), one measured out of place only keeps these."""
+    group in 'place': of an all-reduce, a code path measured in place keeps those rows (dist.all_reduce as training
+    calls it; its out-of-place rows add a copy), one measured out of place only keeps these; of a reduce-scatter or an
+    all-gather, the out-of-place rows where measured (their own call, into a separate output, as training calls them
+    and as the out-of-place group of an nccl-tests log is read)."""
     if any(d.get("place") for d in dicts):
         def place(d):
             return d.get("place") or "in-place"
 
-        measured_in_place = {str(d.get("path", "")) for d in dicts if place(d) == "in-place"}
-        dicts = [d for d in dicts if place(d) == "in-place" or str(d.get("path", "")) not in measured_in_place]
+        def preferred(d):
+            return "in-place" if (_row_coll(d, where) or "allreduce") == "allreduce" else "out-of-place"
+
+        def key(d):
+            return _row_coll(d, where), str(d.get("path", ""))
+
+        measured = {key(d) for d in dicts if place(d) == preferred(d)}
+        dicts = [d for d in dicts if place(d) == preferred(d) or key(d) not in measured]
     paths = {str(d.get("path", "")).lower() for d in dicts}
     if any("place" in p for p in paths):
         if any("out" in p for p in paths):
@@ -170,9 +228,11 @@ def _collect(dicts: list[dict], where: str) -> MeasurementSet:
     rows, skipped = [], 0
     together = [d for d in dicts if d.get("groups") not in (None, "")]  # --groups: not sizes to fit
     dicts = [d for d in dicts if d.get("groups") in (None, "")]
-    ops = {str(d.get("redop", "")).lower() for d in dicts}
-    for d in _by_path(dicts):
-        if len(ops) > 1 and str(d.get("redop", "")).lower() != "sum":
+    ops: dict[str | None, set[str]] = {}  # collective -> the reduction ops measured
+    for d in dicts:
+        ops.setdefault(_row_coll(d, where), set()).add(str(d.get("redop", "")).lower())
+    for d in _by_path(dicts, where):
+        if len(ops[_row_coll(d, where)]) > 1 and str(d.get("redop", "")).lower() != "sum":
             continue
         try:
             wrong, t = _num(d.get("wrong")) or 0, _num(d.get("time_us"))
@@ -182,11 +242,9 @@ def _collect(dicts: list[dict], where: str) -> MeasurementSet:
             skipped += 1
         elif t is not None:
             rows.append(bench_row(d, where))
-    coll = {_TEST_NAMES.get(str(d.get("coll", "")).replace("_perf", ""), str(d.get("coll", ""))) for d in dicts}
-    coll.discard("")
+    colls = {m.coll for m in rows if m.coll}
     ranks = {int(d["world_size"]) for d in dicts if d.get("world_size") not in (None, "")}
-    return MeasurementSet(rows, coll.pop() if len(coll) == 1 else "allreduce",
-                          ranks.pop() if len(ranks) == 1 else None, skipped=skipped,
+    return MeasurementSet(rows, _main_coll(colls), ranks.pop() if len(ranks) == 1 else None, skipped=skipped,
                           link_efficiency=_link_efficiency(together, where))
 
 
@@ -226,8 +284,8 @@ def _read_bench_json(text: str, where) -> MeasurementSet:
         raise UserError(f"{where}: no rows with 'size' and 'time_us'")
     ms = _collect(rows, where)
     ms.ranks = ms.ranks or header.get("world_size")
-    if header.get("coll"):
-        ms.coll = _TEST_NAMES.get(str(header["coll"]).replace("_perf", ""), ms.coll)
+    if header.get("coll"):  # the collective of the rows that do not name theirs
+        ms.coll = coll_name(header["coll"], where)
     return ms
 
 
@@ -235,17 +293,19 @@ def _read_bench_json(text: str, where) -> MeasurementSet:
 
 class _NcclTestsLog:
     """What an nccl-tests output says, line by line (nccl-tests' doc/PERFORMANCE.md): the '# size count type redop
-    root time algbw busbw #wrong ...' header, data rows (out-of-place columns first), the test's name and ranks,
-    and any NCCL INFO TUNING/ENV lines to label the sizes."""
+    root time algbw busbw #wrong ...' header, data rows (out-of-place columns first), each test's name (a table per
+    `# Collective test starting` line) and the ranks, and any NCCL INFO TUNING/ENV lines to label the sizes."""
 
     def __init__(self, where):
         self.where = where
         self.cols: list[str] | None = None
-        self.rows: list[Measurement] = []
-        self.skipped, self.ranks = 0, 0
-        self.coll: str | None = None
+        # one per table: the collective its starting line names (None: not named) and its rows with their cells
+        self.tables: list[tuple[str | None, list[tuple[Measurement, dict[str, str]]]]] = []
+        self.skipped = 0
+        self.ranks: set[int] = set()  # the rank lines' ranks (each table of a log with several lists them again)
         self.env = {"PROTO": None, "ALGO": None}
-        self.tuned: dict[int, dict[str, int]] = {}  # size -> label -> how often NCCL logged it
+        # (collective, size) -> label -> how often NCCL logged it; collective None where the line does not say
+        self.tuned: dict[tuple[str | None, int], dict[str, int]] = {}
         self.avg_busbw: float | None = None
 
     def nccl_line(self, s: str) -> None:
@@ -254,10 +314,10 @@ class _NcclTestsLog:
             if e.var in ("NCCL_PROTO", "NCCL_ALGO"):
                 self.env[e.var[len("NCCL_"):]] = e.value
         for d in decisions:
-            if d.known and (self.coll is None or d.collective in (None, self.coll)):
+            if d.known:
                 lab = f"{d.algo}/{d.proto}"
-                self.tuned.setdefault(d.nbytes, {}).setdefault(lab, 0)
-                self.tuned[d.nbytes][lab] += 1
+                self.tuned.setdefault((d.collective, d.nbytes), {}).setdefault(lab, 0)
+                self.tuned[d.collective, d.nbytes][lab] += 1
 
     def comment(self, s: str) -> None:
         words = s.lstrip("#").split()
@@ -265,16 +325,21 @@ class _NcclTestsLog:
         if self.cols is None and "size" in words and "time" in words and "busbw" in words:
             self.cols = words
         m = re.match(r"#\s*Avg bus bandwidth\s*:\s*(\S+)", s)
-        if m:
+        if m and self.avg_busbw is None:  # the first table's, where a log holds several
             try:
                 self.avg_busbw = float(m.group(1))
             except ValueError as e:
                 raise UserError(f"{self.where}: cannot parse nccl-tests footer '{s}' ({e})") from e
-        m = re.search(r"Collective test starting:\s*(\w+?)_perf", s)
+        m = re.search(r"Collective test starting:\s*(\S+)", s)
         if m:
-            self.coll = _TEST_NAMES.get(m.group(1), m.group(1))
-        if re.match(r"#\s+Rank\s+\d+\s", s):
-            self.ranks += 1
+            coll = coll_name(m.group(1), self.where)
+            if self.tables and self.tables[-1][0] is None and not self.tables[-1][1]:
+                self.tables[-1] = (coll, [])
+            else:
+                self.tables.append((coll, []))
+        m = re.match(r"#\s+Rank\s+(\d+)\s", s)
+        if m:
+            self.ranks.add(int(m.group(1)))
 
     def data(self, s: str) -> None:
         cols = self.cols
@@ -290,26 +355,57 @@ class _NcclTestsLog:
             if check != "N/A" and float(check) > limit:
                 self.skipped += 1
                 return
-            self.rows.append(Measurement(int(d["size"]), float(d["time"]), float(d["algbw"]), float(d["busbw"])))
-            if self.coll is None and d.get("redop") == "none" and d.get("root") == "-1":
-                self.coll = "allgather"
+            m = Measurement(int(d["size"]), float(d["time"]), float(d["algbw"]), float(d["busbw"]))
         except (KeyError, ValueError) as e:
             raise UserError(f"{self.where}: cannot parse nccl-tests row '{s}' ({e})") from e
+        if not self.tables:
+            self.tables.append((None, []))
+        self.tables[-1][1].append((m, d))
+
+    def inferred_coll(self, cells: list[dict[str, str]]) -> str:
+        """A table's collective from its rows, where no starting line names it (see the module docstring); the
+        first row with elements decides (a size-0 row says nothing)."""
+        d = next((d for d in cells if d.get("count", "0") != "0"), cells[0] if cells else {})
+        if d.get("root", "-1") != "-1":
+            return coll_name("broadcast" if d.get("redop") == "none" else "reduce", self.where)
+        if d.get("redop") == "none":
+            return "allgather"
+        itemsize = _ITEMSIZE.get(d.get("type", ""))
+        try:
+            whole = itemsize and int(d["size"]) > int(d["count"]) * itemsize
+        except (KeyError, ValueError):
+            whole = False
+        return "reducescatter" if whole else "allreduce"
+
+    def label(self, m: Measurement, coll: str) -> str:
+        """What NCCL logged most often for this collective and size, else a forced choice, else `m`'s label."""
+        counts: dict[str, int] = {}
+        for key in ((coll, m.size), (None, m.size)):
+            for lab, k in self.tuned.get(key, {}).items():
+                counts[lab] = counts.get(lab, 0) + k
+        if counts:
+            return max(counts.items(), key=lambda kv: kv[1])[0]
+        forced_algo = forced(self.env["ALGO"], coll, NCCL_ALGORITHMS) if self.env["ALGO"] else None
+        forced_proto = forced(self.env["PROTO"], coll, PROTOS) if self.env["PROTO"] else None
+        if forced_algo or forced_proto:
+            return f"{forced_algo or '*'}/{forced_proto or '*'}"
+        return m.label
 
     def measurements(self) -> MeasurementSet:
-        """The rows, each labelled by what NCCL logged most often for its size, else by a forced choice."""
+        """The rows, each with its table's collective and labelled by what NCCL logged most often for its size,
+        else by a forced choice."""
         if self.cols is None:
             raise UserError(f"{self.where}: neither a benchmark CSV/JSON nor an nccl-tests log "
                             "(no '# size count type redop ... time algbw busbw' header)")
-        coll = self.coll or "allreduce"
-        forced_algo = forced(self.env["ALGO"], coll, NCCL_ALGORITHMS) if self.env["ALGO"] else None
-        forced_proto = forced(self.env["PROTO"], coll, PROTOS) if self.env["PROTO"] else None
-        for m in self.rows:
-            if m.size in self.tuned:
-                m.label = max(self.tuned[m.size].items(), key=lambda kv: kv[1])[0]
-            elif forced_algo or forced_proto:
-                m.label = f"{forced_algo or '*'}/{forced_proto or '*'}"
-        return MeasurementSet(self.rows, coll, self.ranks or None, skipped=self.skipped, avg_busbw=self.avg_busbw)
+        rows = []
+        for named, table in self.tables:
+            coll = named or self.inferred_coll([d for _, d in table])
+            for m, _ in table:
+                m.coll, m.label = coll, self.label(m, coll)
+                rows.append(m)
+        colls = {m.coll for m in rows} or {named for named, _ in self.tables if named}
+        return MeasurementSet(rows, _main_coll(colls), len(self.ranks) or None, skipped=self.skipped,
+                              avg_busbw=self.avg_busbw)
 
 
 def _read_nccl_tests(text: str, where) -> MeasurementSet:

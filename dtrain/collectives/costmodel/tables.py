@@ -56,47 +56,61 @@ def format_table(doc: dict) -> str:
 
 
 def fit_report(ms: MeasurementSet, fm: FittedModel, preset=None) -> dict:
-    """Per size: measured, fitted and (optionally) the preset's modeled time, with relative errors."""
+    """Per collective and size: measured, fitted and (optionally) the preset's modeled time, with relative errors."""
     rows = []
-    for m in sorted(ms.rows, key=lambda m: (m.label, m.size)):
-        fit = fm.label_time_us(m.label, m.size)
-        row = {"size": m.size, "label": m.label, "measured_us": m.typical_us, "fitted_us": round(fit, 3),
-               "fit_err_pct": round(100 * (fit - m.typical_us) / m.typical_us, 2)}
+    order = {c: i for i, c in enumerate(fm.colls)}
+    for m in sorted(ms.rows, key=lambda m: (order[ms.coll_of(m)], m.label, m.size)):
+        coll = ms.coll_of(m)
+        fit = fm.label_time_us(m.label, m.size, coll)
+        row = {"coll": coll, "size": m.size, "label": m.label, "measured_us": m.typical_us,
+               "fitted_us": round(fit, 3), "fit_err_pct": round(100 * (fit - m.typical_us) / m.typical_us, 2)}
         if preset is not None:
             a, _, p = m.label.partition("/")
             forced = dict(algo=a if a in ALGOS else None, proto=p if p in PROTOS else None)
             try:
-                mod = preset.time_us(m.size, ms.coll, **forced)
+                mod = preset.time_us(m.size, coll, **forced)
             except UserError:
-                mod = preset.time_us(m.size, ms.coll)
+                mod = preset.time_us(m.size, coll)
             row["preset_us"] = round(mod, 3)
             row["preset_err_pct"] = round(100 * (mod - m.typical_us) / m.typical_us, 2)
         rows.append(row)
     errs = [abs(r["fit_err_pct"]) for r in rows]
-    return {"source": ms.source, "coll": ms.coll, "ranks": ms.ranks, "skipped_wrong": ms.skipped,
+    return {"source": ms.source, "coll": ms.coll, "colls": fm.colls, "ranks": ms.ranks, "skipped_wrong": ms.skipped,
             "fits": {lab: [regime_dict(r) for r in regs] for lab, regs in fm.fits.items()},
+            "other_colls": {c: {lab: [regime_dict(r) for r in regs] for lab, regs in fits.items()}
+                            for c, fits in fm.other_colls.items()},
             "fit_error_pct": {"median_abs": round(statistics.median(errs), 2), "max_abs": round(max(errs), 2)},
             "rows": rows, "model": fm.to_dict()}
 
 
 def format_fit(rep: dict, preset_name: str | None) -> str:
-    lines = [f"# fit of {rep['source']}: {rep['coll']}, {rep['ranks'] or '?'} ranks"
+    """The report as text; with several collectives, each fit and row names its collective."""
+    several = len(rep["colls"]) > 1
+    lines = [f"# fit of {rep['source']}: {', '.join(rep['colls'])}, {rep['ranks'] or '?'} ranks"
              + (f", {rep['skipped_wrong']} row(s) with #wrong > 0 left out" if rep["skipped_wrong"] else ""),
              "# model per label: t = lat + bytes / (1000 * bw), one line per size regime (fitted to measurements: "
-             "the median operation where the benchmark recorded it, else the mean)"]
-    for lab, regs in rep["fits"].items():
-        lo = 0
-        for r in regs:
-            hi = "inf" if r["max_bytes"] is None else human(r["max_bytes"])
-            bw = "inf" if r["bw_GBps"] is None else f"{r['bw_GBps']:.3f}"
-            lines.append(f"{lab:>14}  sizes {human(lo):>5} .. {hi:<6} lat {r['lat_us']:9.2f} us   bw {bw:>9} GB/s")
-            lo = r["max_bytes"] or 0
-    head = f"{'size(B)':>12} {'':>5} {'label':>14} {'measured':>10} {'fitted':>10} {'err%':>7}"
+             "the median operation where the benchmark recorded it, else the mean)"
+             + ("; per collective, over nccl-tests' size of it" if several else "")]
+
+    def coll(name: str) -> str:  # the collective's column, with several
+        return f"{name:>13} " if several else ""
+
+    fits = {rep["coll"]: rep["fits"], **rep["other_colls"]}
+    for name, by_label in fits.items():
+        for lab, regs in by_label.items():
+            lo = 0
+            for r in regs:
+                hi = "inf" if r["max_bytes"] is None else human(r["max_bytes"])
+                bw = "inf" if r["bw_GBps"] is None else f"{r['bw_GBps']:.3f}"
+                lines.append(f"{coll(name)}{lab:>14}  sizes {human(lo):>5} .. {hi:<6} lat {r['lat_us']:9.2f} us   "
+                             f"bw {bw:>9} GB/s")
+                lo = r["max_bytes"] or 0
+    head = f"{'size(B)':>12} {'':>5} {coll('coll')}{'label':>14} {'measured':>10} {'fitted':>10} {'err%':>7}"
     if preset_name:
         head += f" {preset_name + ' (modeled)':>22} {'err%':>7}"
     lines.append(head)
     for r in rep["rows"]:
-        ln = (f"{r['size']:>12} {human(r['size']):>5} {r['label']:>14} {r['measured_us']:10.2f} "
+        ln = (f"{r['size']:>12} {human(r['size']):>5} {coll(r['coll'])}{r['label']:>14} {r['measured_us']:10.2f} "
               f"{r['fitted_us']:10.2f} {r['fit_err_pct']:7.1f}")
         if "preset_us" in r:
             ln += f" {r['preset_us']:22.2f} {r['preset_err_pct']:7.1f}"

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.collectives.dist import all_gather_single
 from dtrain.collectives.shards import ShardedReducer, member_offsets
 from dtrain.collectives.strategies import CLASS_RULE_KEYS, register
 from dtrain.collectives.strategies.bucketed import Bucketed
@@ -48,9 +49,6 @@ from dtrain.common.errors import UserError
 
 
 LOOKUP = object()  # in a recorded forward: a lookup of a sharded matrix ran here
-# One tensor from every rank into one output tensor: `all_gather_single` since torch 2.13, which deprecates the
-# older name (a FutureWarning); the releases before it have only `all_gather_into_tensor`.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ShardedSync(PlannedSync):
@@ -219,7 +217,7 @@ class ShardedSync(PlannedSync):
                 value = shard_state[key]
                 if torch.is_tensor(value) and value.shape == sh.shard.shape:
                     full = value.new_empty(sh.params.numel())
-                    _all_gather_single(full, value.contiguous(), group=self.reducer.group)
+                    all_gather_single(full, value.contiguous(), group=self.reducer.group)
                     for off, p in zip(member_offsets(st.params), st.params):
                         state.setdefault(index[id(p)], {})[key] = full[off: off + p.numel()].view_as(p).clone()
                 else:  # a per-tensor scalar such as Adam's step
