@@ -14,13 +14,15 @@ from dtrain.common.errors import UserError
 from dtrain.engine import config as config_mod
 
 # A few steps of the CPU profile on one rank: the page faults of a typical step after two. Its logits, (tokens, vocab)
-# float32, are above glibc's largest mmap threshold (32 MiB), so by default every step maps them anew.
+# = (1100, 8000) float32, are above glibc's largest mmap threshold (32 MiB), so by default every step maps them anew.
+# The layers are made small (d_model 64, one of each) so that the steps take seconds; the logits keep their size.
 SCRIPT = """
 import resource, sys
 from dtrain.collectives import dist as ddist
 from dtrain.engine import config as config_mod
 from dtrain.engine.trainer import Trainer
-cfg = config_mod.load("dtrain/profiles/multi30k-cpu.yaml", ["data.max_tokens=1100", "eval.at_end=false", sys.argv[1]])
+cfg = config_mod.load("dtrain/profiles/multi30k-cpu.yaml", ["data.max_tokens=1100", "eval.at_end=false", "model.N=1",
+                                                        "model.d_model=64", "model.d_ff=128", "model.h=2", sys.argv[1]])
 trainer = Trainer(cfg, sys.argv[2], ddist.init(cfg.dist)[0], "gloo")
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 per_step = []
