@@ -20,6 +20,8 @@
 #    the bench with NCCL_PROTO forced to LL, LL128, Simple (socket transport: the network path's bandwidth, not
 #    NVLink's).
 # 6. sync.strategy: auto over per-class NCCL protocols and bucket caps (tuning.csv: predicted and measured).
+# 7. The bench's reduce-scatter and all-gather (`--collective`: nccl-tests' reduce_scatter_perf and all_gather_perf
+#    tables, each row checked, #wrong) over the two NCCL ranks: the collectives `sharded` exchanges with.
 # Each part has its own time limit and the script goes on after a failed part; the exit status counts the failures.
 set -uf  # -f: the part patterns below are not file globs
 OUT_DIR=${1:-runs/gpu-check}
@@ -147,6 +149,7 @@ for proto in LL LL128 Simple; do
     port=$((port + 1))
     NCCL_PROTO=$proto part "bench-$proto" 50 two_ranks $port $BENCH --path raw --json "$OUT_DIR/bench-$proto.json"
 done
+part bench-rs-ag 60 two_ranks 29627 $BENCH --collective reduce_scatter,all_gather --json "$OUT_DIR/bench-rs-ag.json"
 
 echo "=== done ($(date +%T)): $failures part(s) failed"
 exit "$failures"

@@ -10,14 +10,14 @@ Layout, per bucket of N elements padded to Np = world x s:
 
 A `replicated` bucket (the plan's: a tied embedding with `tied_split`) is all-reduced whole instead, by `Reducer`'s
 path on `replicated_group`, and every rank updates all of it: the lookups at the very start of the next forward need
-the matrix, so an all-gather there would hold up the first layer (docs/results.md). A bucket with a `row_size` (the
+the matrix, so an all-gather there would hold up the first layer (docs/notebook.md). A bucket with a `row_size` (the
 same embedding with `shard_tied_split`) is sharded by whole rows instead (`RowTable`): each lookup of the next
 forward fetches just the rows of its tokens (`dtrain.collectives.tied_split.ShardedTiedSplit`).
 
 A reduce-scatter sends (world - 1)/world of the bucket, half of what an all-reduce sends, and the rest (the
 all-gather of the updated shard) moves out of backward into the next forward. Both run as point-to-point sends on a
 process group of their own: on gloo, `reduce_scatter_tensor` moves as many bytes as an all-reduce, while `isend` and
-`irecv` move the chunks at the link's rate (docs/results.md). Each rank sums its shard in rank order, so on two
+`irecv` move the chunks at the link's rate (docs/notebook.md). Each rank sums its shard in rank order, so on two
 ranks the sum is the all-reduce's a + b, bit for bit.
 
 With a `gather_dtype` (bf16), a bucket's members that only `nn.Linear` modules read travel the all-gather in that dtype,
