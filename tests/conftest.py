@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,6 @@ from dtrain.common.jsonl import read_jsonl
 from dtrain.engine import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def pytest_collection_modifyitems(config, items):
-    """Modules with the most slow tests first. Under `--dist loadfile` a module goes whole to the next free worker,
-    so the longest ones starting first keeps both workers busy to the end (longest-processing-time-first
-    scheduling); the sort is stable, so a module's tests keep their order and stay together."""
-    slow = Counter(item.module.__name__ for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.module.__name__])
 
 
 def _starts_python(args) -> bool:
