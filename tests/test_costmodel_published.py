@@ -65,9 +65,9 @@ def measured_times(name: str) -> dict[int, float]:
     return measured
 
 
-def held_out_errors(name: str, tmp_path: Path) -> dict[int, dict[int, float]]:
+def held_out_errors(name: str, tmp_path: Path, coll: str = "allreduce") -> dict[int, dict[int, float]]:
     """{half: {size: relative error}} of `costmodel fit` on sizes 0, 2, 4, ... (half 0) or 1, 3, 5, ... (half 1)
-    of the sorted distinct sizes, predicting the others (`measured_times`)."""
+    of the sorted distinct sizes, predicting the others (`measured_times`) of the log's collective `coll`."""
     src = PUBLISHED / f"{name}.txt"
     measured = measured_times(name)
     sizes = sorted(measured)
@@ -78,7 +78,7 @@ def held_out_errors(name: str, tmp_path: Path) -> dict[int, dict[int, float]]:
         _half(src, part, train)
         cm.main(["fit", str(part), "--out", str(saved)])
         model = cm.load_model(f"fit:{saved}")
-        out[half] = {s: model.time_us(s) / measured[s] - 1 for s in sizes if s not in train}
+        out[half] = {s: model.time_us(s, coll) / measured[s] - 1 for s in sizes if s not in train}
     return out
 
 
@@ -190,15 +190,8 @@ def test_the_published_all_gather_is_fitted_as_one(tmp_path):
     ms = read_measurements(src)
     assert ms.coll == "allgather" and ms.ranks == 16 and ms.skipped == 0
     assert len(ms.rows) == len([ln for ln in src.read_text().splitlines() if _is_row(ln)])
-    measured = measured_times(ALL_GATHER)
-    sizes = sorted(measured)
-    for half in (0, 1):
-        train = set(sizes[half::2])
-        part, saved = tmp_path / f"{half}.txt", tmp_path / f"{half}.json"
-        _half(src, part, train)
-        cm.main(["fit", str(part), "--out", str(saved)])
-        model = cm.load_model(f"fit:{saved}")
-        errors = {s: model.time_us(s, "allgather") / measured[s] - 1 for s in sizes if s not in train and s >= MIB}
+    for errors in held_out_errors(ALL_GATHER, tmp_path, "allgather").values():
+        errors = {size: e for size, e in errors.items() if size >= MIB}
         assert max(abs(e) for e in errors.values()) < 0.10, errors
     top = max(ms.rows, key=lambda m: m.size)
     pick = cm.FittedModel.from_measurements(ms).pick(top.size, "allgather")

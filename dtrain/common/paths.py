@@ -36,9 +36,11 @@ def resolve_profile(name: str | Path, what: str = "profile") -> Path:
     if path.is_file():
         return path
     # `dtrain/profiles/x.yaml` from another folder than the checkout's, `profiles/x.yaml` as older runs recorded it
-    parts = path.parts
-    rel = Path(*parts[2:]) if parts[:2] == ("dtrain", "profiles") else Path(*parts[1:]) if parts[:1] == ("profiles",) \
-        else path
+    rel = path
+    for prefix in (("dtrain", "profiles"), ("profiles",)):
+        if path.parts[:len(prefix)] == prefix:
+            rel = Path(*path.parts[len(prefix):])
+            break
     for candidate in (PROFILES / rel, PROFILES / rel.with_name(rel.name + ".yaml")):
         if not rel.is_absolute() and candidate.is_file():
             return candidate

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtrain.common.errors import UserError
+from dtrain.common.errors import UserError, unknown
 
 NO_OP = "none"  # the redop column of a collective without a reduction (all_gather_perf prints "none")
 
@@ -65,7 +65,7 @@ def parse_collectives(text: str) -> list[Collective]:
         raise UserError(f"--collective: no collective in '{text}' (known: {', '.join(COLLECTIVES)}, all)")
     for n in names:
         if n not in COLLECTIVES:
-            raise UserError(f"unknown collective '{n}' (known: {', '.join(COLLECTIVES)}, all)")
+            raise UserError(unknown("collective", n, [*COLLECTIVES, "all"]))
     if len(set(names)) != len(names):
         raise UserError(f"--collective names a collective twice: '{text}'")
     return [COLLECTIVES[n] for n in names]
