@@ -56,14 +56,15 @@ def train(args) -> None:
         state, hook = per_class_hook(model, SyncConfig(classes=classes))
         ddp.register_comm_hook(state, hook)
         forward, wait, label = ddp, (lambda: None), "own DDP + per_class hook"  # DDP waits inside backward()
-        params, stepped, settle = list(model.parameters()), (lambda: None), (lambda: None)
+        params, stepped, settle, whole = list(model.parameters()), (lambda: None), (lambda: None), model.state_dict
     else:
         strategy = SyncConfig(strategy=args.strategy, bucket_cap_mb=0.01, hook=args.hook,
                               classes=classes if args.strategy == "per_class" or args.hook == "per_class" else {})
         handle = collectives.attach(model, strategy)
         forward, wait, label = handle.module, handle.wait, args.strategy + (f" + {args.hook}" if args.hook else "")
-        # What this rank updates (a sharded strategy: its shards), and the calls that publish the update.
-        params, stepped, settle = handle.optimizer_params(), handle.stepped, handle.wait_params
+        # What this rank updates (a sharded strategy: its shards), the calls that publish the update, and the whole
+        # model's state (fsdp2's parameters are shards: its state dict gathers them)
+        params, stepped, settle, whole = handle.optimizer_params(), handle.stepped, handle.wait_params, handle.model_state
     optimizer = torch.optim.SGD(params, lr=0.1)
     data = torch.Generator().manual_seed(rank)  # each rank its own batches
     for _ in range(args.steps):
@@ -75,8 +76,9 @@ def train(args) -> None:
         stepped()  # a sharded strategy sends the updated shards while the next forward runs
         optimizer.zero_grad(set_to_none=True)
     settle()  # the model's parameters current on this rank
+    state = whole()  # name -> whole tensor, on every rank
 
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = torch.cat([state[n].detach().reshape(-1) for n, _ in model.named_parameters()])
     spread = flat.clone()
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
     largest = (spread - flat).abs().max()
@@ -84,7 +86,7 @@ def train(args) -> None:
     if rank == 0:
         print(f"{label}: last loss {loss.item():.4f}; parameters equal on every rank: {largest.item() == 0.0}")
         if args.save:
-            torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, args.save)
+            torch.save({n: state[n].detach().clone() for n, _ in model.named_parameters()}, args.save)
 
 
 if __name__ == "__main__":

@@ -53,3 +53,13 @@ def test_own_ddp_with_the_per_class_hook_matches_the_per_class_strategy(tmp_path
     # ... and the check can fail: bf16 on the wire changes the result
     lossy, _ = plain_loop(tmp_path, "--own-ddp", "--wire-dtype", "bf16")
     assert max_rel(lossy, reference) > 1e-6
+
+
+@pytest.mark.slow
+def test_fsdp2_through_attach_in_the_plain_loop_trains_as_the_others(tmp_path, per_class_run):
+    """Stock FSDP2 behind the seam in a plain loop: units are the Sequential's Linear layers, SGD runs over their
+    DTensor shards, and the whole parameters read back through `handle.model_state()` equal per_class's."""
+    reference, _ = per_class_run
+    params, out = plain_loop(tmp_path, "--strategy", "fsdp2")
+    assert "fsdp2: last loss" in out
+    assert set(params) == set(reference) and max_rel(params, reference) <= 1e-6

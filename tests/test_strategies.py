@@ -200,7 +200,7 @@ def test_every_lossless_strategy_matches_the_reference(nproc):
         assert not per_strategy["powersgd"]["lossless"] and per_strategy["powersgd"]["max_rel"] > 1e-3
         assert not per_strategy["noop"]["lossless"] and not per_strategy["noop"]["communicates"]
         assert {n for n, r in per_strategy.items() if r["lossless"]} == {
-            "ddp", "per_tensor", "flat", "bucketed", "per_class", "sharded"}
+            "ddp", "per_tensor", "flat", "bucketed", "per_class", "sharded", "fsdp2"}
 
 
 @pytest.mark.slow

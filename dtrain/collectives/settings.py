@@ -80,7 +80,7 @@ class TuneConfig:
 
 @dataclass(frozen=True)
 class SyncConfig:
-    strategy: str = "ddp"  # ddp, per_tensor, flat, bucketed, per_class, sharded, powersgd, noop, auto (strategies/)
+    strategy: str = "ddp"  # ddp, per_tensor, flat, bucketed, per_class, sharded, fsdp2, powersgd, noop, auto (strategies/)
     bucket_cap_mb: float | None = None  # None: DDP's default (25 MiB, with a 1 MiB first bucket); 25 for the others
     first_bucket_mb: float | None = None  # ddp, bucketed: cap of the bucket ready first; None: as bucket_cap_mb
     # bucketed, sharded: the last parameters backward completes, as few as hold this many MiB, in a bucket of their
@@ -92,8 +92,12 @@ class SyncConfig:
     shard_tied_split: bool = False
     # sharded: the updated parameters that only nn.Linear modules read are all-gathered in this dtype ("bf16"), the
     # dtype the forward's autocast casts them to anyway, and their gradients reduce-scattered in it when a step is one
-    # micro-batch (then bf16 holds them exactly); null: in their own
+    # micro-batch (then bf16 holds them exactly); null: in their own. fsdp2: bf16 is its mixed precision (every
+    # parameter gathered in bf16, gradients reduced in fp32)
     gather_dtype: str | None = None
+    # fsdp2: free a unit's gathered parameters after its forward and gather them again for its backward (FSDP2's
+    # default); false: keep them from forward to backward
+    reshard_after_forward: bool = True
     powersgd_rank: int = 1  # powersgd: matrix approximation rank
     powersgd_start_iter: int = 2  # powersgd: plain all-reduce before this iteration (error feedback needs >= 2)
     tune: TuneConfig = field(default_factory=TuneConfig)  # auto: how the job searches its configuration

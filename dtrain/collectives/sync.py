@@ -4,11 +4,11 @@ A training loop calls `collectives.attach(model, sync_config)` once and gets a `
 over `handle.optimizer_params()`, runs forward through `handle.module`, wraps all but the last micro-batch of an
 accumulation in `handle.no_sync()`, calls `handle.wait()` before the update and clips by `handle.grad_norm()`; it may
 call `handle.stepped()` after `optimizer.step()`. Before reading the model's parameters outside training (validation, a
-checkpoint) it calls `handle.wait_params()`; it saves and loads the optimizer through `handle.optimizer_state()` and
-`handle.load_optimizer_state()`, and the strategy's own state (PowerSGD's error feedback: this rank's, so gathered per
+checkpoint) it calls `handle.wait_params()`; it saves and loads the model through `handle.model_state()` and
+`handle.load_model_state()`, the optimizer through `handle.optimizer_state()` and `handle.load_optimizer_state()`, and the strategy's own state (PowerSGD's error feedback: this rank's, so gathered per
 rank) through `handle.state_dict()` and `handle.load_state_dict()`. It never branches on which strategy is behind the
-handle: for all but a sharded strategy these calls are the plain ones (the model's parameters, the optimizer's own
-state dict; no state of its own).
+handle: for all but a sharded strategy these calls are the plain ones (the model's parameters and state dict, the
+optimizer's own state dict; no state of its own).
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ class StrategyFacts:
     # The keys of `sync` it reads besides `strategy` ("classes.<key>": that key of every `sync.classes.<class>`); a
     # profile that sets another one is refused (`dtrain.collectives.config.validate`).
     sync_keys: ClassVar[tuple[str, ...]] = ()
-    plans_like: ClassVar[str | None] = None  # a planned strategy whose buckets model this one's (None: its own)
+    # a planned strategy (by name, or a `BucketingStrategy` class of its own) whose buckets model this one's (None:
+    # its own)
+    plans_like: ClassVar[str | type | None] = None
 
 
 class GradSync(StrategyFacts):
@@ -71,6 +73,15 @@ class GradSync(StrategyFacts):
 
     def wait_params(self) -> None:
         """Block until the model's parameters are current on this rank (before validation or a checkpoint)."""
+
+    def model_state(self) -> dict:
+        """The whole model's state dict, on every rank (after `wait_params()`; a collective for fsdp2, whose
+        parameters are shards)."""
+        return self.model.state_dict()
+
+    def load_model_state(self, state: dict) -> None:
+        """Load a whole-model state dict (`model_state()`'s form, as every checkpoint holds), on every rank."""
+        self.model.load_state_dict(state)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state dict as if it updated the whole model (a collective for a sharded strategy)."""

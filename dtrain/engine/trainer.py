@@ -152,6 +152,7 @@ class Trainer:
         """The checkpoint: every rank's RNG state and its state of the sync strategy (PowerSGD's error feedback) are
         gathered to rank 0, which alone holds the rest."""
         self.sync.wait_params()  # a sharded strategy's updated parameters, all-gathered
+        model = self.sync.model_state()  # a collective for fsdp2
         optimizer = self.sync.optimizer_state(self.optimizer)  # a collective for a sharded strategy
         mine = (rng_state(), self.sync.state_dict())
         per_rank = [None] * self.world if self.main else None
@@ -161,7 +162,7 @@ class Trainer:
             per_rank = [mine]
         if not self.main:
             return None
-        return {"step": self.step, "model": self.model.state_dict(), "optimizer": optimizer,
+        return {"step": self.step, "model": model, "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(),
                 "rng": [r for r, _ in per_rank], "sync": [s for _, s in per_rank],
                 "model_hash": self.cfg.model_hash(), "config_hash": self.cfg.config_hash(), "world_size": self.world,
@@ -197,7 +198,7 @@ class Trainer:
         if state.get("model_hash") != self.cfg.model_hash():
             raise UserError(f"{path}: checkpoint is of a different model shape than the profile "
                             f"(model hash {state.get('model_hash')} vs {self.cfg.model_hash()})")
-        self.model.load_state_dict(state["model"])
+        self.sync.load_model_state(state["model"])
         self.sync.load_optimizer_state(self.optimizer, state["optimizer"])  # whole-model: any world size
         self.scheduler.load_state_dict(state["scheduler"])
         # The position counts global batches, so the remaining batches of the epoch are dealt out to this job's ranks.
@@ -536,7 +537,8 @@ class Trainer:
     def _average(self) -> None:
         """Average the last k complete checkpoints into <run>/averaged.pt (rank 0, from its disk) and evaluate with
         it on every rank (sent through the process group)."""
-        self.model.load_state_dict(checkpoint.average_on_main(self.run_dir, self.cfg.train.average_last))
+        self.sync.load_model_state(checkpoint.average_on_main(self.run_dir, self.cfg.train.average_last))
+        self.sync.wait_params()
 
     def final_eval(self) -> dict:
         record = score_split(self.model, self.tokenizer, self.cfg, self.cfg.eval, self.device)

@@ -3,7 +3,8 @@
 
 A registered class is either a `GradSync` subclass (ddp, powersgd, noop: they synchronize by themselves) or a
 `BucketingStrategy` (per_tensor, flat, bucketed, per_class: a pure plan that `PlannedSync` executes with the reducer;
-sharded: one that `ShardedSync` executes with the sharded reducer). `auto` is neither: the engine's tuner picks one of
+sharded: one that `ShardedSync` executes with the sharded reducer; fsdp2 runs torch's FSDP2 and models itself by a plan
+of its own). `auto` is neither: the engine's tuner picks one of
 the others by measurement.
 Each declares the `sync` keys it reads (`sync_keys`); `unused_keys(sync)` names those a profile sets in vain, which
 `dtrain.collectives.config.validate` refuses.
@@ -107,7 +108,8 @@ class Plan(NamedTuple):
 def planner(name: str) -> type[BucketingStrategy]:
     """The bucketing strategy whose plan models strategy `name` (itself, or what it `plans_like`)."""
     cls = get(name)
-    cls = get(cls.plans_like) if cls.plans_like else cls
+    if cls.plans_like:  # a registered strategy's name, or a plan of its own that is never executed (fsdp2's)
+        cls = cls.plans_like if isinstance(cls.plans_like, type) else get(cls.plans_like)
     if not (isinstance(cls, type) and issubclass(cls, BucketingStrategy)):
         names = [n for n in available() if get(n).plans_like]
         names += [n for n in available() if issubclass(get(n), BucketingStrategy)]
@@ -126,4 +128,4 @@ def plan_for(sync, named_params) -> Plan:
 # Importing the modules registers their strategies; PlannedSync runs the plans (ShardedSync the sharded one's).
 from dtrain.collectives.strategies import bucketed, ddp, flat, noop, per_class, per_tensor, powersgd  # noqa: E402,F401
 from dtrain.collectives.strategies.planned import PlannedSync  # noqa: E402
-from dtrain.collectives.strategies import auto, sharded  # noqa: E402,F401
+from dtrain.collectives.strategies import auto, fsdp2, sharded  # noqa: E402,F401

@@ -1,0 +1,172 @@
+"""`fsdp2`: stock PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`), the sharded baseline a user reaches for first.
+
+Each block of the model's layer stacks is one FSDP unit, and the root holds the rest (`units`): for the paper's
+Transformer, every encoder and decoder layer, and a root with the tied embedding (FSDP2 keeps a parameter shared by
+several modules in the one unit that holds them all). In a unit's backward its gradients are reduce-scattered; each
+rank updates its shard (the parameters are DTensors sharded on dim 0, and the optimizer runs over them); the next
+forward all-gathers each unit just before it runs. `sync.reshard_after_forward` frees a unit's gathered parameters
+after its forward and gathers them again for its backward (FSDP2's default, the ZeRO-3 layout; false keeps them from
+forward to backward, ZeRO-2's); the root keeps them either way, as FSDP2 does by default. `sync.gather_dtype: bf16` (under bf16 autocast) is FSDP2's mixed precision:
+`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: every parameter gathered and computed with in bf16, the
+gradients reduced in fp32. Unlike `sharded`'s it rounds the parameters that autocast would keep in fp32 too (layer
+norms, the embedding): a different forward, not a lossless exchange.
+
+Through the seam: the loop's optimizer is built over the model's own (sharded) parameters; `grad_norm` all-reduces the
+shards' sums of squares; `no_sync` is FSDP2's `set_requires_gradient_sync(False)`; checkpoints hold the whole model and
+the optimizer state as if one rank had updated it (`torch.distributed.checkpoint.state_dict` for the model), so they
+resume under any strategy and world size. FSDP2 waits for its reduce-scatters at the end of backward itself: its
+communication not hidden by backward shows in backward time, as DDP's does, and `wait()` has nothing left to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from dtrain.collectives.plan import BucketingStrategy, pack
+from dtrain.collectives.strategies import register
+from dtrain.collectives.sync import GradSync, total_norm
+from dtrain.collectives.tensor_classes import CollectiveSettings
+from dtrain.common.errors import UserError
+
+WHOLE = StateDictOptions(full_state_dict=True)  # every rank gets (and gives) the whole model's tensors
+_BLOCK = re.compile(r"^((?:[^.]+\.)*?\d+)\.")  # a parameter's path up to its first numbered module: "decoder.3."
+
+
+def unit_of(name: str) -> str:
+    """The FSDP unit of parameter `name`: the first numbered module on its path (a child of a layer stack, an
+    `nn.ModuleList` or `nn.Sequential`: "encoder.0.self_attn.W_Q.weight" -> "encoder.0"), or "" for the root."""
+    m = _BLOCK.match(name)
+    return m.group(1) if m else ""
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """The modules `fully_shard` wraps before the root: each numbered child on a parameter's path (`unit_of`), once."""
+    names = dict.fromkeys(unit_of(n) for n, _ in model.named_parameters())
+    return [model.get_submodule(n) for n in names if n]
+
+
+class Fsdp2Units(BucketingStrategy):
+    """FSDP2's communication as a bucket plan, for the cost model and the simulator (never executed: FSDP2 runs itself):
+    one bucket per unit, reduce-scattered when its last gradient is ready, the root's last (its post-backward runs
+    when backward ends)."""
+
+    name = "fsdp2"
+    shards = True
+    overlap = True
+
+    @dataclass(frozen=True)
+    class Config:
+        reshard_after_forward: bool = True
+        gather_dtype: str | None = None
+
+    def plan(self, named_params, classes, settings):
+        fp32 = CollectiveSettings(bucket_cap_mb=2.0**30)  # 1 PiB: a unit's bucket never closes early
+        blocks = pack([(n, p) for n, p in named_params if unit_of(n)], classes, key=lambda n, p: unit_of(n),
+                      settings_of=lambda k: fp32)
+        root = pack([(n, p) for n, p in named_params if not unit_of(n)], classes, key=lambda n, p: "",
+                    settings_of=lambda k: fp32)
+        return [dataclasses.replace(b, index=i) for i, b in enumerate(blocks + root)]
+
+
+@register("fsdp2")
+class Fsdp2Sync(GradSync):
+    sync_keys = ("reshard_after_forward", "gather_dtype")
+    plans_like = Fsdp2Units
+
+    def __init__(self, model: nn.Module, cfg, process_group: dist.ProcessGroup | None = None):
+        super().__init__(model, cfg, process_group)
+        device = next(model.parameters()).device
+        group = process_group if process_group is not None else dist.group.WORLD
+        mesh = DeviceMesh.from_group(group, device.type)
+        policy = MixedPrecisionPolicy()
+        if cfg.gather_dtype == "bf16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        self.units = units(model)
+        for unit in self.units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+        # The root never reshards after forward (FSDP2's own rule when not told: backward needs it at once).
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        self._gathered = False  # `wait_params` left every unit's parameters gathered
+        model.register_forward_pre_hook(self._drop_gathered, prepend=True)
+
+    def _fsdp_modules(self) -> list[FSDPModule]:
+        return [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+
+    @contextmanager
+    def no_sync(self):
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def grad_norm(self, exact: bool = False) -> torch.Tensor:
+        """Each rank's shards' sums of squares, all-reduced (float64 with `exact`)."""
+        local = [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
+        return total_norm(local, exact=exact, group=self.process_group, sharded=True)
+
+    def wait_params(self) -> None:
+        """Every unit's parameters gathered and kept so until the next forward with gradients: any method of the
+        model then runs without a collective (decoding calls `encode` and `decode_step`, not `forward`, and ranks
+        decode different numbers of batches; so do they in validation)."""
+        for m in self._fsdp_modules():
+            m.unshard()
+        for unit in self.units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        self._gathered = True
+
+    def _drop_gathered(self, module, args) -> None:
+        """Before a forward with gradients (training): the copies `wait_params` gathered are dropped, so that it
+        gathers what the optimizer has updated since (FSDP2's own pre-forward keeps what is already gathered)."""
+        if self._gathered and (module is None or torch.is_grad_enabled()):
+            for unit in self.units:
+                unit.set_reshard_after_forward(self.cfg.reshard_after_forward, recurse=False)
+            for m in self._fsdp_modules():
+                m.reshard()
+            self._gathered = False
+
+    def model_state(self) -> dict:
+        return get_model_state_dict(self.model, options=WHOLE)
+
+    def load_model_state(self, state: dict) -> None:
+        self._drop_gathered(None, None)
+        set_model_state_dict(self.model, state, options=WHOLE)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state dict with each DTensor state (Adam's moments) gathered whole: the form a DDP run's
+        optimizer writes (a collective: every rank calls it)."""
+        sd = optimizer.state_dict()
+        state = {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.items()}
+                 for i, s in sd["state"].items()}
+        return {**sd, "state": state}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """A whole-model state dict (any strategy's, any world size): each whole tensor cut to this rank's shard
+        of the parameter it belongs to."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        ids = [i for g in state["param_groups"] for i in g["params"]]
+        if len(ids) != len(params):
+            raise UserError(f"the checkpoint's optimizer state has {len(ids)} parameters, this model {len(params)}")
+        by_id = dict(zip(ids, params))
+        shards = {}
+        for i, s in state["state"].items():
+            p = by_id[i]
+            shards[i] = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+                         if isinstance(v, torch.Tensor) and v.shape == p.shape else v for k, v in s.items()}
+        optimizer.load_state_dict({**state, "state": shards})
+
+    def stats(self) -> dict:
+        return {**super().stats(), "units": len(self.units) + 1,
+                "reshard_after_forward": self.cfg.reshard_after_forward,
+                "param_dtype": "bf16" if self.cfg.gather_dtype == "bf16" else "fp32"}
