@@ -22,6 +22,9 @@
 # 6. sync.strategy: auto over per-class NCCL protocols and bucket caps (tuning.csv: predicted and measured).
 # 7. The bench's reduce-scatter and all-gather (`--collective`: nccl-tests' reduce_scatter_perf and all_gather_perf
 #    tables, each row checked, #wrong) over the two NCCL ranks: the collectives `sharded` exchanges with.
+# 8. Stock FSDP2 (sync.strategy: fsdp2) on NCCL, each reshard setting, the second with bf16 parameters (FSDP2's
+#    mixed precision): its parameters against ddp's (fp32: equal to rounding; bf16: another forward, compared
+#    only), and its checkpoint resumed under ddp.
 # Each part has its own time limit and the script goes on after a failed part; the exit status counts the failures.
 set -uf  # -f: the part patterns below are not file globs
 OUT_DIR=${1:-runs/gpu-check}
@@ -150,6 +153,19 @@ for proto in LL LL128 Simple; do
     NCCL_PROTO=$proto part "bench-$proto" 50 two_ranks $port $BENCH --path raw --json "$OUT_DIR/bench-$proto.json"
 done
 part bench-rs-ag 60 two_ranks 29627 $BENCH --collective reduce_scatter,all_gather --json "$OUT_DIR/bench-rs-ag.json"
+# Stock FSDP2 on NCCL: all-gathers and reduce-scatters on its own CUDA streams (on CPU they block the computing
+# thread), the same steps as ddp's; then its checkpoint continues under ddp for 10 steps.
+part train-2rank-fsdp2 100 two_ranks 29628 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN $NOEVAL \
+    --set sync.strategy=fsdp2 --run-dir "$OUT_DIR/train-2rank-fsdp2"
+part fsdp2-vs-ddp 30 python3 -m dtrain.engine.checkpoint diff "$OUT_DIR/train-2rank-ddp" "$OUT_DIR/train-2rank-fsdp2"
+part train-2rank-fsdp2-keep-bf16 100 two_ranks 29629 -m dtrain.engine.train --profile dtrain/profiles/base.yaml \
+    $TRAIN $NOEVAL --set sync.strategy=fsdp2 --set sync.reshard_after_forward=false --set sync.gather_dtype=bf16 \
+    --run-dir "$OUT_DIR/train-2rank-fsdp2-keep-bf16"
+part fsdp2-bf16-vs-ddp 30 python3 -m dtrain.engine.checkpoint diff "$OUT_DIR/train-2rank-ddp" \
+    "$OUT_DIR/train-2rank-fsdp2-keep-bf16"
+part fsdp2-resumed-under-ddp 100 two_ranks 29630 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN \
+    $NOEVAL --set sync.strategy=ddp --resume --set train.max_steps=$((STEPS2 + 10)) \
+    --run-dir "$OUT_DIR/train-2rank-fsdp2"
 
 echo "=== done ($(date +%T)): $failures part(s) failed"
 exit "$failures"

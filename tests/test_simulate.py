@@ -13,6 +13,7 @@ from dtrain.analysis import simulate as sim
 from dtrain.analysis.plans import bucket_plan, narrowed_bytes, ready_params
 from dtrain.analysis.runs import load_run, slowest_rank_records
 from dtrain.analysis.simulate.__main__ import main
+from dtrain.analysis.simulate.calibration import Calibration
 from dtrain.collectives import costmodel as cm
 from dtrain.collectives.costmodel import CollectiveCost
 from dtrain.collectives.timeline import gather_stall, optimizer_saving, sharded_times
@@ -606,3 +607,33 @@ def test_two_lanes_only_for_a_gloo_run_costed_by_a_fit(tmp_path):
     assert sim.default_lanes("nccl", cm.load_model(f"local:{fit}")) == 1
     for nccl_model in ("h100x8", f"nccl-log:{H200_LOG}"):  # NCCL's models: one stream, whatever ran the profile
         assert sim.default_lanes("gloo", cm.load_model(nccl_model)) == 1
+
+
+def test_fsdp2_on_a_cpu_device_adds_every_collective_and_with_streams_overlaps_them(tmp_path):
+    """fsdp2: one bucket per unit (the layer and the root); a reduce-scatter and an all-gather each cost the latency
+    and half the rest of an all-reduce. Without device streams every one adds to the step, the gathers again in
+    backward with reshard_after_forward (all but the root's); with streams backward hides some of them."""
+    _write_run(tmp_path / "run", strategy="sharded")
+    run = load_run(tmp_path / "run")
+    ref = sim.reference_step(run)
+    curve, cal = sim.ready_curve(run, ref), Calibration()  # collectives at the cost model's speed
+    plan = bucket_plan(run.cfg, "fsdp2").buckets
+    assert len(plan) == 3  # encoder.0, decoder.0 and the root: N=1
+
+    def half(nbytes):  # the all-reduce's latency and half the rest, as `sharded`'s exchanges cost
+        whole, alpha = _Flat().allreduce_ms(nbytes), _Flat().allreduce_latency_ms(nbytes)
+        return alpha + (whole - alpha) / 2
+
+    one_way = sum(half(b.nbytes) for b in plan)
+    saving = optimizer_saving(plan, ref.optimizer_ms, 2)
+    for reshard, again in ((False, 0.0), (True, sum(half(b.nbytes) for b in plan[:-1]))):
+        cfg = config_mod.from_dict({**run.cfg.to_dict(), "sync": {"strategy": "fsdp2",
+                                                                   "reshard_after_forward": reshard}}, "test")
+        cal.streams = False
+        serial = sim.predict(cfg, ref, curve, _Flat(), cal, "fsdp2", None, run.vocab)
+        assert serial.label == ("fsdp2" if reshard else "fsdp2+keep") and serial.buckets == 3
+        assert serial.comm_ms == pytest.approx(2 * one_way + again)
+        assert serial.step_ms == pytest.approx(ref.compute_ms - saving + 2 * one_way + again)
+        cal.streams = True
+        overlapped = sim.predict(cfg, ref, curve, _Flat(), cal, "fsdp2", None, run.vocab)
+        assert overlapped.comm_ms == pytest.approx(serial.comm_ms) and overlapped.step_ms < serial.step_ms

@@ -38,6 +38,9 @@ class StrategyFacts:
     # a planned strategy (by name, or a `BucketingStrategy` class of its own) whose buckets model this one's (None:
     # its own)
     plans_like: ClassVar[str | type | None] = None
+    # With `sync.gather_dtype` (where it reads it), the result is still the exact mean: `sharded` narrows only what
+    # autocast rounds anyway; FSDP2's mixed precision rounds every parameter the forward reads
+    gather_dtype_exact: ClassVar[bool] = True
 
 
 class GradSync(StrategyFacts):

@@ -52,8 +52,8 @@ from dtrain.engine.trainer import Trainer, rng_state, set_rng_state
 TUNE_DIR = "tune"  # <run>/tune/<candidate>/: each replica's records during the search
 
 # The search space when a profile names none: the strategies that send buckets, at caps around the sizes of the
-# base model's tensors, a small first bucket, a per-class cap, the tied embedding's split and the sharded strategy's
-# forward overlap.
+# base model's tensors, a small first bucket, a per-class cap, the tied embedding's split, the sharded strategy's
+# forward overlap and stock FSDP2 with each reshard setting.
 DEFAULT_SPACE: dict[str, dict[str, Any]] = {
     "ddp-25": {"strategy": "ddp", "bucket_cap_mb": 25},  # stock DDP's defaults
     "ddp-2": {"strategy": "ddp", "bucket_cap_mb": 2},
@@ -69,6 +69,8 @@ DEFAULT_SPACE: dict[str, dict[str, Any]] = {
     "sharded-8": {"strategy": "sharded", "bucket_cap_mb": 8},
     "sharded-1-split": {"strategy": "sharded", "bucket_cap_mb": 1, "classes.embedding.tied_split": True},
     "sharded-2-split": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
+    "fsdp2": {"strategy": "fsdp2"},  # stock FSDP2's defaults
+    "fsdp2-keep": {"strategy": "fsdp2", "reshard_after_forward": False},
 }
 
 
@@ -112,7 +114,9 @@ def is_lossless(sync) -> bool:
     hook = hooks.resolve(sync.hook) if "hook" in strategies.get(sync.strategy).sync_keys else None
     if hook is not None and not hook.per_class:
         return hook.lossless
-    return strategies.get(sync.strategy).lossless and fp32
+    cls = strategies.get(sync.strategy)
+    narrowed = "gather_dtype" in cls.sync_keys and sync.gather_dtype is not None and not cls.gather_dtype_exact
+    return cls.lossless and fp32 and not narrowed
 
 
 def candidates(cfg: RunConfig) -> list[Candidate]:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dtrain.collectives import strategies
 from dtrain.collectives.costmodel.fit import FittedModel, fit_regimes
 from dtrain.collectives.plan import ready_order
+from dtrain.collectives.strategies.fsdp2 import Fsdp2Units
 from dtrain.collectives.timeline import (
     GLOO_LANES,
     ReadyCurve,
@@ -103,6 +104,12 @@ def predict_ms(sync, model: torch.nn.Module, probe: Probe, net: FittedModel, wor
     sharded = strategies.planner(sync.strategy).shards
     if sharded:  # a reduce-scatter (an all-gather) moves half an all-reduce's bytes
         ready, dur = sharded_times(plan.buckets, ready, dur, lambda i, d: d / 2)
+    if cls.plans_like is Fsdp2Units and backend == "gloo":
+        # FSDP2 on a CPU device waits for each collective on the computing thread: nothing overlaps. `dur` holds
+        # each unit's reduce-scatter; its all-gather costs as much, and reshard_after_forward gathers every unit but
+        # the root (the last) again in backward.
+        again = sum(dur[:-1]) if sync.reshard_after_forward else 0.0
+        return probe.step_ms + 2 * sum(dur) + again - optimizer_saving(plan.buckets, probe.optimizer_ms, world)
     lanes = GLOO_LANES if backend == "gloo" else 1
     groups = [b.tensor_class for b in plan.buckets] if plan.class_groups and lanes > 1 else None
     tl = play_timeline(ready, dur, backward, plan.overlap, 1.0, lanes, None, groups, net.link_efficiency)

@@ -247,6 +247,7 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
         curve = ready_curve(run, ref)
         calib = (Calibration(note="off", lanes=lanes) if args.no_calibrate
                  else calibrate(ref, model, host_cost, lanes, class_groups))
+        calib.streams = not on_cpu
         rows = player(run)(ref, curve, calib)
         which = "medians of its steady steps" if args.median else f"step {ref.step}"
         notes = [f"ready times: {curve.source}", f"calibration: {calib.note}"]

@@ -28,6 +28,9 @@ class Calibration:
     # applied
     host_base_ms: float | None = None
     lanes: int = 1  # collectives at once per process group (`play_timeline`): 1 for NCCL's single stream, 2 for gloo
+    # The device has streams on which a collective runs beside the computing thread (CUDA). On a CPU device FSDP2
+    # issues each collective on the thread that computes and waits for it there (fsdp2's prediction adds them up).
+    streams: bool = True
     timeline: Timeline | None = field(default=None, repr=False)  # the reference step's collectives, played again
 
 

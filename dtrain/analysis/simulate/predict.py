@@ -11,6 +11,8 @@ from dtrain.analysis.simulate.calibration import Calibration
 from dtrain.analysis.simulate.costs import host_ms
 from dtrain.analysis.simulate.reference import ReferenceStep
 from dtrain.collectives import nccl, strategies, tensor_classes
+from dtrain.collectives.strategies.fsdp2 import Fsdp2Units
+from dtrain.collectives.tensor_classes import WIRE_DTYPES
 from dtrain.collectives.timeline import ReadyCurve, gather_stall, optimizer_saving, play_timeline, sharded_times, through
 from dtrain.common.errors import UserError
 
@@ -40,12 +42,13 @@ class Prediction:
     split: bool = False  # the tied embedding's gradient split (`tied_split`)
     rows: bool = False  # and that embedding sharded by rows (`sharded` with `shard_tied_split`)
     narrowed: str | None = None  # `sharded` with `gather_dtype`: the Linear members' dtype in the exchanges
+    keep: bool = False  # fsdp2 with `reshard_after_forward: false`: the units keep their parameters until backward
 
     @property
     def label(self) -> str:
         return (self.strategy + (f"@{self.cap_mb:g}M" if self.cap_mb is not None else "")
                 + ("+split" if self.split else "") + ("+rows" if self.rows else "")
-                + (f"+{self.narrowed}" if self.narrowed else ""))
+                + (f"+{self.narrowed}" if self.narrowed else "") + ("+keep" if self.keep else ""))
 
 
 def requested_nccl(cfg, class_groups: bool):
@@ -79,6 +82,8 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     if strategy == "noop":
         return Prediction("noop", None, 0, 0.0, 0.0, compute - (calib.host_base_ms or 0.0), lossless=False,
                           communicates=False)
+    if strategies.get(strategy).plans_like is Fsdp2Units:
+        return _fsdp2(cfg, ref, curve, model, calib, strategy, vocab, classes, cost, nccl_of)
     plan, overlap, class_groups = bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
     sharded = strategies.planner(strategy).shards
     split = _split_classes(cfg, strategy, classes)
@@ -139,6 +144,49 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, len(plan), tl.comm_ms,
                       exposed, compute + exposed, lossless, split=bool(split),
                       rows=any(b.row_size for b in plan), narrowed=narrowed)
+
+
+def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration, strategy: str,
+           vocab: int | None, classes: dict | None, cost, nccl_of) -> Prediction:
+    """FSDP2's step: each unit (`Fsdp2Units`' buckets) reduce-scattered in backward, all-gathered in forward (in
+    bf16 with `gather_dtype`, FSDP2's mixed precision) and, with `reshard_after_forward`, gathered again in backward
+    (all but the root, the last bucket, which keeps its parameters). A reduce-scatter or all-gather costs its
+    latency and half the rest of an all-reduce of its bytes. Without device streams (`calib.streams`: a CPU
+    device) every collective blocks the computing thread, so they add up to the step; with them the reduce-scatters
+    and the backward gathers (each issued as the unit before starts its backward, FSDP2's prefetch) are played on
+    the timeline as `sharded`'s, and the forward waits for its gathers as `sharded`'s does. Not modeled: FSDP2's
+    copies into and out of its flat buffers and the DTensor optimizer's overhead; the optimizer is charged for
+    1/world of the parameters, as `sharded`'s."""
+    sync = sync_for(cfg, strategy, classes=classes)
+    plan = bucket_plan(cfg, strategy, classes=classes, vocab=vocab).buckets
+    one = cost or (lambda n, a, p: model.allreduce_ms(n, a, p))
+    nccl_of = nccl_of or requested_nccl(cfg, False)
+
+    def half(b, nbytes: int) -> float:
+        whole = calib.comm_scale * one(nbytes, *nccl_of(b))
+        alpha = calib.comm_scale * model.allreduce_latency_ms(nbytes) if cost is None else 0.0
+        return alpha + (whole - alpha) / 2
+
+    low = WIRE_DTYPES[sync.gather_dtype].itemsize if sync.gather_dtype else None
+    scatter = [half(b, b.nbytes) for b in plan]
+    gather = [half(b, b.numel * low if low else b.nbytes) for b in plan]
+    regather = gather[:-1] if sync.reshard_after_forward else []
+    world = getattr(model, "ranks", None) or 2
+    compute = ref.compute_ms - (calib.host_base_ms or 0.0) - optimizer_saving(plan, ref.optimizer_ms, world)
+    if not calib.streams:
+        exposed = sum(scatter) + sum(regather)
+        compute += sum(gather)
+    else:
+        ready = [curve.at(x) for x in through(plan, ready_params(cfg, vocab))]
+        prefetch = [0.0, 0.0, *ready][:len(regather)]  # unit i's gather, as unit i - 1 starts its backward
+        entries = sorted(zip(ready + prefetch, scatter + regather))
+        tl = play_timeline([r for r, _ in entries], [d for _, d in entries], ref.sync_backward_ms, True,
+                           calib.slowdown, calib.lanes, None, None, model.link_efficiency)
+        exposed = tl.exposed_ms + calib.post_ms
+        compute += gather_stall(plan, gather, ref.forward_ms / ref.accum_steps) + (regather[0] if regather else 0.0)
+    return Prediction(strategy, None, len(plan), sum(scatter) + sum(gather) + sum(regather), exposed,
+                      compute + exposed, lossless=sync.gather_dtype is None, narrowed=sync.gather_dtype,
+                      keep=not sync.reshard_after_forward)
 
 
 def _split_classes(cfg, strategy: str, classes: dict | None) -> set[str]:

@@ -6,10 +6,14 @@ several modules in the one unit that holds them all). In a unit's backward its g
 rank updates its shard (the parameters are DTensors sharded on dim 0, and the optimizer runs over them); the next
 forward all-gathers each unit just before it runs. `sync.reshard_after_forward` frees a unit's gathered parameters
 after its forward and gathers them again for its backward (FSDP2's default, the ZeRO-3 layout; false keeps them from
-forward to backward, ZeRO-2's); the root keeps them either way, as FSDP2 does by default. `sync.gather_dtype: bf16` (under bf16 autocast) is FSDP2's mixed precision:
-`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: every parameter gathered and computed with in bf16, the
-gradients reduced in fp32. Unlike `sharded`'s it rounds the parameters that autocast would keep in fp32 too (layer
-norms, the embedding): a different forward, not a lossless exchange.
+forward to backward, ZeRO-2's); the root keeps them either way, as FSDP2 does by default. `sync.gather_dtype: bf16`
+(under bf16 autocast) is FSDP2's mixed precision, `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: every
+parameter gathered and computed with in bf16, the gradients reduced in fp32. Unlike `sharded`'s it rounds the
+parameters that autocast would keep in fp32 too (layer norms, the embedding): a different forward, not a lossless
+exchange.
+
+FSDP2 overlaps its collectives with computation through CUDA streams. On a CPU device it issues each one on the
+thread that computes and waits for it there: on gloo its communication overlaps nothing.
 
 Through the seam: the loop's optimizer is built over the model's own (sharded) parameters; `grad_norm` all-reduces the
 shards' sums of squares; `no_sync` is FSDP2's `set_requires_gradient_sync(False)`; checkpoints hold the whole model and
@@ -83,9 +87,11 @@ class Fsdp2Units(BucketingStrategy):
 class Fsdp2Sync(GradSync):
     sync_keys = ("reshard_after_forward", "gather_dtype")
     plans_like = Fsdp2Units
+    gather_dtype_exact = False
 
     def __init__(self, model: nn.Module, cfg, process_group: dist.ProcessGroup | None = None):
         super().__init__(model, cfg, process_group)
+        self.lossless = cfg.gather_dtype is None  # bf16 parameters: another forward, not the exact mean's update
         device = next(model.parameters()).device
         group = process_group if process_group is not None else dist.group.WORLD
         mesh = DeviceMesh.from_group(group, device.type)
