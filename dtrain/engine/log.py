@@ -56,6 +56,21 @@ def versions() -> dict:
     return v
 
 
+def cpu_model() -> dict:
+    """The CPU's model name (Linux's /proc/cpuinfo, where there is one) and the instruction set torch's CPU kernels
+    use: a CPU without bf16 instructions runs bf16 autocast many times slower than fp32, which changes what a run's
+    step is made of."""
+    facts = {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    if names:
+        facts["cpu_model"] = names[0]
+    return facts
+
+
 class RunWriter:
     """Appends records; on resume, drops step records past the checkpoint so the file matches the model again.
     `enabled`: this rank writes the run's records (rank 0). A rank > 0 with `rank_records` writes only its bucket
@@ -73,7 +88,7 @@ class RunWriter:
             return
         (self.run_dir / rundir.CONFIG).write_text(config_mod.dump(cfg))
         header = {"name": cfg.name, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
-                  "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                  "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), **cpu_model(),
                   "versions": versions(), **facts}
         (self.run_dir / rundir.HEADER).write_text(json.dumps(header, indent=2) + "\n")
 

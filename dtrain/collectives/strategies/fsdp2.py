@@ -28,14 +28,11 @@ import dataclasses
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtrain.collectives.plan import BucketingStrategy, pack
 from dtrain.collectives.strategies import register
@@ -43,7 +40,6 @@ from dtrain.collectives.sync import GradSync, total_norm
 from dtrain.collectives.tensor_classes import CollectiveSettings
 from dtrain.common.errors import UserError
 
-WHOLE = StateDictOptions(full_state_dict=True)  # every rank gets (and gives) the whole model's tensors
 _BLOCK = re.compile(r"^((?:[^.]+\.)*?\d+)\.")  # a parameter's path up to its first numbered module: "decoder.3."
 
 
@@ -58,6 +54,22 @@ def units(model: nn.Module) -> list[nn.Module]:
     """The modules `fully_shard` wraps before the root: each numbered child on a parameter's path (`unit_of`), once."""
     names = dict.fromkeys(unit_of(n) for n, _ in model.named_parameters())
     return [model.get_submodule(n) for n in names if n]
+
+
+def fsdp2_api() -> SimpleNamespace:
+    """FSDP2, DTensor and torch's distributed state-dict helpers. Imported when an fsdp2 handle is built, not with
+    this module: they take about 0.8 s to import (sympy, DTensor's operator tables), and every dtrain process imports
+    the strategy registry, this module included."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    return SimpleNamespace(
+        DeviceMesh=DeviceMesh, FSDPModule=FSDPModule, MixedPrecisionPolicy=MixedPrecisionPolicy,
+        fully_shard=fully_shard, DTensor=DTensor, distribute_tensor=distribute_tensor,
+        get_model_state_dict=get_model_state_dict, set_model_state_dict=set_model_state_dict,
+        whole=StateDictOptions(full_state_dict=True))  # every rank gets (and gives) the whole model's tensors
 
 
 class Fsdp2Units(BucketingStrategy):
@@ -92,22 +104,23 @@ class Fsdp2Sync(GradSync):
     def __init__(self, model: nn.Module, cfg, process_group: dist.ProcessGroup | None = None):
         super().__init__(model, cfg, process_group)
         self.lossless = cfg.gather_dtype is None  # bf16 parameters: another forward, not the exact mean's update
+        self.api = api = fsdp2_api()
         device = next(model.parameters()).device
         group = process_group if process_group is not None else dist.group.WORLD
-        mesh = DeviceMesh.from_group(group, device.type)
-        policy = MixedPrecisionPolicy()
+        mesh = api.DeviceMesh.from_group(group, device.type)
+        policy = api.MixedPrecisionPolicy()
         if cfg.gather_dtype == "bf16":
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            policy = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         self.units = units(model)
         for unit in self.units:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+            api.fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
         # The root never reshards after forward (FSDP2's own rule when not told: backward needs it at once).
-        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        api.fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
         self._gathered = False  # `wait_params` left every unit's parameters gathered
         model.register_forward_pre_hook(self._drop_gathered, prepend=True)
 
-    def _fsdp_modules(self) -> list[FSDPModule]:
-        return [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+    def _fsdp_modules(self) -> list:
+        return [m for m in self.model.modules() if isinstance(m, self.api.FSDPModule)]
 
     @contextmanager
     def no_sync(self):
@@ -143,17 +156,17 @@ class Fsdp2Sync(GradSync):
             self._gathered = False
 
     def model_state(self) -> dict:
-        return get_model_state_dict(self.model, options=WHOLE)
+        return self.api.get_model_state_dict(self.model, options=self.api.whole)
 
     def load_model_state(self, state: dict) -> None:
         self._drop_gathered(None, None)
-        set_model_state_dict(self.model, state, options=WHOLE)
+        self.api.set_model_state_dict(self.model, state, options=self.api.whole)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state dict with each DTensor state (Adam's moments) gathered whole: the form a DDP run's
         optimizer writes (a collective: every rank calls it)."""
         sd = optimizer.state_dict()
-        state = {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.items()}
+        state = {i: {k: v.full_tensor() if isinstance(v, self.api.DTensor) else v for k, v in s.items()}
                  for i, s in sd["state"].items()}
         return {**sd, "state": state}
 
@@ -168,7 +181,7 @@ class Fsdp2Sync(GradSync):
         shards = {}
         for i, s in state["state"].items():
             p = by_id[i]
-            shards[i] = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            shards[i] = {k: self.api.distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
                          if isinstance(v, torch.Tensor) and v.shape == p.shape else v for k, v in s.items()}
         optimizer.load_state_dict({**state, "state": shards})
 
