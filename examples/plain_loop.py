@@ -64,7 +64,8 @@ def train(args) -> None:
         forward, wait, label = handle.module, handle.wait, args.strategy + (f" + {args.hook}" if args.hook else "")
         # What this rank updates (a sharded strategy: its shards), the calls that publish the update, and the whole
         # model's state (fsdp2's parameters are shards: its state dict gathers them)
-        params, stepped, settle, whole = handle.optimizer_params(), handle.stepped, handle.wait_params, handle.model_state
+        params, stepped = handle.optimizer_params(), handle.stepped
+        settle, whole = handle.wait_params, handle.model_state
     optimizer = torch.optim.SGD(params, lr=0.1)
     data = torch.Generator().manual_seed(rank)  # each rank its own batches
     for _ in range(args.steps):

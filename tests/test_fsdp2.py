@@ -14,6 +14,7 @@ from conftest import NO_EVAL, records, torchrun
 from dtrain.collectives import attach, strategies
 from dtrain.collectives.plan import ready_order
 from dtrain.collectives.settings import SyncConfig
+from dtrain.collectives.strategies import unused_keys
 from dtrain.collectives.strategies.fsdp2 import unit_of, units
 from dtrain.engine import verify
 
@@ -31,7 +32,6 @@ def test_each_layer_is_a_unit_and_the_root_holds_the_tied_embedding():
 
 
 def test_reshard_after_forward_is_a_setting_only_fsdp2_reads():
-    from dtrain.collectives.strategies import unused_keys
     assert unused_keys(SyncConfig(strategy="fsdp2", reshard_after_forward=False)) == []
     assert [k for k, _ in unused_keys(SyncConfig(strategy="sharded", reshard_after_forward=False))] == [
         "sync.reshard_after_forward"]

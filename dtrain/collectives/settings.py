@@ -80,7 +80,8 @@ class TuneConfig:
 
 @dataclass(frozen=True)
 class SyncConfig:
-    strategy: str = "ddp"  # ddp, per_tensor, flat, bucketed, per_class, sharded, fsdp2, powersgd, noop, auto (strategies/)
+    # ddp, per_tensor, flat, bucketed, per_class, sharded, fsdp2, powersgd, noop, auto (strategies/)
+    strategy: str = "ddp"
     bucket_cap_mb: float | None = None  # None: DDP's default (25 MiB, with a 1 MiB first bucket); 25 for the others
     first_bucket_mb: float | None = None  # ddp, bucketed: cap of the bucket ready first; None: as bucket_cap_mb
     # bucketed, sharded: the last parameters backward completes, as few as hold this many MiB, in a bucket of their

@@ -5,7 +5,8 @@ over `handle.optimizer_params()`, runs forward through `handle.module`, wraps al
 accumulation in `handle.no_sync()`, calls `handle.wait()` before the update and clips by `handle.grad_norm()`; it may
 call `handle.stepped()` after `optimizer.step()`. Before reading the model's parameters outside training (validation, a
 checkpoint) it calls `handle.wait_params()`; it saves and loads the model through `handle.model_state()` and
-`handle.load_model_state()`, the optimizer through `handle.optimizer_state()` and `handle.load_optimizer_state()`, and the strategy's own state (PowerSGD's error feedback: this rank's, so gathered per
+`handle.load_model_state()`, the optimizer through `handle.optimizer_state()` and `handle.load_optimizer_state()`,
+and the strategy's own state (PowerSGD's error feedback: this rank's, so gathered per
 rank) through `handle.state_dict()` and `handle.load_state_dict()`. It never branches on which strategy is behind the
 handle: for all but a sharded strategy these calls are the plain ones (the model's parameters and state dict, the
 optimizer's own state dict; no state of its own).
