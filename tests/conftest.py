@@ -5,6 +5,7 @@ import contextlib
 import io
 import multiprocessing.process
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -85,6 +86,15 @@ def free_port() -> int:
 
 def records(path):
     return read_jsonl(path)
+
+
+def cut_back(run: Path, to: Path, step: int) -> Path:
+    """A copy of run directory `run` at `to` whose latest checkpoint is `step`'s: what a run stopped there wrote."""
+    shutil.copytree(run, to)
+    for f in (to / "checkpoints").glob("step-*"):
+        if int(f.name.split("-")[1].split(".")[0]) > step:
+            f.unlink()
+    return to
 
 
 NO_EVAL = ("--set", "eval.at_end=false", "--set", "train.average_last=1")

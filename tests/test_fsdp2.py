@@ -3,13 +3,12 @@ training through the trainer as DDP does (gradient equality with the per-tensor 
 strategy by tests/test_strategies.py, at 2 and 3 ranks, with and without accumulation)."""
 
 import copy
-import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import NO_EVAL, records, torchrun
+from conftest import NO_EVAL, cut_back, records, torchrun
 
 from dtrain.collectives import attach, strategies
 from dtrain.collectives.plan import ready_order
@@ -96,15 +95,6 @@ def test_a_whole_state_goes_in_and_out_of_the_shards_of_three_ranks(tmp_path, st
     mp.spawn(_round_trip_on_three_ranks, args=(str(tmp_path / "init"), strategy), nprocs=3, join=True)
 
 
-def _cut_back(run, to, step: int):
-    """A copy of run directory `run` at `to` whose latest checkpoint is `step`'s."""
-    shutil.copytree(run, to)
-    for f in (to / "checkpoints").glob("step-*"):
-        if int(f.name.split("-")[1].split(".")[0]) > step:
-            f.unlink()
-    return to
-
-
 @pytest.mark.slow
 def test_fsdp2_trains_as_ddp_and_its_checkpoints_resume_under_ddp_on_three_ranks(tmp_path):
     """10 steps clipped by the global norm, 2 micro-batches a step: fsdp2's gradient norms are DDP's to rounding
@@ -118,7 +108,7 @@ def test_fsdp2_trains_as_ddp_and_its_checkpoints_resume_under_ddp_on_three_ranks
     norms = {s: [x["grad_norm"] for x in records(run / "steps.jsonl")] for s, run in runs.items()}
     assert len(norms["fsdp2"]) == 10 and max(norms["ddp"]) > 0.5
     assert all(abs(a - b) <= 1e-4 * b for a, b in zip(norms["fsdp2"], norms["ddp"])), norms
-    run = _cut_back(runs["fsdp2"], tmp_path / "fsdp2-under-ddp", 5)
+    run = cut_back(runs["fsdp2"], tmp_path / "fsdp2-under-ddp", 5)
     r = torchrun("--run-dir", str(run), "--resume", "--set", "sync.strategy=ddp", "--set", "train.max_steps=7",
                  *same, nproc=3)
     assert "at step 5" in r.stdout and "re-sharded over 3" in r.stdout, r.stdout

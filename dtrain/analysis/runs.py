@@ -97,6 +97,11 @@ class Run:
         return f"{self.strategy} {variant}" if variant else self.strategy
 
     @property
+    def on_cpu(self) -> bool:
+        """It computed on the CPU (run.json's device; a run without one is taken as a CPU run)."""
+        return str(self.header.get("device", "cpu")).startswith("cpu")
+
+    @property
     def machine(self) -> str:
         """Where it ran, from run.json (and the sweep's launch record for the emulated testbed)."""
         h = self.header

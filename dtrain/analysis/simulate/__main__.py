@@ -223,7 +223,7 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
     model = cm.load_model(args.topology)
     if model.ranks and run.world > 1 and model.ranks != run.world:
         print(f"# note: the cost model has {model.ranks} ranks, the run {run.world}", file=sys.stderr)
-    on_cpu = str(run.header.get("device", "cpu")).startswith("cpu")
+    on_cpu = run.on_cpu
     lanes = args.lanes or default_lanes(str(run.header.get("backend", "gloo")), model)
     measured_dirs = [load_run(p) for p in args.measured]
     class_groups = bucket_plan(run.cfg).class_groups

@@ -191,7 +191,7 @@ def each_step(run: Run, model, host_cost: bool, lanes: int, warmup: int | None,
         ref = reference_step(run, s["step"], warmup)
         calib = (calibrate(ref, model, host_cost, lanes, class_groups) if calibrated
                  else Calibration(note="off", lanes=lanes))
-        calib.streams = not str(run.header.get("device", "cpu")).startswith("cpu")
+        calib.streams = not run.on_cpu
         out.append(play(ref, ready_curve(run, ref), calib))
     return out
 

@@ -119,7 +119,7 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
         alpha = lat or [0.0] * len(dur)
 
         def half(i, d):
-            return alpha[i] + (d - alpha[i]) / 2
+            return exchange_ms(d, alpha[i])
 
         ready, dur = sharded_times(plan, ready, dur, half)
         dur = [half(i, d) if w else d for i, (d, w) in enumerate(zip(dur, whole))]
@@ -146,6 +146,12 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
                       rows=any(b.row_size for b in plan), narrowed=narrowed)
 
 
+def exchange_ms(allreduce_ms: float, latency_ms: float) -> float:
+    """A reduce-scatter's (or an all-gather's) time from the all-reduce of the same bytes: it moves half of them,
+    so it costs the latency and half the rest."""
+    return latency_ms + (allreduce_ms - latency_ms) / 2
+
+
 def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration, strategy: str,
            vocab: int | None, classes: dict | None, cost, nccl_of) -> Prediction:
     """FSDP2's step: each unit (`Fsdp2Units`' buckets) reduce-scattered in backward, all-gathered in forward (in
@@ -163,9 +169,8 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     nccl_of = nccl_of or requested_nccl(cfg, False)
 
     def half(b, nbytes: int) -> float:
-        whole = calib.comm_scale * one(nbytes, *nccl_of(b))
         alpha = calib.comm_scale * model.allreduce_latency_ms(nbytes) if cost is None else 0.0
-        return alpha + (whole - alpha) / 2
+        return exchange_ms(calib.comm_scale * one(nbytes, *nccl_of(b)), alpha)
 
     low = WIRE_DTYPES[sync.gather_dtype].itemsize if sync.gather_dtype else None
     scatter = [half(b, b.nbytes) for b in plan]

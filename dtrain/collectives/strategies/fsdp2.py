@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -62,12 +61,11 @@ def fsdp2_api() -> SimpleNamespace:
     the strategy registry, this module included."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     return SimpleNamespace(
-        DeviceMesh=DeviceMesh, FSDPModule=FSDPModule, MixedPrecisionPolicy=MixedPrecisionPolicy,
-        fully_shard=fully_shard, DTensor=DTensor, distribute_tensor=distribute_tensor,
+        DeviceMesh=DeviceMesh, MixedPrecisionPolicy=MixedPrecisionPolicy, fully_shard=fully_shard, DTensor=DTensor, distribute_tensor=distribute_tensor,
         get_model_state_dict=get_model_state_dict, set_model_state_dict=set_model_state_dict,
         whole=StateDictOptions(full_state_dict=True))  # every rank gets (and gives) the whole model's tensors
 
@@ -80,11 +78,6 @@ class Fsdp2Units(BucketingStrategy):
     name = "fsdp2"
     shards = True
     overlap = True
-
-    @dataclass(frozen=True)
-    class Config:
-        reshard_after_forward: bool = True
-        gather_dtype: str | None = None
 
     def plan(self, named_params, classes, settings):
         fp32 = CollectiveSettings(bucket_cap_mb=2.0**30)  # 1 PiB: a unit's bucket never closes early
@@ -117,10 +110,7 @@ class Fsdp2Sync(GradSync):
         # The root never reshards after forward (FSDP2's own rule when not told: backward needs it at once).
         api.fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
         self._gathered = False  # `wait_params` left every unit's parameters gathered
-        model.register_forward_pre_hook(self._drop_gathered, prepend=True)
-
-    def _fsdp_modules(self) -> list:
-        return [m for m in self.model.modules() if isinstance(m, self.api.FSDPModule)]
+        model.register_forward_pre_hook(self._before_forward, prepend=True)
 
     @contextmanager
     def no_sync(self):
@@ -139,27 +129,32 @@ class Fsdp2Sync(GradSync):
         """Every unit's parameters gathered and kept so until the next forward with gradients: any method of the
         model then runs without a collective (decoding calls `encode` and `decode_step`, not `forward`, and ranks
         decode different numbers of batches; so do they in validation)."""
-        for m in self._fsdp_modules():
+        for m in (*self.units, self.model):
             m.unshard()
         for unit in self.units:
             unit.set_reshard_after_forward(False, recurse=False)
         self._gathered = True
 
-    def _drop_gathered(self, module, args) -> None:
-        """Before a forward with gradients (training): the copies `wait_params` gathered are dropped, so that it
-        gathers what the optimizer has updated since (FSDP2's own pre-forward keeps what is already gathered)."""
-        if self._gathered and (module is None or torch.is_grad_enabled()):
+    def _drop_gathered(self) -> None:
+        """The copies `wait_params` gathered dropped, each unit back to its own reshard setting."""
+        if self._gathered:
             for unit in self.units:
                 unit.set_reshard_after_forward(self.cfg.reshard_after_forward, recurse=False)
-            for m in self._fsdp_modules():
+            for m in (*self.units, self.model):
                 m.reshard()
             self._gathered = False
+
+    def _before_forward(self, module, args) -> None:
+        """A forward with gradients (training) gathers what the optimizer has updated since `wait_params`
+        (FSDP2's own pre-forward keeps what is already gathered); one without (validation) reads the copies."""
+        if torch.is_grad_enabled():
+            self._drop_gathered()
 
     def model_state(self) -> dict:
         return self.api.get_model_state_dict(self.model, options=self.api.whole)
 
     def load_model_state(self, state: dict) -> None:
-        self._drop_gathered(None, None)
+        self._drop_gathered()
         self.api.set_model_state_dict(self.model, state, options=self.api.whole)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
