@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from dtrain.collectives import attach, strategies
 from dtrain.collectives.plan import ready_order
 from dtrain.collectives.settings import SyncConfig
+from dtrain.collectives.sharded.exchange import REPLICATED, ROWS, SHARDS, exchange_plan
 from conftest import NO_EVAL, checkpoint_diff, records, torchrun
 from dtrain.engine import config, verify
 from dtrain.common.errors import UserError
@@ -39,20 +40,55 @@ def test_the_split_embedding_gets_a_bucket_of_its_own_first():
         raw = {"sync": {"strategy": "sharded", "bucket_cap_mb": 25, **sync}}
         return strategies.plan_for(config.from_dict(raw, "test").sync, named)
 
-    buckets = plan(classes={"embedding": {"tied_split": True}}).buckets
+    split = {"classes": {"embedding": {"tied_split": True}}}
+    buckets = plan(**split).buckets
     assert buckets[0].names == ("embed.weight",) and [b.index for b in buckets] == list(range(len(buckets)))
     assert len(buckets) > 1 and all("embed.weight" not in b.names for b in buckets[1:])
-    assert [b.replicated for b in buckets] == [True] + [False] * (len(buckets) - 1)
+    sync = config.from_dict({"sync": {"strategy": "sharded", "bucket_cap_mb": 25, **split}}, "test").sync
+    with torch.device("meta"):
+        model = Transformer(vocab=1000, N=2, d_model=64, d_ff=256, h=4)
+    exchanges = exchange_plan(sync, model, buckets, 2)
+    assert [ex.layout for ex in exchanges] == [REPLICATED] + [SHARDS] * (len(buckets) - 1)
+    assert exchanges[0].padded == buckets[0].numel and all(ex.padded % 2 == 0 for ex in exchanges[1:])
     assert len(plan().buckets) == 1  # without the split, 25 MiB puts the whole model in one bucket
 
 
 def test_the_sharded_split_embedding_is_sharded_by_whole_rows():
     with torch.device("meta"):
-        named = ready_order(Transformer(vocab=1001, N=1, d_model=64, d_ff=256, h=4))
+        model = Transformer(vocab=1001, N=1, d_model=64, d_ff=256, h=4)
     raw = {"sync": {"strategy": "sharded", "shard_tied_split": True, "classes": {"embedding": {"tied_split": True}}}}
-    buckets = strategies.plan_for(config.from_dict(raw, "test").sync, named).buckets
-    assert buckets[0].names == ("embed.weight",) and buckets[0].row_size == 64
-    assert not any(b.replicated for b in buckets) and all(b.row_size == 0 for b in buckets[1:])
+    sync = config.from_dict(raw, "test").sync
+    buckets = strategies.plan_for(sync, ready_order(model)).buckets
+    exchanges = exchange_plan(sync, model, buckets, 3)
+    assert buckets[0].names == ("embed.weight",) and exchanges[0].layout == ROWS and exchanges[0].row_size == 64
+    assert exchanges[0].padded == 1002 * 64 and exchanges[0].chunk == 334 * 64  # 1,001 rows: 334 whole rows a rank
+    assert all(ex.layout == SHARDS and ex.row_size == 0 for ex in exchanges[1:])
+
+
+@pytest.mark.parametrize("world,whole", [(2, True), (3, True), (4, False)])
+def test_the_exchange_plan_narrows_what_only_linear_modules_read(world, whole):
+    """With gather_dtype bf16: a sharded bucket's Linear members travel in bf16, its LayerNorm members in fp32;
+    the replicated embedding (read by its lookups and the pre-softmax projection, a Linear) is exchanged whole in
+    bf16 up to 3 ranks, where that sends fewer bytes than an fp32 ring all-reduce. A step of summed micro-batches
+    reduce-scatters in fp32; the all-gather stays narrowed."""
+    with torch.device("meta"):
+        model = Transformer(vocab=1000, N=1, d_model=64, d_ff=256, h=4)
+    raw = {"train": {"amp": "bf16"}, "sync": {"strategy": "sharded", "bucket_cap_mb": 0.05, "gather_dtype": "bf16",
+                                              "classes": {"embedding": {"tied_split": True}}}}
+    sync = config.from_dict(raw, "test").sync
+    buckets = strategies.plan_for(sync, ready_order(model)).buckets
+    exchanges = exchange_plan(sync, model, buckets, world)
+    embedding, rest = exchanges[0], exchanges[1:]
+    assert embedding.whole == whole and embedding.nbytes("all_gather") == 0
+    assert embedding.nbytes("reduce_scatter") == buckets[0].nbytes // (2 if whole else 1)
+    numel = dict(model.named_parameters())
+    for ex in rest:
+        assert ex.narrowed == {n for n in ex.bucket.names if "norm" not in n}
+        assert ex.nbytes("all_gather") == sum(numel[n].numel() * (2 if n in ex.narrowed else 4)
+                                              for n in ex.bucket.names)
+        assert ex.nbytes("reduce_scatter") == ex.nbytes("all_gather")
+        assert ex.nbytes("reduce_scatter", accumulated=True) == ex.bucket.nbytes
+    assert any(ex.narrowed and len(ex.narrowed) < len(ex.bucket.names) for ex in rest)  # a Linear beside a norm
 
 
 def _fetch_on_two_ranks(rank: int, init: str) -> None:
@@ -186,7 +222,8 @@ def test_sharded_split_training_equals_ddp(tmp_path, ddp_reference, embedding, a
     shard_rows = ("--set", "sync.shard_tied_split=true") if embedding == "sharded" else ()
     r, diff, norms = resumed_sharded_against(
         tmp_path, ddp_reference,
-        ("--set", "train.amp=bf16", "--set", "optim.clip_norm=0.5", "--set", f"train.accum_steps={accum}"),
+        ("--set", "train.amp=bf16", "--set", "optim.clip_norm=0.5", "--set", f"train.accum_steps={accum}",
+         "--set", "data.max_tokens=500"),  # bf16 autocast is slow on CPUs without bf16 instructions
         ("--set", "sync.classes.embedding.tied_split=true", "--set", "sync.gather_dtype=bf16", *shard_rows))
     assert "at step 5" in r.stdout
     # Its checkpoint all-gathered the optimizer state's shards with torch's current API: a normal run warns of nothing.

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from dtrain.analysis import simulate as sim
-from dtrain.analysis.plans import bucket_plan, narrowed_bytes, ready_params
+from dtrain.analysis.plans import bucket_plan, exchanges, ready_params, sync_for
 from dtrain.analysis.runs import load_run, slowest_rank_records
 from dtrain.analysis.simulate.__main__ import main
 from dtrain.analysis.simulate.calibration import Calibration
@@ -434,14 +434,16 @@ def test_a_replicated_bucket_is_played_whole_from_the_start_of_backward_and_has_
     plan = bucket_plan(cfg).buckets
     plain = bucket_plan(config_mod.from_dict({"model": {"preset": "small"}, "data": {"vocab_size": 8000},
                                               "sync": {"strategy": "sharded", "bucket_cap_mb": 2}}, "test")).buckets
-    assert plan[0].replicated and plan[0].tensor_class == "embedding" and not any(b.replicated for b in plan[1:])
-    ready, dur = sharded_times(plan, [10.0 * (i + 1) for i in range(len(plan))], [4.0] * len(plan),
-                                   lambda i, d: d / 2)
+    exs = exchanges(cfg, cfg.sync, plan, 2)
+    assert [ex.gathered for ex in exs] == [False] + [True] * (len(plan) - 1) and plan[0].tensor_class == "embedding"
+    ready, dur = sharded_times(exs, [10.0 * (i + 1) for i in range(len(plan))], [4.0] * len(plan),
+                               lambda i, d: d / 2)
     assert ready[0] == 0.0 and ready[1:] == [10.0 * (i + 1) for i in range(1, len(plan))]
     assert dur == [4.0] + [2.0] * (len(plan) - 1)
     # The forward waits for the first gathered bucket it needs; the plain plan's embedding gather comes first
     # and is the largest, so the split's replicated embedding makes the stall shorter.
-    split_stall = gather_stall(plan, [d * b.numel / 1e6 for d, b in zip(dur, plan)], 100.0)
+    split_stall = gather_stall(plan, [d * b.numel / 1e6 for d, b in zip(dur, plan)], 100.0,
+                               [ex.gathered for ex in exs])
     plain_stall = gather_stall(plain, [2.0 * b.numel / 1e6 for b in plain], 100.0)
     assert 0.0 <= split_stall < plain_stall
 
@@ -454,8 +456,9 @@ def test_an_embedding_sharded_by_rows_is_reduce_scattered_from_the_start_of_back
                                 "sync": {"strategy": "sharded", "bucket_cap_mb": 2, "shard_tied_split": True,
                                          "classes": {"embedding": {"tied_split": True}}}}, "test")
     plan = bucket_plan(cfg).buckets
-    assert plan[0].row_size == 256 and not any(b.replicated for b in plan)  # d_model of the small preset
-    ready, dur = sharded_times(plan, [10.0 * (i + 1) for i in range(len(plan))], [4.0] * len(plan),
+    exs = exchanges(cfg, cfg.sync, plan, 2)
+    assert exs[0].row_size == 256 and all(ex.gathered for ex in exs)  # d_model of the small preset
+    ready, dur = sharded_times(exs, [10.0 * (i + 1) for i in range(len(plan))], [4.0] * len(plan),
                                lambda i, d: d / 2)
     assert ready[0] == 0.0 and dur == [2.0] * len(plan)
     # Gathered last, needed at the end of the forward: its gather stalls nothing that the others' do not.
@@ -472,7 +475,7 @@ def test_a_narrowed_sharded_plan_moves_its_linear_members_in_bf16(tmp_path):
                     "classes": {"embedding": {"tied_split": True}}}}
     cfg = config_mod.from_dict(raw, "test")
     plan = bucket_plan(cfg).buckets
-    sizes = narrowed_bytes(cfg, plan, "bf16")
+    sizes = [ex.nbytes("all_gather") or ex.bucket.nbytes for ex in exchanges(cfg, sync_for(cfg), plan, 2)]
     assert sizes[0] == plan[0].nbytes  # the replicated embedding: read by the lookups in fp32
     assert all(b.nbytes / 2 < n < b.nbytes for b, n in zip(plan[1:], sizes[1:]) if "norm" in " ".join(b.names))
     assert sum(sizes[1:]) < 0.51 * sum(b.nbytes for b in plan[1:])  # almost all of the rest is Linear weights

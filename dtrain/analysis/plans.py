@@ -16,8 +16,7 @@ import torch
 from dtrain.collectives import strategies
 from dtrain.collectives.plan import ready_order
 from dtrain.collectives.settings import ClassSettings
-from dtrain.collectives.strategies.sharded import not_cast_only
-from dtrain.collectives.tensor_classes import WIRE_DTYPES
+from dtrain.collectives.sharded.exchange import Exchange, exchange_plan
 from dtrain.engine.model import Transformer
 
 
@@ -56,13 +55,7 @@ def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = 
     return strategies.plan_for(sync_for(cfg, strategy, bucket_cap_mb, classes), list(ready_params(cfg, vocab)))
 
 
-def narrowed_bytes(cfg, plan, gather_dtype: str, vocab: int | None = None) -> list[int]:
-    """Per bucket of a sharded `plan` under `sync.gather_dtype`: the bytes of its chunks as they travel, the members
-    only `nn.Linear` modules read in `gather_dtype`, the others in fp32 (`dtrain.collectives.shards`). A replicated or
-    row-sharded bucket (the tied embedding's) keeps its own."""
-    vocab = vocab or cfg.data.vocab_size
-    exact = not_cast_only(_meta_model(cfg.model, vocab))
-    numel = {n: p.numel() for n, p in ready_params(cfg, vocab)}
-    low = WIRE_DTYPES[gather_dtype].itemsize
-    return [b.nbytes if b.replicated or b.row_size else
-            sum(numel[n] * (b.nbytes // b.numel if n in exact else low) for n in b.names) for b in plan]
+def exchanges(cfg, sync, plan, world: int, vocab: int | None = None) -> list[Exchange]:
+    """The exchange plan of `sharded`'s buckets `plan` for `cfg`'s model under `sync` (`sync_for`) on `world` ranks,
+    as training computes it (`dtrain.collectives.sharded.exchange`)."""
+    return exchange_plan(sync, _meta_model(cfg.model, vocab or cfg.data.vocab_size), plan, world)

@@ -30,11 +30,6 @@ class Bucket:
     tensor_class: str  # the class of every member, or "mixed"
     settings: CollectiveSettings
     dtype: torch.dtype = torch.float32  # of the gradients (and of the flat buffer holding them)
-    # A sharded plan's bucket that is all-reduced whole and updated on every rank (`sharded` with `tied_split`)
-    replicated: bool = False
-    # A sharded plan's bucket of one 2-D parameter sharded by whole rows of this many elements (`sharded` with
-    # `tied_split` and `shard_tied_split`); 0: sharded anywhere
-    row_size: int = 0
 
 
 def ready_order(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

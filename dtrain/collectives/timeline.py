@@ -131,12 +131,13 @@ def forward_stall(need_ms: list[float], durations_ms: list[float], forward_ms: f
     return clock + (forward_ms - computed) - forward_ms
 
 
-def gather_stall(plan, durations_ms: list[float], forward_ms: float) -> float:
+def gather_stall(plan, durations_ms: list[float], forward_ms: float, gathered: list[bool] | None = None) -> float:
     """`forward_stall` of a sharded strategy's all-gathers of `plan` (buckets in ready order, their gathers taking
     `durations_ms`): the forward needs them in the reverse of their ready order (it runs first the layers backward
     computed last), each after compute proportional to the elements before it; the tied embedding's lookups cost
-    next to nothing, so its bucket weighs nothing there and is needed at once. A replicated bucket has no gather."""
-    order = [i for i in range(len(plan)) if not plan[i].replicated][::-1]
+    next to nothing, so its bucket weighs nothing there and is needed at once. `gathered[i]`: bucket i has an
+    all-gather (default: every bucket; a replicated bucket has none, `Exchange.gathered`)."""
+    order = [i for i in range(len(plan)) if gathered is None or gathered[i]][::-1]
     weight = [0.0 if plan[i].tensor_class == "embedding" else float(plan[i].numel) for i in order]
     total, need, acc = sum(weight) or 1.0, [], 0.0
     for w in weight:
@@ -145,22 +146,23 @@ def gather_stall(plan, durations_ms: list[float], forward_ms: float) -> float:
     return forward_stall(need, [durations_ms[i] for i in order], forward_ms)
 
 
-def sharded_times(plan, ready_ms: list[float], durations_ms: list[float], half) -> tuple[list[float], list[float]]:
-    """A sharded plan's (ready, duration) per bucket from its all-reduce's: a sharded bucket's reduce-scatter costs
-    `half(i, all-reduce ms)`; a replicated bucket (a tied embedding with `tied_split`) is all-reduced whole. Either
-    way a split embedding's bucket (replicated, or sharded by rows) is ready at the start of backward, with the
-    pre-softmax projection's gradient, the first computed (its lookup rows, the rows each lookup's tokens touched,
-    sent as that lookup's backward ends, are not played)."""
-    ready = [0.0 if b.replicated or b.row_size else r for b, r in zip(plan, ready_ms)]
-    dur = [d if b.replicated else half(i, d) for i, (b, d) in enumerate(zip(plan, durations_ms))]
+def sharded_times(exchanges, ready_ms: list[float], durations_ms: list[float], half) -> tuple[list[float], list[float]]:
+    """A sharded plan's (ready, duration) per bucket (`exchanges`, `dtrain.collectives.sharded.exchange`) from its
+    all-reduce's: a sharded bucket's reduce-scatter costs `half(i, all-reduce ms)`; a replicated bucket (a tied
+    embedding with `tied_split`) is all-reduced whole. Either way a split embedding's bucket (replicated, or sharded by
+    rows) is ready at the start of backward, with the pre-softmax projection's gradient, the first computed (its
+    lookup rows, the rows each lookup's tokens touched, sent as that lookup's backward ends, are not played)."""
+    ready = [0.0 if ex.split else r for ex, r in zip(exchanges, ready_ms)]
+    dur = [half(i, d) if ex.gathered else d for i, (ex, d) in enumerate(zip(exchanges, durations_ms))]
     return ready, dur
 
 
-def optimizer_saving(plan, optimizer_ms: float, world: int) -> float:
+def optimizer_saving(plan, optimizer_ms: float, world: int, sharded: list[bool] | None = None) -> float:
     """What a sharded plan saves of an optimizer step that took `optimizer_ms` over every parameter: each rank
-    updates 1/world of the sharded buckets' elements and all of a replicated bucket's."""
+    updates 1/world of the sharded buckets' elements (`sharded[i]`, default every bucket's) and all of the
+    others'."""
     total = sum(b.numel for b in plan) or 1
-    sharded = sum(b.numel for b in plan if not b.replicated)
+    sharded = sum(b.numel for i, b in enumerate(plan) if sharded is None or sharded[i])
     return optimizer_ms * (1 - 1 / world) * sharded / total
 
 

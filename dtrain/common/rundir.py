@@ -100,7 +100,7 @@ class BucketRecord:
     wait_start_ms: float | None = None  # `wait()` called (the same for every bucket of the step)
     wait_ms: float | None = None  # blocked on this bucket in `wait()`
     # A part of a tensor's communication: "projection" or "lookup" of a split tied embedding (`dtrain.collectives.tied_split`),
-    # "reduce_scatter" (backward) or "all_gather" (the next forward) of a sharded bucket (`dtrain.collectives.shards`).
+    # "reduce_scatter" (backward) or "all_gather" (the next forward) of a sharded bucket (`dtrain.collectives.sharded`).
     part: str | None = None
 
     def to_json(self, step: int) -> dict:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dtrain.collectives import strategies
 from dtrain.collectives.costmodel.fit import FittedModel, fit_regimes
 from dtrain.collectives.plan import ready_order
+from dtrain.collectives.sharded.exchange import exchange_plan
 from dtrain.collectives.strategies.fsdp2 import Fsdp2Units
 from dtrain.collectives.timeline import (
     GLOO_LANES,
@@ -103,7 +104,8 @@ def predict_ms(sync, model: torch.nn.Module, probe: Probe, net: FittedModel, wor
     dur = [net.allreduce_ms(b.nbytes) for b in plan.buckets]
     sharded = strategies.planner(sync.strategy).shards
     if sharded:  # a reduce-scatter (an all-gather) moves half an all-reduce's bytes
-        ready, dur = sharded_times(plan.buckets, ready, dur, lambda i, d: d / 2)
+        exchanges = exchange_plan(sync, model, plan.buckets, world)
+        ready, dur = sharded_times(exchanges, ready, dur, lambda i, d: d / 2)
     if cls.plans_like is Fsdp2Units and backend == "gloo":
         # FSDP2 on a CPU device waits for each collective on the computing thread: nothing overlaps. `dur` holds
         # each unit's reduce-scatter; its all-gather costs as much, and reshard_after_forward gathers every unit but
@@ -115,6 +117,7 @@ def predict_ms(sync, model: torch.nn.Module, probe: Probe, net: FittedModel, wor
     tl = play_timeline(ready, dur, backward, plan.overlap, 1.0, lanes, None, groups, net.link_efficiency)
     step = probe.step_ms + tl.exposed_ms
     if sharded:
-        step += gather_stall(plan.buckets, dur, probe.forward_ms / probe.accum_steps)
-        step -= optimizer_saving(plan.buckets, probe.optimizer_ms, world)
+        gathered = [ex.gathered for ex in exchanges]
+        step += gather_stall(plan.buckets, dur, probe.forward_ms / probe.accum_steps, gathered)
+        step -= optimizer_saving(plan.buckets, probe.optimizer_ms, world, gathered)
     return step

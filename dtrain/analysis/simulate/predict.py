@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dtrain.analysis.plans import bucket_plan, narrowed_bytes, ready_params, sync_for
+from dtrain.analysis.plans import bucket_plan, exchanges as plan_exchanges, ready_params, sync_for
 from dtrain.analysis.simulate.calibration import Calibration
 from dtrain.analysis.simulate.costs import host_ms
 from dtrain.analysis.simulate.reference import ReferenceStep
 from dtrain.collectives import nccl, strategies, tensor_classes
 from dtrain.collectives.strategies.fsdp2 import Fsdp2Units
 from dtrain.collectives.tensor_classes import WIRE_DTYPES
-from dtrain.collectives.timeline import ReadyCurve, gather_stall, optimizer_saving, play_timeline, sharded_times, through
+from dtrain.collectives.sharded.exchange import ROWS
+from dtrain.collectives.timeline import ReadyCurve, gather_stall, optimizer_saving, play_timeline, through
 from dtrain.common.errors import UserError
 
 
@@ -73,9 +74,8 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     step. `cost(nbytes, algo, proto) -> ms` replaces the model's cost of one all-reduce; `nccl_of(bucket)` gives
     the (algo, proto) a bucket is forced to (default: what the profile requests). A split tied embedding
     (`tied_split`) under the all-reducing strategies is played as the reducer runs it (`_split_first`, and each
-    lookup's rows one more all-reduce) where the profiled step recorded its lookups' rows, else as its plain plan;
-    under `sharded` its bucket is replicated or sharded by rows, played by `sharded_times` (a lookup's fetch of its
-    rows in the next forward is not played)."""
+    lookup's rows one more all-reduce) where the profiled step recorded its lookups' rows, else as its plain plan.
+    `sharded` is played by `_sharded`, fsdp2 by `_fsdp2`."""
     if strategy == "powersgd":
         raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
     compute = ref.compute_ms
@@ -84,11 +84,12 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
                           communicates=False)
     if strategies.get(strategy).plans_like is Fsdp2Units:
         return _fsdp2(cfg, ref, curve, model, calib, strategy, vocab, classes, cost, nccl_of)
+    if strategies.planner(strategy).shards:
+        return _sharded(cfg, ref, curve, model, calib, strategy, cap_mb, vocab, classes, cost, nccl_of)
     plan, overlap, class_groups = bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
-    sharded = strategies.planner(strategy).shards
     split = _split_classes(cfg, strategy, classes)
     rows = []  # a split embedding's lookups' rows, where the profiled step recorded them: (ready ms, bytes)
-    if split and not sharded and overlap:
+    if split and overlap:
         rows = [(r["ready_ms"], r["bytes"]) for r in ref.records
                 if r.get("part") == "lookup" and r.get("ready_ms") is not None]
     if rows:
@@ -100,50 +101,77 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     dur = [calib.comm_scale * one(b.nbytes, *nccl_of(b)) for b in plan]
     lat = [calib.comm_scale * model.allreduce_latency_ms(b.nbytes) for b in plan] if cost is None else None
     groups = [b.tensor_class for b in plan] if class_groups and calib.lanes > 1 else None
-    scatter_bytes = gather_bytes = [b.nbytes for b in plan]
-    gather = dur
-    narrowed = sync_for(cfg, strategy, cap_mb, classes).gather_dtype if sharded else None
-    world = getattr(model, "ranks", None) or 2
-    whole = [False] * len(plan)  # a replicated bucket exchanged whole in bf16 instead of all-reduced
-    if narrowed:  # the Linear members narrowed in the all-gather, and in the reduce-scatter of a one-micro-batch step
-        gather_bytes = narrowed_bytes(cfg, plan, narrowed, vocab)
-        gather = [calib.comm_scale * one(n, *nccl_of(b)) for b, n in zip(plan, gather_bytes)]
-        if cfg.train.accum_steps == 1:
-            scatter_bytes, dur = gather_bytes, gather
-            if world <= 3:  # the split embedding's projection part (`ShardedSync`: this model's only Linear reads it)
-                whole = [b.replicated for b in plan]
-                scatter_bytes = [n // 2 if w else n for n, w in zip(scatter_bytes, whole)]
-    if sharded:
-        # A reduce-scatter (and an all-gather) moves half an all-reduce's bytes: its latency and half the rest. So
-        # does, on 2 ranks, a whole bucket sent once to the peer in half the bytes.
-        alpha = lat or [0.0] * len(dur)
-
-        def half(i, d):
-            return exchange_ms(d, alpha[i])
-
-        ready, dur = sharded_times(plan, ready, dur, half)
-        dur = [half(i, d) if w else d for i, (d, w) in enumerate(zip(dur, whole))]
-        gather = [half(i, d) for i, d in enumerate(gather)]
+    sent = [b.nbytes for b in plan]
     if rows:  # each lookup's rows one more all-reduce, launched when that lookup's backward ended
-        entries = list(zip(ready, dur, lat or [0.0] * len(plan), groups or [None] * len(plan), scatter_bytes))
+        entries = list(zip(ready, dur, lat or [0.0] * len(plan), groups or [None] * len(plan), sent))
         for at, nbytes in sorted(rows):
             i = next((i for i in range(len(entries)) if entries[i][0] > at), len(entries))
             entries.insert(i, (at, calib.comm_scale * one(nbytes, *nccl_of(plan[0])),
                                calib.comm_scale * model.allreduce_latency_ms(nbytes) if lat else 0.0,
                                plan[0].tensor_class if groups else None, nbytes))
-        ready, dur, lats, grps, scatter_bytes = (list(c) for c in zip(*entries))
+        ready, dur, lats, grps, sent = (list(c) for c in zip(*entries))
         lat, groups = (lats if lat else None), (grps if groups else None)
     tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups,
                        model.link_efficiency)
     exposed = tl.exposed_ms + calib.post_ms
     if calib.host_base_ms is not None:  # more collectives during backward than the reference step: slower compute
-        compute += host_ms(model, scatter_bytes, tl) - calib.host_base_ms
-    if sharded:
-        compute += _sharded_extra_ms(ref, model, plan, gather, gather_bytes, calib, world)
+        compute += host_ms(model, sent, tl) - calib.host_base_ms
     lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
     return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, len(plan), tl.comm_ms,
-                      exposed, compute + exposed, lossless, split=bool(split),
-                      rows=any(b.row_size for b in plan), narrowed=narrowed)
+                      exposed, compute + exposed, lossless, split=bool(split))
+
+
+def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration, strategy: str,
+             cap_mb: float | None, vocab: int | None, classes: dict | None, cost, nccl_of) -> Prediction:
+    """`sharded`'s step, each bucket as its exchange plan says (`dtrain.analysis.plans.exchanges`, the plan
+    training runs): a sharded bucket reduce-scattered in backward and all-gathered in the next forward, a
+    replicated one (a split tied embedding) all-reduced, or exchanged whole in bf16, from the start of backward;
+    narrowed members in their bytes (the reduce-scatter's only in a step of one micro-batch). A reduce-scatter or
+    all-gather costs its latency and half the rest of an all-reduce of its bytes; a whole exchange sends each of
+    the world - 1 peers the bucket, as a reduce-scatter of world times its bytes does. A lookup's fetch of its rows
+    in the next forward is not played."""
+    sync = sync_for(cfg, strategy, cap_mb, classes)
+    plan, overlap, class_groups = bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
+    world = getattr(model, "ranks", None) or 2
+    exchanges = plan_exchanges(cfg, sync, plan, world, vocab)
+    accumulated = cfg.train.accum_steps > 1
+    one = cost or (lambda n, a, p: model.allreduce_ms(n, a, p))
+    nccl_of = nccl_of or requested_nccl(cfg, class_groups)
+
+    def allreduce(b, nbytes: int) -> float:
+        return calib.comm_scale * one(nbytes, *nccl_of(b))
+
+    def half(b, nbytes: int) -> float:
+        alpha = calib.comm_scale * model.allreduce_latency_ms(b.nbytes) if cost is None else 0.0
+        return exchange_ms(allreduce(b, nbytes), alpha)
+
+    sent = [ex.nbytes("reduce_scatter", accumulated) for ex in exchanges]
+    # A split embedding's bucket is complete at the start of backward, with the pre-softmax projection's gradient
+    at = through(plan, ready_params(cfg, vocab))
+    ready = [0.0 if ex.split else curve.at(x) for ex, x in zip(exchanges, at)]
+    dur = []
+    for b, ex, n in zip(plan, exchanges, sent):
+        if ex.gathered:  # a reduce-scatter
+            dur.append(half(b, n))
+        elif ex.whole and not accumulated:  # the bucket to each peer
+            dur.append(half(b, n * world))
+        else:  # an all-reduce
+            dur.append(allreduce(b, n))
+    lat = [calib.comm_scale * model.allreduce_latency_ms(b.nbytes) for b in plan] if cost is None else None
+    groups = [b.tensor_class for b in plan] if class_groups and calib.lanes > 1 else None
+    tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups,
+                       model.link_efficiency)
+    exposed = tl.exposed_ms + calib.post_ms
+    compute = ref.compute_ms
+    if calib.host_base_ms is not None:  # more collectives during backward than the reference step: slower compute
+        compute += host_ms(model, sent, tl) - calib.host_base_ms
+    gather_bytes = [ex.nbytes("all_gather") for ex in exchanges]
+    gather = [half(b, n) for b, n in zip(plan, gather_bytes)]
+    compute += _sharded_extra_ms(ref, model, plan, exchanges, gather, gather_bytes, calib, world)
+    lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
+    return Prediction(strategy, cap_mb, len(plan), tl.comm_ms, exposed, compute + exposed, lossless,
+                      split=any(ex.split for ex in exchanges), rows=any(ex.layout == ROWS for ex in exchanges),
+                      narrowed=sync.gather_dtype)
 
 
 def exchange_ms(allreduce_ms: float, latency_ms: float) -> float:
@@ -219,18 +247,19 @@ def _split_first(cfg, strategy: str, cap_mb: float | None, classes: dict | None,
     return plan, [max(at[n] for n in b.names) for b in plan]
 
 
-def _sharded_extra_ms(ref: ReferenceStep, model, plan, gather: list[float], gather_bytes: list[int],
+def _sharded_extra_ms(ref: ReferenceStep, model, plan, exchanges, gather: list[float], gather_bytes: list[int],
                       calib: Calibration, world: int) -> float:
     """What a sharded step adds to (or saves from) the reference step's compute: the next forward waiting for the
-    all-gathers (taking `gather` ms, of buckets of `gather_bytes`; `dtrain.collectives.timeline.gather_stall`), their host
-    cost on a CPU machine, and the optimizer updating 1/world of the sharded parameters (`optimizer_saving`)."""
+    all-gathers (taking `gather` ms, of buckets of `gather_bytes`; `dtrain.collectives.timeline.gather_stall`), their
+    host cost on a CPU machine, and the optimizer updating 1/world of the sharded parameters (`optimizer_saving`)."""
     forward = ref.forward_ms / ref.accum_steps  # the gathers delay only the first micro-batch's forward
-    extra = gather_stall(plan, gather, forward)
+    gathered = [ex.gathered for ex in exchanges]
+    extra = gather_stall(plan, gather, forward, gathered)
     host = getattr(model, "host_us", None)
     if calib.host_base_ms is not None and host is not None and host(0) is not None:
         # half an all-reduce's bytes each
-        extra += sum(host(n) / 2 for b, n in zip(plan, gather_bytes) if not b.replicated) / 1000.0
-    return extra - optimizer_saving(plan, ref.optimizer_ms, world)
+        extra += sum(host(n) / 2 for n, g in zip(gather_bytes, gathered) if g) / 1000.0
+    return extra - optimizer_saving(plan, ref.optimizer_ms, world, gathered)
 
 
 def sweep(cfg, ref, curve, model, calib, names, caps, vocab=None) -> list[Prediction]:

@@ -128,4 +128,5 @@ def plan_for(sync, named_params) -> Plan:
 # Importing the modules registers their strategies; PlannedSync runs the plans (ShardedSync the sharded one's).
 from dtrain.collectives.strategies import bucketed, ddp, flat, noop, per_class, per_tensor, powersgd  # noqa: E402,F401
 from dtrain.collectives.strategies.planned import PlannedSync  # noqa: E402
-from dtrain.collectives.strategies import auto, fsdp2, sharded  # noqa: E402,F401
+from dtrain.collectives.strategies import auto, fsdp2  # noqa: E402,F401
+from dtrain.collectives.sharded import strategy as sharded  # noqa: E402,F401

@@ -43,7 +43,8 @@ class Completions:
     def __init__(self, name: str):
         self._queue: queue.Queue = queue.Queue()
         self._failure: BaseException | None = None
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     def put(self, works: list, then: Callable[[], None], done: threading.Event) -> None:
         """When every work in `works` has completed: `then()`, then `done.set()` (also after a failure, which
@@ -51,9 +52,17 @@ class Completions:
         done.clear()
         self._queue.put((works, then, done))
 
+    def close(self) -> None:
+        """Let the thread end once the work already put has completed (its last task holds buffers until then)."""
+        self._queue.put(None)
+        self._thread.join()
+
     def _run(self) -> None:
         while True:
-            works, then, done = self._queue.get()
+            task = self._queue.get()
+            if task is None:
+                return
+            works, then, done = task
             try:
                 for w in works:
                     w.wait()

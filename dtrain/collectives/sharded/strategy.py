@@ -1,6 +1,7 @@
 """`sharded`: bucketed's buckets, reduce-scattered in backward; each rank updates its shard of the parameters and of
 the optimizer's state, and the updated parameters are all-gathered while the next forward runs, each module waiting
-only for its own buckets (`dtrain.collectives.shards`). Lossless; optimizer memory divided by the world size.
+only for its own buckets (`dtrain.collectives.sharded.reducer`), each bucket as its exchange plan says
+(`dtrain.collectives.sharded.exchange`). Lossless; optimizer memory divided by the world size.
 
 The loop builds its optimizer over `handle.optimizer_params()` (the shards), clips by `handle.grad_norm()` (the
 global norm: an all-reduce of the shards' sums of squares) and calls `handle.stepped()` after the update. Checkpoints
@@ -15,7 +16,7 @@ before anything else (an all-gather there would hold up the first layer).
 
 With `sync.shard_tied_split` as well, the embedding is sharded too, by whole rows: its projection part is
 reduce-scattered like any bucket, each lookup's rows reduce-scattered to their owners, and in the next forward each
-lookup fetches the rows of its tokens from their owners (`dtrain.collectives.tied_split.ShardedTiedSplit`). The matrix's
+lookup fetches the rows of its tokens from their owners (`dtrain.collectives.sharded.rows`). The matrix's
 all-gather then only has to be done by the module that reads all of it (the pre-softmax projection, an `nn.Linear`
 holding the embedding's Parameter), so the all-gathers go in the order the first forward waited for the buckets.
 
@@ -23,9 +24,9 @@ With `sync.gather_dtype: bf16` (training under bf16 autocast), the parameters th
 all-gathered in bf16, half the bytes: autocast casts them to bf16 before any use, so the forward and backward see the
 same values as after an fp32 all-gather. Their gradients are reduce-scattered in bf16 too when a step is one backward
 of one micro-batch: each is then a bf16 product widened to fp32, which bf16 holds exactly, and the sum is taken in
-fp32. Either way the trained parameters equal DDP's bit for bit (`dtrain.collectives.shards`). Such a Linear running outside
-that autocast in a synchronized forward, or while its parameters are narrowed, is an error; `wait_params` gathers
-them again in fp32.
+fp32. Either way each rank's gradients are the exact mean's (on 2 CPU ranks DDP's bit for bit). Such a Linear running
+outside that autocast in a synchronized forward, or while its parameters are narrowed, is an error; `wait_params`
+gathers them again in fp32.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.collectives.dist import all_gather_single
-from dtrain.collectives.shards import ShardedReducer, member_offsets
+from dtrain.collectives.sharded.exchange import exchange_plan, member_offsets
+from dtrain.collectives.sharded.reducer import ShardedReducer
+from dtrain.collectives.sharded.rows import ShardedTiedSplit
 from dtrain.collectives.strategies import CLASS_RULE_KEYS, register
 from dtrain.collectives.strategies.bucketed import Bucketed
 from dtrain.collectives.strategies.planned import PlannedSync
 from dtrain.collectives.sync import total_norm
-from dtrain.collectives.tensor_classes import WIRE_DTYPES
-from dtrain.collectives.tied_split import ShardedTiedSplit
 from dtrain.common.errors import UserError
 
 
@@ -75,37 +76,20 @@ class ShardedSync(PlannedSync):
                 buckets.discard(self.reducer.bucket_of(lookups[id(module)].name))
             self._pre_hooks.append(module.register_forward_pre_hook(
                 self._waiter(sorted(buckets), id(module) in lookups)))
-        # Linear modules whose parameters' gradients travel narrowed, and how often each ran in this forward
-        exact = self.reducer.exact
+        # Linear modules whose parameters travel narrowed, and how often each ran in this forward
+        narrowed = {n for ex in self.reducer.exchanges for n in ex.narrowed}
         self._narrowed = {id(m) for m in model.modules() if isinstance(m, nn.Linear) and any(
-            name_of[id(p)] not in exact for p in m.parameters(recurse=False))} if self.reducer.gather_dtype else set()
-        if self.reducer.gather_dtype and self.world <= 3:
-            self._narrow_splits(model)
+            name_of[id(p)] in narrowed for p in m.parameters(recurse=False))}
         self._calls: dict[int, int] = {}
         # The buckets in the order the first synchronized forward waits for them, and where its lookups of a
         # sharded matrix come (LOOKUP): the all-gathers' waves from then on (None: not recorded).
         self._uses: list | None = [] if lookups else None
 
-    def _narrow_splits(self, model: nn.Module) -> None:
-        """A replicated split embedding whose only other holders are Linear modules (the pre-softmax projection)
-        gets its gradient from them alone, the lookups' rows going apart: a bf16 value under autocast, exchanged whole
-        in bf16 (`ShardedReducer.narrow_whole`). Up to 3 ranks, where that is fewer bytes than a ring all-reduce."""
-        for split in self.splits:
-            if isinstance(split, ShardedTiedSplit):
-                continue
-            holders = [m for m in model.modules() if any(p is split.param for p in m.parameters(recurse=False))]
-            linears = [m for m in holders if isinstance(m, nn.Linear)]
-            if linears and all(isinstance(m, (nn.Linear, nn.Embedding)) for m in holders):
-                self.reducer.narrow_whole.add(self.reducer.bucket_of(split.name))
-                self._narrowed |= {id(m) for m in linears}
-
     def _make_reducer(self, named_params, buckets, groups, process_group):
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         group = dist.new_group(ranks)  # the shards' point-to-point traffic, apart from any collective
-        low = self.strategy.config.gather_dtype
-        return ShardedReducer(named_params, buckets, self.world, group, dist.get_rank(group),
-                              replicated_group=process_group, gather_dtype=low and WIRE_DTYPES[low],
-                              exact=not_cast_only(self.model) if low else frozenset())
+        exchanges = exchange_plan(self.cfg, self.model, buckets, self.world)
+        return ShardedReducer(named_params, exchanges, group, dist.get_rank(group), replicated_group=process_group)
 
     def _make_split(self, model, name, process_group):
         if not self.strategy.config.shard_tied_split:
@@ -187,16 +171,7 @@ class ShardedSync(PlannedSync):
         self.reducer.exact_params()  # a narrowed all-gather's chunks again in fp32: they are read whole now
 
     def wait(self) -> None:
-        super().wait()
-        for r in self._records:
-            if r.part not in (None, "projection"):
-                continue
-            sh = self.reducer.shards[r.bucket]
-            if not sh.replicated:
-                r.part = r.part or "reduce_scatter"  # a sharded matrix's projection part keeps its name
-            if not sh.replicated or sh.scatter_narrowed:
-                r.nbytes = self.reducer.sent_bytes(r.bucket, scatter=True)  # to all peers
-                r.wire_dtype = self.reducer.wire(r.bucket, scatter=True)
+        super().wait()  # the reduce-scatters' records (a sharded matrix's projection part keeps its name)
         t0 = self.reducer.step_start()
         self._records += self.reducer.gather_records(t0, len(self._records))
 
@@ -264,17 +239,6 @@ class ShardedSync(PlannedSync):
         return out
 
 
-def not_cast_only(model: nn.Module) -> set[str]:
-    """The parameters some module other than an `nn.Linear` holds: those the forward may read in their own dtype.
-    An `nn.Linear` calls `F.linear`, which autocast runs in its lower dtype, casting the weight and bias first."""
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    out = set()
-    for module in model.modules():
-        if not isinstance(module, nn.Linear):
-            out |= {name_of[id(p)] for p in module.parameters(recurse=False)}
-    return out
-
-
 def _cloned(state: dict) -> dict:
     """One parameter's optimizer state with its tensors copied (a replicated parameter's state, whole)."""
     return {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
@@ -302,15 +266,13 @@ class Sharded(Bucketed):
     def plan(self, named_params, classes, settings):
         """Bucketed's plan; a `tied_split` parameter gets a bucket of its own, first: with the split its gradient is
         complete when the pre-softmax projection's is, the first that backward computes. The rest is planned on its
-        own, so its first bucket follows `first_bucket_mb` as bucketed's would."""
+        own, so its first bucket follows `first_bucket_mb` as bucketed's would. How each bucket travels (sharded,
+        replicated, by rows) is its exchange plan's (`exchange_plan`)."""
         split = [(n, p) for n, p in named_params if settings[classes[n]].tied_split]
         rest = [(n, p) for n, p in named_params if not settings[classes[n]].tied_split]
         buckets = []
         for one in split:
             buckets += super().plan([one], classes, settings)
         buckets += super().plan(rest, classes, settings)
-        if self.config.shard_tied_split:  # sharded by whole rows (a 2-D embedding's)
-            return [dataclasses.replace(b, index=i, row_size=dict(split)[b.names[0]].shape[-1] if i < len(split)
-                                        else 0) for i, b in enumerate(buckets)]
-        return [dataclasses.replace(b, index=i, replicated=i < len(split)) for i, b in enumerate(buckets)]
+        return [dataclasses.replace(b, index=i) for i, b in enumerate(buckets)]
 

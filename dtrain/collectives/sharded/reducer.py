@@ -1,18 +1,18 @@
 """The sharded reducer: each bucket's gradient reduce-scattered during backward, each rank updating its shard, the
 updated parameters all-gathered while the next forward runs (ZeRO stage 1/2's partitioning: Rajbhandari et al. 2020;
-DeAR's reduce-scatter in backward and all-gather in the next forward: Zhang et al. 2023).
+DeAR's reduce-scatter in backward and all-gather in the next forward: Zhang et al. 2023). Each bucket runs as its
+`Exchange` (`dtrain.collectives.sharded.exchange`) says: its layout, its padding, which members travel narrowed.
 
-Layout, per bucket of N elements padded to Np = world x s:
+Layout of a SHARDS bucket of N elements padded to Np = world x s (`Exchange.padded`):
 
     grads  G (Np,)   the members' `.grad` are views into it, as in `Reducer` (backward accumulates there)
     params P (Np,)   the members' `.data` are views into it
     shard  P[r*s:(r+1)*s] is rank r's `nn.Parameter` for the optimizer; its `.grad` the reduced slice (s,)
 
-A `replicated` bucket (the plan's: a tied embedding with `tied_split`) is all-reduced whole instead, by `Reducer`'s
-path on `replicated_group`, and every rank updates all of it: the lookups at the very start of the next forward need
-the matrix, so an all-gather there would hold up the first layer (docs/notebook.md). A bucket with a `row_size` (the
-same embedding with `shard_tied_split`) is sharded by whole rows instead (`RowTable`): each lookup of the next
-forward fetches just the rows of its tokens (`dtrain.collectives.tied_split.ShardedTiedSplit`).
+A REPLICATED bucket is all-reduced whole by `Reducer`'s path on `replicated_group` (or, `Exchange.whole`, exchanged
+whole in bf16 with every peer), and every rank updates all of it. A ROWS bucket is sharded by whole rows
+(`RowTable`): each lookup of the next forward fetches just the rows of its tokens
+(`dtrain.collectives.sharded.rows.ShardedTiedSplit`).
 
 A reduce-scatter sends (world - 1)/world of the bucket, half of what an all-reduce sends, and the rest (the
 all-gather of the updated shard) moves out of backward into the next forward. Both run as point-to-point sends on a
@@ -20,18 +20,13 @@ process group of their own: on gloo, `reduce_scatter_tensor` moves as many bytes
 `irecv` move the chunks at the link's rate (docs/notebook.md). Each rank sums its shard in rank order, so on two
 ranks the sum is the all-reduce's a + b, bit for bit.
 
-With a `gather_dtype` (bf16), a bucket's members that only `nn.Linear` modules read travel the all-gather in that dtype,
-and the received chunk is widened back into P. This is exact for training under autocast at that dtype: the Linear
-casts its fp32 weight and bias to bf16 before using them, and bf16(fp32(w16)) = w16 = bf16(w), so forward and
-backward read the same values as with an fp32 all-gather (FSDP's `MixedPrecision(param_dtype=...)` gathers so too).
-Each rank's own shard stays exact, for its optimizer; the members read elsewhere (LayerNorm, an embedding) travel in
-fp32 in the same message. Before the parameters are read whole (validation, a checkpoint) `exact_params` gathers the
-rounded chunks again in fp32.
-
-The same members' gradients go through the reduce-scatter in that dtype too, when the step's gradient is one
-backward's (not `accumulated`): a Linear's weight gradient under autocast is a bf16 tensor widened to fp32 (the
-cast's backward), so bf16 holds it exactly, and each rank widens what it receives and sums in fp32 as before. Summed
-over micro-batches it is no longer a bf16 value, and that step's reduce-scatter goes in fp32.
+Narrowed members (`Exchange.narrowed`, bf16) travel the all-gather in bf16 and the received chunk is widened back into
+P: under autocast at that dtype the Linear casts its fp32 weight and bias to bf16 before using them, and
+bf16(fp32(w16)) = w16 = bf16(w), so forward and backward read the same values as with an fp32 all-gather (FSDP's
+mixed precision, `param_dtype`, gathers so too). Each rank's own shard stays exact, for its optimizer. Before the
+parameters are read whole (validation, a checkpoint) `exact_params` gathers the rounded chunks again in fp32. Their
+gradients go through the reduce-scatter in bf16 too when the step's gradient is one backward's (not `accumulated`),
+and each rank widens what it receives and sums in fp32 as before.
 """
 
 from __future__ import annotations
@@ -45,9 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.collectives.p2p import Completions, exchange, rank_order_sum
-from dtrain.collectives.plan import Bucket
 from dtrain.collectives.reducer import Reducer, _BucketState
+from dtrain.collectives.sharded.exchange import REPLICATED, SHARDS, Exchange, member_offsets
+from dtrain.collectives.sharded.p2p import Completions, exchange, rank_order_sum
 from dtrain.collectives.tensor_classes import WIRE_DTYPES
 from dtrain.collectives.timing import Stamp, record_ms, stamp
 from dtrain.common.rundir import BucketRecord
@@ -57,7 +52,7 @@ from dtrain.common.rundir import BucketRecord
 class _Shard:
     params: torch.Tensor  # P (Np,): the members' parameters, back to back, zero-padded
     shard: nn.Parameter  # P[rank*s:(rank+1)*s], what this rank's optimizer updates
-    # per peer, (s,): its partial sum of this rank's chunk (a bucket exchanged whole, `narrow_whole`: its gradient)
+    # per peer, (s,): its partial sum of this rank's chunk (a bucket exchanged whole, `Exchange.whole`: its gradient)
     received: list[torch.Tensor]
     scatter: list = field(default_factory=list)  # the reduce-scatter's sends and receives in flight
     gather: list = field(default_factory=list)  # the all-gather's
@@ -90,21 +85,21 @@ class RowTable:
 class ShardedReducer(Reducer):
     """`Reducer` whose buckets are reduce-scattered into per-rank shards and whose parameters are all-gathered back.
 
-    `group` carries the point-to-point traffic (a group of its own); `rank` is this rank's index in it. Replicated
-    buckets are all-reduced on `replicated_group` (None: the world) and not sharded.
+    `exchanges`: the plan's buckets, each with its `Exchange`. `group` carries the point-to-point traffic (a group
+    of its own); `rank` is this rank's index in it. Replicated buckets are all-reduced on `replicated_group` (None:
+    the world).
     """
 
-    def __init__(self, named_params: dict[str, nn.Parameter], buckets: list[Bucket], world_size: int,
-                 group: dist.ProcessGroup, rank: int, replicated_group: dist.ProcessGroup | None = None,
-                 gather_dtype: torch.dtype | None = None, exact: set[str] = frozenset()):
+    def __init__(self, named_params: dict[str, nn.Parameter], exchanges: list[Exchange], group: dist.ProcessGroup,
+                 rank: int, replicated_group: dist.ProcessGroup | None = None):
         self.group, self.rank, self.replicated_group = group, rank, replicated_group
-        self.gather_dtype, self.exact = gather_dtype, exact  # `exact`: names whose all-gather stays in fp32
+        self.exchanges = exchanges
+        wires = {ex.wire for ex in exchanges if ex.wire}
+        self.gather_dtype = WIRE_DTYPES[wires.pop()] if wires else None  # the narrowed members' dtype
         # The step's gradients are not one backward's (micro-batches accumulated, or a module ran twice): their
         # Linear members are sums of bf16 values, which bf16 does not hold, so the reduce-scatter goes in fp32
         self.accumulated = False
-        # Replicated buckets whose gradient is one bf16 value each (a split embedding that only Linear modules read
-        # besides its lookups): exchanged whole in `gather_dtype` and summed here, instead of an fp32 all-reduce
-        self.narrow_whole: set[int] = set()
+        world_size = exchanges[0].world if exchanges else 1
         self.peers = [dist.get_global_rank(group, j) for j in range(world_size)]
         self.others = [j for j in range(world_size) if j != rank]  # the peers' indices in `group`
         self.shards: list[_Shard] = []
@@ -117,17 +112,14 @@ class ShardedReducer(Reducer):
         self._launch_order: list[int] = []
         self.tables: dict[int, RowTable] = {}  # bucket index -> its rows, once `row_table` was asked for
         self.completions = Completions("shards-waiter")  # stamps each exchange's completion, sums each shard
-        super().__init__(named_params, buckets, world_size, overlap=True, groups={}, default_group=group)
+        super().__init__(named_params, [ex.bucket for ex in exchanges], world_size, overlap=True, groups={},
+                         default_group=group)
 
-    def _padded(self, bucket: Bucket) -> int:
-        row = bucket.row_size or 1  # whole rows per rank: P padded to world x ceil(rows / world) rows
-        return -(-bucket.numel // (self.world * row)) * self.world * row
-
-    def _layout(self, buckets: list[Bucket]) -> None:
+    def _layout(self, buckets) -> None:
         super()._layout(buckets)
         self.shards = []
-        for st in self.buckets:
-            if st.bucket.replicated:
+        for st, ex in zip(self.buckets, self.exchanges):
+            if ex.layout == REPLICATED:
                 if len(st.params) != 1:
                     raise ValueError(f"a replicated bucket holds one parameter, not {len(st.params)}")
                 st.group = self.replicated_group
@@ -136,7 +128,7 @@ class ShardedReducer(Reducer):
                 self.shards[-1].reduced.set()
                 self.shards[-1].gathered.set()
                 continue
-            padded = self._padded(st.bucket)
+            padded = ex.padded
             if st.buffer.numel() < padded:  # G padded with zeros: every rank's chunk has s elements
                 st.buffer = torch.cat([st.buffer, st.buffer.new_zeros(padded - st.buffer.numel())])
                 st.views = [st.buffer[off: off + p.numel()].view_as(p)
@@ -149,26 +141,26 @@ class ShardedReducer(Reducer):
             s = padded // self.world
             shard = nn.Parameter(flat[self.rank * s: (self.rank + 1) * s])  # shares P's storage
             self.shards.append(_Shard(flat, shard, [flat.new_empty(s) for _ in range(self.world - 1)],
-                                      exact_idx=self._exact_idx(st, s)))
+                                      exact_idx=self._exact_idx(st, ex)))
             self.shards[-1].reduced.set()
             self.shards[-1].gathered.set()
         self.attach_grads()
 
-    def _exact_idx(self, st: _BucketState, s: int) -> list[torch.Tensor]:
-        """Per chunk (s,) of a bucket all-gathered in `gather_dtype`: the indices of its elements that must stay exact.
+    def _exact_idx(self, st: _BucketState, ex: Exchange) -> list[torch.Tensor]:
+        """Per chunk (s,) of a SHARDS bucket with narrowed members: the indices of its elements that stay exact.
         Empty when the bucket has no member to narrow (then the whole bucket goes in fp32)."""
-        names = st.bucket.names
-        if self.gather_dtype is None or st.bucket.row_size or all(n in self.exact for n in names):
+        if ex.layout != SHARDS or not ex.narrowed:
             return []
-        keep = torch.zeros(s * self.world, dtype=torch.bool)
-        for off, n, p in zip(member_offsets(st.params), names, st.params):
-            keep[off: off + p.numel()] = n in self.exact
+        s = ex.chunk
+        keep = torch.zeros(ex.padded, dtype=torch.bool)
+        for off, n, p in zip(member_offsets(st.params), st.bucket.names, st.params):
+            keep[off: off + p.numel()] = n not in ex.narrowed
         return [keep[j * s: (j + 1) * s].nonzero().view(-1) for j in range(self.world)]
 
     def row_table(self, index: int) -> RowTable:
-        """Bucket `index` (planned with a `row_size`) as rows: the view a tied embedding's split works on."""
+        """Bucket `index` (a ROWS exchange) as rows: the view a tied embedding's split works on."""
         st, sh = self.buckets[index], self.shards[index]
-        row = st.bucket.row_size
+        row = self.exchanges[index].row_size
         if not row or len(st.params) != 1:
             raise ValueError(f"bucket {index} is not one parameter sharded by rows")
         if index not in self.tables:
@@ -184,8 +176,7 @@ class ShardedReducer(Reducer):
 
     def _launch(self, st: _BucketState) -> None:
         sh = self.shards[st.bucket.index]
-        sh.scatter_narrowed = not self.accumulated and (
-            st.bucket.index in self.narrow_whole if sh.replicated else bool(sh.exact_idx))
+        sh.scatter_narrowed = not self.accumulated and bool(self.exchanges[st.bucket.index].narrowed)
         if sh.replicated:
             if sh.scatter_narrowed:
                 self._launch_whole_narrowed(st, sh)
@@ -215,10 +206,9 @@ class ShardedReducer(Reducer):
         self.completions.put(sh.scatter, then, sh.reduced)
 
     def _launch_whole_narrowed(self, st: _BucketState, sh: _Shard) -> None:
-        """A replicated bucket's gradient, a bf16 value widened (`narrow_whole`): the whole of it in `gather_dtype`
-        to every peer, each peer's widened on arrival, summed in rank order and divided as the all-reduce's callback
-        does. On 2 ranks half the bytes of an fp32 ring all-reduce, on 3 three quarters; more ranks are not given
-        it (`ShardedSync`)."""
+        """A replicated bucket's gradient, a bf16 value widened (`Exchange.whole`): the whole of it in
+        `gather_dtype` to every peer, each peer's widened on arrival, summed in rank order and divided as the
+        all-reduce's callback does."""
         st.launch_t = stamp(self.device)
         others = self.others
         none = torch.zeros(0, dtype=torch.long, device=st.buffer.device)  # every element is a bf16 value
@@ -376,6 +366,19 @@ class ShardedReducer(Reducer):
         self.gather()
         self.wait_gathered(range(len(self.shards)))
 
+    def records(self) -> list[BucketRecord]:
+        """`Reducer.records`, a sharded bucket's as its reduce-scatter, and any bucket exchanged point to point with
+        the wire dtype and the bytes to all peers it went with (the all-gathers: `gather_records`)."""
+        out = super().records()
+        for r in out:
+            sh = self.shards[r.bucket]
+            if not sh.replicated:
+                r.part = "reduce_scatter"
+            if not sh.replicated or sh.scatter_narrowed:
+                r.nbytes = self.sent_bytes(r.bucket, scatter=True)
+                r.wire_dtype = self.wire(r.bucket, scatter=True)
+        return out
+
     def gather_records(self, t0: Stamp | None, first_index: int) -> list[BucketRecord]:
         """One record per bucket's all-gather, the part of its communication that ran in this step's forward;
         times in ms from `t0` (negative: before backward started); `wait_ms`: how long the forward blocked on it."""
@@ -402,7 +405,7 @@ class ShardedReducer(Reducer):
         s = sh.shard.numel()
         if not self._went_narrowed(sh, scatter):
             return s * sh.shard.element_size() * len(self.others)
-        if sh.replicated:  # exchanged whole (`narrow_whole`)
+        if sh.replicated:  # exchanged whole (`Exchange.whole`)
             return s * self.gather_dtype.itemsize * len(self.others)
         exact = [sh.exact_idx[j if scatter else self.rank].numel() for j in self.others]
         return sum(s * self.gather_dtype.itemsize + k * sh.shard.element_size() for k in exact)
@@ -417,11 +420,3 @@ class ShardedReducer(Reducer):
             return self.buckets[i].bucket.settings.wire_dtype
         return next(name for name, t in WIRE_DTYPES.items() if t == self.gather_dtype)  # its exact members: fp32
 
-
-def member_offsets(params: list[torch.Tensor]) -> list[int]:
-    """Where each member starts in its bucket's flat buffers."""
-    out, off = [], 0
-    for p in params:
-        out.append(off)
-        off += p.numel()
-    return out
