@@ -5,6 +5,7 @@ across the change (only the fewer-than-world batches left at an epoch's end are 
 import shutil
 
 import pytest
+import torch
 from conftest import NO_EVAL, records, torchrun
 
 from dtrain.engine import config
@@ -100,3 +101,21 @@ def test_resume_on_another_world_size(two_rank_run, straight_losses, epoch_batch
     for a, b in spans[1:]:
         assert abs(mean(loss, a, b) - mean(straight_losses, a, b)) < 0.25, (loss, straight_losses)
     assert mean(loss, *spans[2]) < mean(loss, *spans[1]) < mean(loss, *spans[0])
+
+
+def test_a_sharded_checkpoint_resumes_under_ddp_on_three_ranks_and_back(tmp_path):
+    """sharded on 2 ranks for 5 steps, resumed under ddp on 3 to step 7, and that resumed under sharded on 3 to step
+    9: each resume reads the whole-model checkpoint (the optimizer state cut into 3 ranks' shards, or gathered
+    whole), and Adam's state goes on from where it stopped: its step count is 9 for every parameter at the end.
+    (The exact round trip of a whole state through 3 ranks' shards: tests/test_fsdp2.py.)"""
+    run = tmp_path / "run"
+    torchrun("--run-dir", str(run), "--set", "sync.strategy=sharded", "--set", f"train.max_steps={BEFORE}", *ARGS)
+    for strategy, world, steps in (("ddp", 3, BEFORE + 2), ("sharded", 3, BEFORE + 4)):
+        r = torchrun("--run-dir", str(run), "--resume", "--set", f"sync.strategy={strategy}",
+                     "--set", f"train.max_steps={steps}", *ARGS, nproc=world)
+        assert f"at step {steps - 2}" in r.stdout, r.stdout
+    steps = records(run / "steps.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, BEFORE + 5)) and all(s["grad_norm"] > 0 for s in steps)
+    optimizer = torch.load(run / "checkpoints" / f"step-{BEFORE + 4:07d}.pt", weights_only=True)["optimizer"]
+    assert len(optimizer["state"]) == len(optimizer["param_groups"][0]["params"])
+    assert {int(s["step"]) for s in optimizer["state"].values()} == {BEFORE + 4}
