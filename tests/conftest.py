@@ -9,6 +9,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -67,11 +69,46 @@ def tiny_model():
 
 
 def torchrun(*args, nproc=2, check=True, extra=(), timeout=300):
-    """`torchrun --standalone` of dtrain.engine.train on dtrain/profiles/smoke.yaml (a free port, so runs never collide)."""
+    """`torchrun --standalone` of dtrain.engine.train on dtrain/profiles/smoke.yaml (a free port, so runs never collide):
+    for the tests of torchrun's agent (`extra`: its options)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra,
            "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/smoke.yaml", *args]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if check:
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+def train_ranks(*args, nproc=2, check=True, timeout=300):
+    """dtrain.engine.train on dtrain/profiles/smoke.yaml on `nproc` local ranks, started as torchrun starts its
+    workers (RANK, WORLD_SIZE, LOCAL_RANK, a rendezvous on a free port) but without its agent, whose own start-up
+    costs seconds of each test. Where a rank fails the others are stopped, as the agent does. Returns a
+    CompletedProcess: the ranks' output in rank order, the first failed rank's status (or 0). The tests of the agent
+    itself (signals, restarts, elastic nodes) start `torch.distributed.run`."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/smoke.yaml", *args]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={
+        **os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": "0"}) for r in range(nproc)]
+    outputs = [None] * nproc
+    with ThreadPoolExecutor(nproc) as pool:  # read every rank's pipes while they run
+        futures = [pool.submit(p.communicate, timeout=timeout) for p in procs]
+        pending = set(range(nproc))
+        while pending:
+            for r in sorted(pending):
+                if futures[r].done():
+                    outputs[r] = futures[r].result()
+                    pending.discard(r)
+                    if procs[r].returncode != 0:
+                        for p in procs:
+                            if p.poll() is None:
+                                p.terminate()
+            time.sleep(0.05)
+    codes = [p.returncode for p in procs]
+    failed = next((c for c in codes if c != 0), 0)
+    r = subprocess.CompletedProcess(cmd, failed, "".join(o[0] for o in outputs), "".join(o[1] for o in outputs))
     if check:
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r
@@ -104,7 +141,7 @@ NO_EVAL = ("--set", "eval.at_end=false", "--set", "train.average_last=1")
 def straight_run(tmp_path_factory):
     """30 uninterrupted smoke steps without the final decoding: the reference for resume and restart tests."""
     run = tmp_path_factory.mktemp("straight") / "run"
-    torchrun("--run-dir", str(run), "--set", "train.max_steps=30", *NO_EVAL)
+    train_ranks("--run-dir", str(run), "--set", "train.max_steps=30", *NO_EVAL)
     return run
 
 

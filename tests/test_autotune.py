@@ -9,7 +9,7 @@ import torch
 from dtrain.collectives.costmodel.fit import FittedModel, Regime
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import TUNING_COLUMNS
-from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun
+from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun, train_ranks
 from dtrain.engine import autotune, tune_model
 from dtrain.engine import config as config_mod
 from dtrain.engine.model import Transformer
@@ -125,14 +125,14 @@ def test_an_auto_job_survives_a_crash_equals_its_winner_untuned_and_resumes_with
     # The same 8 steps of the winner, untuned: the same parameters and optimizer state.
     plain = tmp_path / "plain"
     keys = [f"sync.{k}={v}" for k, v in tuned["sync"].items()]
-    torchrun("--run-dir", str(plain), "--set", "train.max_steps=8", "--set", "train.ckpt_every=8",
+    train_ranks("--run-dir", str(plain), "--set", "train.max_steps=8", "--set", "train.ckpt_every=8",
              "--set", "train.val_every=0", *NO_EVAL, *[a for k in keys for a in ("--set", k)])
     diff = checkpoint_diff(run / "checkpoints" / "step-0000008.pt", plain / "checkpoints" / "step-0000008.pt")
     assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff
 
     # Resumed: the recorded winner trains on, nothing is searched again.
     csv_before = (run / "tuning.csv").read_text()
-    r = torchrun("--run-dir", str(run), "--resume", "--set", "train.max_steps=10", "--set", "train.ckpt_every=8",
+    r = train_ranks("--run-dir", str(run), "--resume", "--set", "train.max_steps=10", "--set", "train.ckpt_every=8",
                  *tune)
     assert "tuning:" not in r.stdout and (run / "tuning.csv").read_text() == csv_before
     assert [s["step"] for s in records(run / "steps.jsonl")][-1] == 10
@@ -145,7 +145,7 @@ def test_a_drifting_step_time_starts_a_new_search_from_a_checkpoint(tmp_path):
     margin is wide so that CI's own load, which can slow steps by half, does not start a search first.)"""
     space = "{ddp-25: {strategy: ddp, bucket_cap_mb: 25}, bucketed-1: {strategy: bucketed, bucket_cap_mb: 1}}"
     run = tmp_path / "auto"
-    r = torchrun("--run-dir", str(run), "--set", "train.max_steps=20", "--set", "train.ckpt_every=100",
+    r = train_ranks("--run-dir", str(run), "--set", "train.max_steps=20", "--set", "train.ckpt_every=100",
                  "--set", "sync.strategy=auto", "--set", f"sync.tune.candidates={space}",
                  "--set", "sync.tune.budget_steps=10", "--set", "sync.tune.warmup_rounds=1",
                  "--set", "sync.tune.min_rounds=3", "--set", "sync.tune.probe_steps=2",

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import NO_EVAL, cut_back, records, torchrun
+from conftest import NO_EVAL, cut_back, records, train_ranks
 
 from dtrain.collectives import attach, strategies
 from dtrain.collectives.plan import ready_order
@@ -103,13 +103,13 @@ def test_fsdp2_trains_as_ddp_and_its_checkpoints_resume_under_ddp_on_three_ranks
     same = ("--set", "optim.clip_norm=0.5", "--set", "train.accum_steps=2", "--set", "train.ckpt_every=5", *NO_EVAL)
     runs = {s: tmp_path / s for s in ("ddp", "fsdp2")}
     for s, run in runs.items():
-        r = torchrun("--run-dir", str(run), "--set", f"sync.strategy={s}", "--set", "train.max_steps=10", *same)
+        r = train_ranks("--run-dir", str(run), "--set", f"sync.strategy={s}", "--set", "train.max_steps=10", *same)
         assert "FutureWarning" not in r.stderr and "DeprecationWarning" not in r.stderr, r.stderr[-2000:]
     norms = {s: [x["grad_norm"] for x in records(run / "steps.jsonl")] for s, run in runs.items()}
     assert len(norms["fsdp2"]) == 10 and max(norms["ddp"]) > 0.5
     assert all(abs(a - b) <= 1e-4 * b for a, b in zip(norms["fsdp2"], norms["ddp"])), norms
     run = cut_back(runs["fsdp2"], tmp_path / "fsdp2-under-ddp", 5)
-    r = torchrun("--run-dir", str(run), "--resume", "--set", "sync.strategy=ddp", "--set", "train.max_steps=7",
+    r = train_ranks("--run-dir", str(run), "--resume", "--set", "sync.strategy=ddp", "--set", "train.max_steps=7",
                  *same, nproc=3)
     assert "at step 5" in r.stdout and "re-sharded over 3" in r.stdout, r.stdout
     after = records(run / "steps.jsonl")

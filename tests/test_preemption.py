@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun
+from conftest import NO_EVAL, REPO, checkpoint_diff, records, train_ranks
 
 from dtrain.engine.trainer import PREEMPTED_EXIT
 
@@ -91,7 +91,7 @@ def preempted(tmp_path_factory, straight_run):
     by_term = stop(run, start(run), 12, lambda p: p.send_signal(signal.SIGTERM))  # past the step-10 checkpoint
     by_usr1 = stop(run, start(run, "--resume"), by_term.step + 4,
                    lambda p: os.kill(worker_pid(p.pid, 1), signal.SIGUSR1))
-    last = torchrun("--run-dir", str(run), "--resume", *ARGS)
+    last = train_ranks("--run-dir", str(run), "--resume", *ARGS)
     return by_term, by_usr1, last.stdout, run
 
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from conftest import NO_EVAL, REPO, checkpoint_diff, cut_back, free_port, records, torchrun
+from conftest import (NO_EVAL, REPO, checkpoint_diff, cut_back, free_port, records, torchrun,
+                      train_ranks)
 from dtrain.engine.faults import Fault, parse
 
 
@@ -68,7 +69,7 @@ def test_nan_gradient_skips_the_step_on_every_rank(tmp_path):
     """One run: a NaN on rank 0 at step 5 is skipped and training goes on; NaNs on rank 1 at steps 8 and 9 are two in a
     row, one more than train.max_bad_steps allows, and stop the run at step 9."""
     run = tmp_path / "nan"
-    r = torchrun("--run-dir", str(run), "--fault", "nan@step=5,rank=0", "--fault", "nan@step=8,rank=1",
+    r = train_ranks("--run-dir", str(run), "--fault", "nan@step=5,rank=0", "--fault", "nan@step=8,rank=1",
                  "--fault", "nan@step=9,rank=1", "--set", "train.max_bad_steps=1", *NO_EVAL, check=False)
     assert r.returncode != 0
     assert "stopping at step 9: 2 consecutive steps with non-finite gradients (train.max_bad_steps = 1)" in r.stderr, \
@@ -85,7 +86,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, straight_run
     shutil.copytree(straight_run, run)  # 30 steps, checkpoints at 10, 20 and 30
     latest = run / "checkpoints" / "step-0000030.pt"
     latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])  # truncated on disk
-    r = torchrun("--run-dir", str(run), "--resume", "--set", "train.max_steps=30", *NO_EVAL)
+    r = train_ranks("--run-dir", str(run), "--resume", "--set", "train.max_steps=30", *NO_EVAL)
     assert "skipping checkpoint" in r.stderr and "checksum mismatch" in r.stderr
     assert "at step 20" in r.stdout
     assert [s["step"] for s in records(run / "steps.jsonl")] == list(range(1, 31))
@@ -213,7 +214,7 @@ def test_powersgd_resume_continues_exactly(tmp_path):
     powersgd = ("--set", "sync.strategy=powersgd", "--set", "train.ckpt_every=5", "--set", "train.keep_ckpts=6",
                 *NO_EVAL)
     straight = tmp_path / "straight"
-    torchrun("--run-dir", str(straight), "--set", "train.max_steps=20", *powersgd)
+    train_ranks("--run-dir", str(straight), "--set", "train.max_steps=20", *powersgd)
     split = cut_back(straight, tmp_path / "split", 10)
     state = torch.load(split / "checkpoints" / "step-0000010.pt", weights_only=True)
     ranks = state["sync"]
@@ -222,7 +223,7 @@ def test_powersgd_resume_continues_exactly(tmp_path):
     assert ranks[0]["error"].keys() == ranks[1]["error"].keys() and set(ranks[0]["error"]) <= names
     assert any(not torch.equal(ranks[0]["error"][n], ranks[1]["error"][n]) for n in ranks[0]["error"])  # per rank
     assert ranks[0]["q"] and all(torch.equal(ranks[0]["q"][n], ranks[1]["q"][n]) for n in ranks[0]["q"])
-    r = torchrun("--run-dir", str(split), "--resume", "--set", "train.max_steps=20", *powersgd)
+    r = train_ranks("--run-dir", str(split), "--resume", "--set", "train.max_steps=20", *powersgd)
     assert "at step 10" in r.stdout
     diff = checkpoint_diff(straight, split)
     assert "max |A - B| over parameters: 0 " in diff and "optimizer states: identical" in diff, diff

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import NO_EVAL, records, torchrun
+from conftest import NO_EVAL, records, train_ranks
 
 from dtrain.engine import config
 from dtrain.engine.data import TokenBatcher
@@ -23,7 +23,7 @@ ARGS = ("--set", f"data.train_limit={LIMIT}", "--set", "train.record_samples=tru
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("world") / "two"
-    torchrun("--run-dir", str(run), "--set", f"train.max_steps={BEFORE}", *ARGS)
+    train_ranks("--run-dir", str(run), "--set", f"train.max_steps={BEFORE}", *ARGS)
     return run
 
 
@@ -31,7 +31,7 @@ def two_rank_run(tmp_path_factory):
 def straight_losses(tmp_path_factory):
     """The same run on 2 ranks without a change, for the loss curve."""
     run = tmp_path_factory.mktemp("world") / "straight"
-    torchrun("--run-dir", str(run), "--set", f"train.max_steps={AFTER}", *ARGS)
+    train_ranks("--run-dir", str(run), "--set", f"train.max_steps={AFTER}", *ARGS)
     return losses(run)
 
 
@@ -45,7 +45,7 @@ def epoch_batches():
 def resumed(two_rank_run, tmp_path, world: int):
     run = tmp_path / f"on{world}"
     shutil.copytree(two_rank_run, run)
-    r = torchrun("--run-dir", str(run), "--resume", "--set", f"train.max_steps={AFTER}", *ARGS, nproc=world)
+    r = train_ranks("--run-dir", str(run), "--resume", "--set", f"train.max_steps={AFTER}", *ARGS, nproc=world)
     assert f"at step {BEFORE}" in r.stdout and f"written by 2 ranks, the data re-sharded over {world}" in r.stdout, \
         r.stdout
     return run
@@ -109,9 +109,9 @@ def test_a_sharded_checkpoint_resumes_under_ddp_on_three_ranks_and_back(tmp_path
     whole), and Adam's state goes on from where it stopped: its step count is 9 for every parameter at the end.
     (The exact round trip of a whole state through 3 ranks' shards: tests/test_fsdp2.py.)"""
     run = tmp_path / "run"
-    torchrun("--run-dir", str(run), "--set", "sync.strategy=sharded", "--set", f"train.max_steps={BEFORE}", *ARGS)
+    train_ranks("--run-dir", str(run), "--set", "sync.strategy=sharded", "--set", f"train.max_steps={BEFORE}", *ARGS)
     for strategy, world, steps in (("ddp", 3, BEFORE + 2), ("sharded", 3, BEFORE + 4)):
-        r = torchrun("--run-dir", str(run), "--resume", "--set", f"sync.strategy={strategy}",
+        r = train_ranks("--run-dir", str(run), "--resume", "--set", f"sync.strategy={strategy}",
                      "--set", f"train.max_steps={steps}", *ARGS, nproc=world)
         assert f"at step {steps - 2}" in r.stdout, r.stdout
     steps = records(run / "steps.jsonl")

@@ -11,7 +11,7 @@ from dtrain.collectives import attach, strategies
 from dtrain.collectives.plan import ready_order
 from dtrain.collectives.settings import SyncConfig
 from dtrain.collectives.sharded.exchange import REPLICATED, ROWS, SHARDS, exchange_plan
-from conftest import NO_EVAL, checkpoint_diff, records, torchrun
+from conftest import NO_EVAL, checkpoint_diff, records, train_ranks
 from dtrain.engine import config, verify
 from dtrain.common.errors import UserError
 from dtrain.engine.model import Transformer
@@ -188,7 +188,7 @@ def ddp_reference(tmp_path_factory):
     def run(same: tuple):
         if same not in done:
             done[same] = tmp_path_factory.mktemp("ddp") / "run"
-            torchrun("--run-dir", str(done[same]), "--set", "sync.strategy=ddp", "--set", "train.max_steps=10", *same)
+            train_ranks("--run-dir", str(done[same]), "--set", "sync.strategy=ddp", "--set", "train.max_steps=10", *same)
         return done[same]
 
     return run
@@ -200,8 +200,8 @@ def resumed_sharded_against(tmp_path, ddp_reference, same: tuple, sharded: tuple
     same = (*same, *NO_EVAL)
     reference = ddp_reference(same)
     run = tmp_path / "sharded"
-    torchrun("--run-dir", str(run), *SHARDED, *sharded, "--set", "train.max_steps=5", *same)
-    r = torchrun("--run-dir", str(run), *SHARDED, *sharded, "--resume", "--set", "train.max_steps=10", *same)
+    train_ranks("--run-dir", str(run), *SHARDED, *sharded, "--set", "train.max_steps=5", *same)
+    r = train_ranks("--run-dir", str(run), *SHARDED, *sharded, "--resume", "--set", "train.max_steps=10", *same)
     norms = [[s["grad_norm"] for s in records(d / "steps.jsonl")] for d in (reference, run)]
     return r, checkpoint_diff(reference, run), norms
 
@@ -247,7 +247,7 @@ def test_sharded_split_training_equals_ddp(tmp_path, ddp_reference, embedding, a
 def test_clipping_changes_the_update(tmp_path, straight_run):
     """Clipping scales the gradients the optimizer reads (it once scaled nothing: given gradient tensors instead of
     parameters, torch's clip_grads_with_norm_ finds no .grad to scale)."""
-    torchrun("--run-dir", str(tmp_path / "clipped"), "--set", "train.max_steps=10", "--set", "optim.clip_norm=0.05",
+    train_ranks("--run-dir", str(tmp_path / "clipped"), "--set", "train.max_steps=10", "--set", "optim.clip_norm=0.05",
              *NO_EVAL)
     diff = checkpoint_diff(straight_run / "checkpoints" / "step-0000010.pt", tmp_path / "clipped")
     assert "max |A - B| over parameters: " in diff and "max |A - B| over parameters: 0 " not in diff, diff

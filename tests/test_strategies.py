@@ -17,7 +17,7 @@ from dtrain.collectives.strategies import attachable, available
 from dtrain.collectives import attach
 from dtrain.engine import verify
 
-from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun
+from conftest import NO_EVAL, REPO, checkpoint_diff, records, train_ranks
 
 
 @pytest.fixture
@@ -226,7 +226,7 @@ def test_verify_cli_json_and_lossy_per_class():
 def test_bucketed_trains_bit_identically_to_ddp(tmp_path, straight_run):
     """On 2 ranks the mean is exact either way, so bucketed (views, set_to_none every step) must give DDP's model."""
     run = tmp_path / "bucketed"
-    torchrun("--run-dir", str(run), "--set", "sync.strategy=bucketed", "--set", "sync.bucket_cap_mb=0.1",
+    train_ranks("--run-dir", str(run), "--set", "sync.strategy=bucketed", "--set", "sync.bucket_cap_mb=0.1",
              "--set", "train.max_steps=10", *NO_EVAL)  # against the straight_run fixture's step-10 checkpoint
     diff = checkpoint_diff(straight_run / "checkpoints" / "step-0000010.pt", run)
     assert "max |A - B| over parameters: 0 " in diff, diff
@@ -239,7 +239,7 @@ def test_bucketed_trains_bit_identically_to_ddp(tmp_path, straight_run):
 @pytest.mark.slow
 def test_per_class_with_accumulation_through_the_trainer(tmp_path):
     run = tmp_path / "per_class"
-    torchrun("--run-dir", str(run), "--set", "sync.strategy=per_class", "--set", "train.accum_steps=2",
+    train_ranks("--run-dir", str(run), "--set", "sync.strategy=per_class", "--set", "train.accum_steps=2",
              "--set", "train.max_steps=6", "--set", "sync.classes.ffn.wire_dtype=bf16",
              "--set", "sync.bucket_cap_mb=0.1", *NO_EVAL)
     steps = records(run / "steps.jsonl")

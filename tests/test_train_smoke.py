@@ -1,6 +1,8 @@
 """End to end: 2-rank torchrun runs of dtrain/profiles/smoke.yaml (about 15 s each here)."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -8,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import dtrain
 
-from conftest import NO_EVAL, records, torchrun
+from conftest import NO_EVAL, REPO, records, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("smoke") / "run"
-    r = torchrun("--run-dir", str(run), "--set", "train.tensorboard=true")
+    r = train_ranks("--run-dir", str(run), "--set", "train.tensorboard=true")
     return run, r
 
 
@@ -75,17 +77,12 @@ def test_smoke_loss_decreases(smoke_run):
 def test_fresh_run_refuses_existing_run_dir(smoke_run):
     run, _ = smoke_run
     before = (run / "steps.jsonl").read_bytes()
-    r = torchrun("--run-dir", str(run), check=False)
+    r = train_ranks("--run-dir", str(run), check=False)
     assert r.returncode != 0 and "already holds a run" in r.stderr
     assert (run / "steps.jsonl").read_bytes() == before
 
 
 def test_evaluate_cli_scores_a_saved_run(smoke_run):
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
     run, _ = smoke_run
     r = subprocess.run([sys.executable, "-m", "dtrain.engine.evaluate", "--run", str(run), "--split", "val", "--beam", "1"],
                        capture_output=True, text=True, cwd=REPO, timeout=300)
