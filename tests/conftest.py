@@ -69,8 +69,8 @@ def tiny_model():
 
 
 def torchrun(*args, nproc=2, check=True, extra=(), timeout=300):
-    """`torchrun --standalone` of dtrain.engine.train on dtrain/profiles/smoke.yaml (a free port, so runs never collide):
-    for the tests of torchrun's agent (`extra`: its options)."""
+    """`torchrun --standalone` of dtrain.engine.train on dtrain/profiles/smoke.yaml (a free port, so runs never
+    collide): for the tests of torchrun's agent (`extra`: its options; the others use `train_ranks`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra,
            "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/smoke.yaml", *args]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,

@@ -110,7 +110,7 @@ def test_fsdp2_trains_as_ddp_and_its_checkpoints_resume_under_ddp_on_three_ranks
     assert all(abs(a - b) <= 1e-4 * b for a, b in zip(norms["fsdp2"], norms["ddp"])), norms
     run = cut_back(runs["fsdp2"], tmp_path / "fsdp2-under-ddp", 5)
     r = train_ranks("--run-dir", str(run), "--resume", "--set", "sync.strategy=ddp", "--set", "train.max_steps=7",
-                 *same, nproc=3)
+                    *same, nproc=3)
     assert "at step 5" in r.stdout and "re-sharded over 3" in r.stdout, r.stdout
     after = records(run / "steps.jsonl")
     assert [x["step"] for x in after][-2:] == [6, 7] and all(x["grad_norm"] > 0 for x in after[-2:])

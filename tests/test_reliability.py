@@ -70,7 +70,7 @@ def test_nan_gradient_skips_the_step_on_every_rank(tmp_path):
     row, one more than train.max_bad_steps allows, and stop the run at step 9."""
     run = tmp_path / "nan"
     r = train_ranks("--run-dir", str(run), "--fault", "nan@step=5,rank=0", "--fault", "nan@step=8,rank=1",
-                 "--fault", "nan@step=9,rank=1", "--set", "train.max_bad_steps=1", *NO_EVAL, check=False)
+                    "--fault", "nan@step=9,rank=1", "--set", "train.max_bad_steps=1", *NO_EVAL, check=False)
     assert r.returncode != 0
     assert "stopping at step 9: 2 consecutive steps with non-finite gradients (train.max_bad_steps = 1)" in r.stderr, \
         r.stderr[-3000:]

@@ -112,7 +112,7 @@ def test_a_sharded_checkpoint_resumes_under_ddp_on_three_ranks_and_back(tmp_path
     train_ranks("--run-dir", str(run), "--set", "sync.strategy=sharded", "--set", f"train.max_steps={BEFORE}", *ARGS)
     for strategy, world, steps in (("ddp", 3, BEFORE + 2), ("sharded", 3, BEFORE + 4)):
         r = train_ranks("--run-dir", str(run), "--resume", "--set", f"sync.strategy={strategy}",
-                     "--set", f"train.max_steps={steps}", *ARGS, nproc=world)
+                        "--set", f"train.max_steps={steps}", *ARGS, nproc=world)
         assert f"at step {steps - 2}" in r.stdout, r.stdout
     steps = records(run / "steps.jsonl")
     assert [s["step"] for s in steps] == list(range(1, BEFORE + 5)) and all(s["grad_norm"] > 0 for s in steps)

@@ -248,6 +248,6 @@ def test_clipping_changes_the_update(tmp_path, straight_run):
     """Clipping scales the gradients the optimizer reads (it once scaled nothing: given gradient tensors instead of
     parameters, torch's clip_grads_with_norm_ finds no .grad to scale)."""
     train_ranks("--run-dir", str(tmp_path / "clipped"), "--set", "train.max_steps=10", "--set", "optim.clip_norm=0.05",
-             *NO_EVAL)
+                *NO_EVAL)
     diff = checkpoint_diff(straight_run / "checkpoints" / "step-0000010.pt", tmp_path / "clipped")
     assert "max |A - B| over parameters: " in diff and "max |A - B| over parameters: 0 " not in diff, diff

@@ -640,3 +640,27 @@ def test_fsdp2_on_a_cpu_device_adds_every_collective_and_with_streams_overlaps_t
         cal.streams = True
         overlapped = sim.predict(cfg, ref, curve, _Flat(), cal, "fsdp2", None, run.vocab)
         assert overlapped.comm_ms == pytest.approx(serial.comm_ms) and overlapped.step_ms < serial.step_ms
+
+
+def test_fsdp2_costs_the_reduce_scatters_and_all_gathers_the_benchmark_measured(tmp_path):
+    """A model fitted on reduce-scatter and all-gather too (the benchmark's `--collective`) costs fsdp2's
+    collectives by their own fits, not as half an all-reduce: FSDP2 calls torch's reduce_scatter_tensor and
+    all_gather_into_tensor, whose cost on gloo is their own."""
+    _write_run(tmp_path / "run", strategy="sharded")
+    run = load_run(tmp_path / "run")
+    ref = sim.reference_step(run)
+    curve, cal = sim.ready_curve(run, ref), Calibration()
+    cal.streams = False
+    plan = bucket_plan(run.cfg, "fsdp2").buckets
+    flat = [cm.Regime(math.inf, 50.0, 1.0)]  # 50 µs + 1 GB/s
+    fitted = cm.FittedModel({"raw": flat}, "allreduce", 2, other_colls={
+        "reducescatter": {"raw": [cm.Regime(math.inf, 200.0, 0.5)]},
+        "allgather": {"raw": [cm.Regime(math.inf, 100.0, 0.25)]}})
+    cfg = config_mod.from_dict({**run.cfg.to_dict(), "sync": {"strategy": "fsdp2",
+                                                               "reshard_after_forward": False}}, "test")
+    p = sim.predict(cfg, ref, curve, fitted, cal, "fsdp2", None, run.vocab)
+    scatter = sum(0.2 + b.nbytes / 0.5e6 for b in plan)
+    gather = sum(0.1 + b.nbytes / 0.25e6 for b in plan)
+    assert p.comm_ms == pytest.approx(scatter + gather)
+    only_allreduce = cm.FittedModel({"raw": flat}, "allreduce", 2)
+    assert sim.predict(cfg, ref, curve, only_allreduce, cal, "fsdp2", None, run.vocab).comm_ms < p.comm_ms / 3

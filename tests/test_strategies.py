@@ -227,7 +227,7 @@ def test_bucketed_trains_bit_identically_to_ddp(tmp_path, straight_run):
     """On 2 ranks the mean is exact either way, so bucketed (views, set_to_none every step) must give DDP's model."""
     run = tmp_path / "bucketed"
     train_ranks("--run-dir", str(run), "--set", "sync.strategy=bucketed", "--set", "sync.bucket_cap_mb=0.1",
-             "--set", "train.max_steps=10", *NO_EVAL)  # against the straight_run fixture's step-10 checkpoint
+                "--set", "train.max_steps=10", *NO_EVAL)  # against the straight_run fixture's step-10 checkpoint
     diff = checkpoint_diff(straight_run / "checkpoints" / "step-0000010.pt", run)
     assert "max |A - B| over parameters: 0 " in diff, diff
     recs = records(run / "buckets.jsonl")
@@ -240,8 +240,8 @@ def test_bucketed_trains_bit_identically_to_ddp(tmp_path, straight_run):
 def test_per_class_with_accumulation_through_the_trainer(tmp_path):
     run = tmp_path / "per_class"
     train_ranks("--run-dir", str(run), "--set", "sync.strategy=per_class", "--set", "train.accum_steps=2",
-             "--set", "train.max_steps=6", "--set", "sync.classes.ffn.wire_dtype=bf16",
-             "--set", "sync.bucket_cap_mb=0.1", *NO_EVAL)
+                "--set", "train.max_steps=6", "--set", "sync.classes.ffn.wire_dtype=bf16",
+                "--set", "sync.bucket_cap_mb=0.1", *NO_EVAL)
     steps = records(run / "steps.jsonl")
     assert len(steps) == 6 and steps[-1]["loss"] < steps[0]["loss"]
     recs = records(run / "buckets.jsonl")

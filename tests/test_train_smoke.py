@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import dtrain
 
-from conftest import NO_EVAL, REPO, records, train_ranks
+from conftest import REPO, records, train_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,10 @@ first training steps, then trains on with the winner.
 1. **Candidates**: `sync.tune.candidates` (name -> `sync` keys), or DEFAULT_SPACE. Lossy ones (a bf16/fp16 wire,
    PowerSGD, a compressing hook) only with `sync.tune.lossy`.
 2. **Pruning**: `dtrain.engine.tune_model` predicts each candidate's step (MODELED) from a short no-communication probe
-   and a timing of the job's own process group; the `top_k` best go on, the rest are dropped unmeasured.
+   and a timing of the job's own process group; the `top_k` best go on, with the best of each other family (a
+   strategy with or without the split, rows, bf16 exchanges) predicted within FAMILY_SLACK of the best, since a
+   prediction can be 20-25% off; the rest are dropped unmeasured. bf16 exchanges are in the default space only
+   where the profile trains under bf16 autocast, where they are exact.
 3. **Measurement**: each remaining candidate is a replica of the job's trainer, built with the same seed, so all
    start from the same model and train on the same batches. Every round runs one training step of each, in an
    order shuffled per round and equal on every rank (the collectives must be issued in the same order), as
@@ -61,6 +64,7 @@ DEFAULT_SPACE: dict[str, dict[str, Any]] = {
     "bucketed-2": {"strategy": "bucketed", "bucket_cap_mb": 2},
     "bucketed-8": {"strategy": "bucketed", "bucket_cap_mb": 8},
     "bucketed-8-first1": {"strategy": "bucketed", "bucket_cap_mb": 8, "first_bucket_mb": 1},
+    "bucketed-8-last1": {"strategy": "bucketed", "bucket_cap_mb": 8, "last_bucket_mb": 1},
     "per_class-2-embedding16": {"strategy": "per_class", "bucket_cap_mb": 2, "classes.embedding.bucket_cap_mb": 16},
     "bucketed-0.5-split": {"strategy": "bucketed", "bucket_cap_mb": 0.5, "classes.embedding.tied_split": True},
     "bucketed-2-split": {"strategy": "bucketed", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
@@ -69,9 +73,20 @@ DEFAULT_SPACE: dict[str, dict[str, Any]] = {
     "sharded-8": {"strategy": "sharded", "bucket_cap_mb": 8},
     "sharded-1-split": {"strategy": "sharded", "bucket_cap_mb": 1, "classes.embedding.tied_split": True},
     "sharded-2-split": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
+    "sharded-2-split-rows": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True,
+                             "shard_tied_split": True},
+    # bf16 exchanges: exact only under bf16 autocast, so in the space only where the profile trains so
+    "sharded-2-split-bf16": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True,
+                             "gather_dtype": "bf16"},
+    "sharded-8-split-bf16": {"strategy": "sharded", "bucket_cap_mb": 8, "classes.embedding.tied_split": True,
+                             "gather_dtype": "bf16"},
     "fsdp2": {"strategy": "fsdp2"},  # stock FSDP2's defaults
     "fsdp2-keep": {"strategy": "fsdp2", "reshard_after_forward": False},
+    "fsdp2-bf16": {"strategy": "fsdp2", "gather_dtype": "bf16"},  # FSDP2's mixed precision: lossy, with tune.lossy
 }
+# A family whose best predicted member is within this factor of the best prediction is measured even outside
+# `top_k`: the prediction can be 20-25% off (docs/results.md), and a family measurement would pick must not be lost.
+FAMILY_SLACK = 1.30
 
 
 @dataclass
@@ -124,6 +139,8 @@ def candidates(cfg: RunConfig) -> list[Candidate]:
     space = t.candidates or DEFAULT_SPACE
     out = []
     for name, keys in space.items():
+        if space is DEFAULT_SPACE and keys.get("gather_dtype") and cfg.train.amp != "bf16":
+            continue  # bf16 parameters or exchanges need the forward under bf16 autocast
         c_cfg = candidate_config(cfg, name, keys)
         out.append(Candidate(name, dict(keys), c_cfg, is_lossless(c_cfg.sync)))
     if not t.lossy:
@@ -133,17 +150,33 @@ def candidates(cfg: RunConfig) -> list[Candidate]:
     return out
 
 
+def family(sync) -> str:
+    """A candidate's family: its strategy and the project's own ideas it uses (the split, rows, bf16 exchanges)."""
+    split = any(c.tied_split for c in sync.classes.values()) and "classes.tied_split" in strategies.get(
+        sync.strategy).sync_keys
+    rows = split and sync.shard_tied_split
+    return sync.strategy + ("+split" if split else "") + ("+rows" if rows else "") + (
+        f"+{sync.gather_dtype}" if sync.gather_dtype else "")
+
+
 def prune(cands: list[Candidate], top_k: int) -> list[Candidate]:
-    """The candidates to measure: the `top_k` best predicted, and every one without a prediction (PowerSGD: no
-    bucket plan to play); the others are marked dropped. Ranks are given in predicted order."""
+    """The candidates to measure: the `top_k` best predicted; the best predicted of each other family, where its
+    prediction is within FAMILY_SLACK of the best one; and every one without a prediction (PowerSGD: no bucket plan
+    to play). The others are marked dropped. Ranks are given in predicted order."""
     predicted = sorted((c for c in cands if c.predicted_ms is not None), key=lambda c: c.predicted_ms)
     for i, c in enumerate(predicted):
         c.predicted_rank = i + 1
+    kept = predicted[:top_k]
+    families = {family(c.cfg.sync) for c in kept}
     for c in predicted[top_k:]:
+        if family(c.cfg.sync) not in families and c.predicted_ms <= FAMILY_SLACK * predicted[0].predicted_ms:
+            kept.append(c)
+            families.add(family(c.cfg.sync))
+            continue
         c.status = "dropped: predicted"
-        c.reason = (f"predicted {c.predicted_ms:.0f} ms, rank {c.predicted_rank} of {len(predicted)}; only the top "
-                    f"{top_k} are measured")
-    return predicted[:top_k] + [c for c in cands if c.predicted_ms is None]
+        c.reason = (f"predicted {c.predicted_ms:.0f} ms, rank {c.predicted_rank} of {len(predicted)}; the top "
+                    f"{top_k} and each family's best within {FAMILY_SLACK:g}x of the best are measured")
+    return kept + [c for c in cands if c.predicted_ms is None]
 
 
 class Tuner:

@@ -184,8 +184,9 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
            vocab: int | None, classes: dict | None, cost, nccl_of) -> Prediction:
     """FSDP2's step: each unit (`Fsdp2Units`' buckets) reduce-scattered in backward, all-gathered in forward (in
     bf16 with `gather_dtype`, FSDP2's mixed precision) and, with `reshard_after_forward`, gathered again in backward
-    (all but the root, the last bucket, which keeps its parameters). A reduce-scatter or all-gather costs its
-    latency and half the rest of an all-reduce of its bytes. Without device streams (`calib.streams`: a CPU
+    (all but the root, the last bucket, which keeps its parameters). A reduce-scatter or all-gather costs what the
+    benchmark measured for that collective where the model was fitted on it (FSDP2 calls torch's own, which on gloo
+    is not half an all-reduce), else its latency and half the rest of an all-reduce of its bytes. Without device streams (`calib.streams`: a CPU
     device) every collective blocks the computing thread, so they add up to the step; with them the reduce-scatters
     and the backward gathers (each issued as the unit before starts its backward, FSDP2's prefetch) are played on
     the timeline as `sharded`'s, and the forward waits for its gathers as `sharded`'s does. Not modeled: FSDP2's
@@ -196,13 +197,17 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     one = cost or (lambda n, a, p: model.allreduce_ms(n, a, p))
     nccl_of = nccl_of or requested_nccl(cfg, False)
 
-    def half(b, nbytes: int) -> float:
+    fitted = getattr(model, "colls", ()) if cost is None else ()
+
+    def collective(b, nbytes: int, coll: str) -> float:
+        if coll in fitted:  # the benchmark measured this collective itself (`--collective`)
+            return calib.comm_scale * model.time_us(nbytes, coll) / 1000.0
         alpha = calib.comm_scale * model.allreduce_latency_ms(nbytes) if cost is None else 0.0
         return exchange_ms(calib.comm_scale * one(nbytes, *nccl_of(b)), alpha)
 
     low = WIRE_DTYPES[sync.gather_dtype].itemsize if sync.gather_dtype else None
-    scatter = [half(b, b.nbytes) for b in plan]
-    gather = [half(b, b.numel * low if low else b.nbytes) for b in plan]
+    scatter = [collective(b, b.nbytes, "reducescatter") for b in plan]
+    gather = [collective(b, b.numel * low if low else b.nbytes, "allgather") for b in plan]
     regather = gather[:-1] if sync.reshard_after_forward else []
     world = getattr(model, "ranks", None) or 2
     compute = ref.compute_ms - (calib.host_base_ms or 0.0) - optimizer_saving(plan, ref.optimizer_ms, world)
