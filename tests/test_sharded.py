@@ -2,9 +2,14 @@
 It must give what DDP gives (the same gradients, the same clipped update, the same checkpoints), and its checkpoints
 must resume under any strategy."""
 
+import gc
+import threading
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 import torch.multiprocessing as mp
 
 from dtrain.collectives import attach, strategies
@@ -251,3 +256,39 @@ def test_clipping_changes_the_update(tmp_path, straight_run):
                 *NO_EVAL)
     diff = checkpoint_diff(straight_run / "checkpoints" / "step-0000010.pt", tmp_path / "clipped")
     assert "max |A - B| over parameters: " in diff and "max |A - B| over parameters: 0 " not in diff, diff
+
+
+def _close_on_two_ranks(rank: int, init: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        groups = distributed_c10d._world.pg_map  # torch's registry of live process groups
+        before = (len(groups), {t.name for t in threading.enumerate()})
+        split = {"embedding": {"tied_split": True}}
+        for sync in (SyncConfig(strategy="sharded", bucket_cap_mb=0.05, shard_tied_split=True, classes=split),
+                     SyncConfig(strategy="sharded", bucket_cap_mb=0.05, classes=split),
+                     SyncConfig(strategy="bucketed", bucket_cap_mb=0.05, classes=split)):
+            model = verify.tiny_model()
+            handle = attach(model, sync)
+            for step in range(2):  # two steps: the first one's update is all-gathered in the second forward
+                src, tgt_in, tgt_out = verify.batch(rank, step, 0)
+                verify.loss_fn(handle.module(src, tgt_in), tgt_out, 1).backward()
+                handle.wait()
+                handle.stepped()
+            assert len(groups) > before[0]
+            reducer = weakref.ref(handle.reducer)
+            handle.close()
+            del handle
+            gc.collect()
+            assert reducer() is None, sync  # no thread, hook or callback holds the reducer and its buffers
+            assert (len(groups), {t.name for t in threading.enumerate()}) == before, sync
+            src, tgt_in, tgt_out = verify.batch(rank, 2, 0)
+            verify.loss_fn(model(src, tgt_in), tgt_out, 1).backward()  # the model runs on without the hooks
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_closed_handle_leaves_no_thread_process_group_or_buffer_behind(tmp_path):
+    """What the tuner does with a candidate it drops: `close()` ends the sharded handle's completion thread,
+    destroys the process groups it and its split created, removes its hooks, and nothing holds its reducer."""
+    mp.spawn(_close_on_two_ranks, args=(str(tmp_path / "init"),), nprocs=2)

@@ -53,6 +53,10 @@ class GradSync(StrategyFacts):
         self.model, self.cfg, self.process_group = model, cfg, process_group
         self.module: nn.Module = model  # what forward is called on
 
+    def close(self) -> None:
+        """Release what the handle made besides the model's parameters: its hooks on the model, its threads, its
+        process groups. A collective (every rank calls it); the handle is not used again. Nothing here."""
+
     def no_sync(self) -> AbstractContextManager:
         """Inside: backward accumulates locally and communicates nothing (all but the last micro-batch)."""
         return nullcontext()

@@ -223,7 +223,8 @@ class Tuner:
         winner = self._race(racing, trainers)
         set_rng_state(self.rng[winner.name])  # the rest of the run draws on as the winner alone would
         tr = trainers.pop(winner.name)
-        trainers.clear()  # the others' replicas go: their memory, their hooks
+        for name in sorted(trainers):  # the others' replicas go: their memory, hooks, threads and process groups
+            trainers.pop(name).close()
         self._finish(winner, tr)
         return tr
 
@@ -268,8 +269,8 @@ class Tuner:
                     c.times[self.rounds], c.losses[self.rounds] = sums[2 * i] / world, sums[2 * i + 1] / world
             self.rounds += 1
             alive = self._drop(alive)
-            for name in set(trainers) - {c.name for c in alive}:
-                del trainers[name]  # a dropped replica's memory goes now, not at the end of the search
+            for name in sorted(set(trainers) - {c.name for c in alive}):
+                trainers.pop(name).close()  # a dropped replica's memory goes now, not at the end of the search
             if alive[0].times:  # past the warm-up rounds
                 leader = min(alive, key=lambda c: c.measured_ms)
                 bar.set_postfix_str(f"{len(alive)} left, leader {leader.name}")
@@ -443,5 +444,6 @@ def fit(cfg: RunConfig, run_dir: Path, device, backend: str, faults=(), stop=Non
             print(f"step {tr.step}: the median step moved from {watch.base:.1f} to {watch.last:.1f} ms (more than "
                   f"sync.tune.retune_drift = {cfg.sync.tune.retune_drift:g}); searching again from this checkpoint",
                   flush=True)
-        del tr  # its replica's memory, before the new search builds its own
+        tr.close()  # its replica's memory, before the new search builds its own
+        del tr
         tr = Tuner(cfg, run_dir, device, backend, faults, stop, search=search).run()

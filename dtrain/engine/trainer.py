@@ -376,6 +376,11 @@ class Trainer:
         self.profiler.step()
         return rec
 
+    def close(self) -> None:
+        """Release the synchronization's hooks, threads and process groups (`GradSync.close`); the trainer is not
+        used again (a replica the tuner dropped)."""
+        self.sync.close()
+
     def turn_step(self) -> StepRecord:
         """`recorded_step` of one configuration among several trained in turn (`dtrain.analysis.interleave`, the tuner's
         race). The ranks meet first, outside the timed step: each configuration then starts aligned, as its own

@@ -85,6 +85,16 @@ class ShardedSync(PlannedSync):
         # sharded matrix come (LOOKUP): the all-gathers' waves from then on (None: not recorded).
         self._uses: list | None = [] if lookups else None
 
+    def close(self) -> None:
+        """`PlannedSync.close`, and the modules' waits for their buckets removed, the point-to-point thread ended
+        (its last task holds the reducer) and its group destroyed."""
+        for h in self._pre_hooks:
+            h.remove()
+        self._pre_hooks = []
+        self.reducer.completions.close()
+        self._groups.append(self.reducer.group)
+        super().close()
+
     def _make_reducer(self, named_params, buckets, groups, process_group):
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         group = dist.new_group(ranks)  # the shards' point-to-point traffic, apart from any collective

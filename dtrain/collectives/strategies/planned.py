@@ -65,6 +65,7 @@ class PlannedSync(GradSync):
             # One group per class, created in rule order on every rank (a collective call).
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
             groups = {c: nccl.class_group(c, self.settings[c], ranks) for c in used}
+        self._groups = list(groups.values())  # the per-class groups this handle created
         self.reducer = self._make_reducer(dict(model.named_parameters()), buckets, groups, process_group)
         self.splits = self._tied_splits(model, process_group)
         self.module = _Synced(model, self)
@@ -84,6 +85,16 @@ class PlannedSync(GradSync):
         if self.reducer.armed and first is not None and first.requires_grad:
             # The output's gradient is among the first computed: the backward of this micro-batch has started.
             first.register_hook(lambda grad: self.reducer.mark_backward_start())
+
+    def close(self) -> None:
+        """The reducer's and the splits' hooks removed, and the process groups this handle created destroyed."""
+        self.reducer.remove()
+        for split in self.splits:
+            split.remove()
+            self._groups.append(split.group)
+        for group in self._groups:
+            dist.destroy_process_group(group)
+        self._groups, self.splits = [], []
 
     def _make_reducer(self, named_params, buckets, groups, process_group) -> Reducer:
         return Reducer(named_params, buckets, self.world, self.strategy.overlap, groups, process_group)
