@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from dtrain.analysis import simulate as sim
-from dtrain.analysis.plans import bucket_plan, exchanges, ready_params, sync_for
+from dtrain.analysis.plans import bucket_plan, ready_params, sharded_exchanges, sync_for
 from dtrain.analysis.runs import load_run, slowest_rank_records
 from dtrain.analysis.simulate.__main__ import main
 from dtrain.analysis.simulate.calibration import Calibration
@@ -434,7 +434,7 @@ def test_a_replicated_bucket_is_played_whole_from_the_start_of_backward_and_has_
     plan = bucket_plan(cfg).buckets
     plain = bucket_plan(config_mod.from_dict({"model": {"preset": "small"}, "data": {"vocab_size": 8000},
                                               "sync": {"strategy": "sharded", "bucket_cap_mb": 2}}, "test")).buckets
-    exs = exchanges(cfg, cfg.sync, plan, 2)
+    exs = sharded_exchanges(cfg, cfg.sync, plan, 2)
     assert [ex.gathered for ex in exs] == [False] + [True] * (len(plan) - 1) and plan[0].tensor_class == "embedding"
     ready, dur = sharded_times(exs, [10.0 * (i + 1) for i in range(len(plan))], [4.0] * len(plan),
                                lambda i, d: d / 2)
@@ -456,7 +456,7 @@ def test_an_embedding_sharded_by_rows_is_reduce_scattered_from_the_start_of_back
                                 "sync": {"strategy": "sharded", "bucket_cap_mb": 2, "shard_tied_split": True,
                                          "classes": {"embedding": {"tied_split": True}}}}, "test")
     plan = bucket_plan(cfg).buckets
-    exs = exchanges(cfg, cfg.sync, plan, 2)
+    exs = sharded_exchanges(cfg, cfg.sync, plan, 2)
     assert exs[0].row_size == 256 and all(ex.gathered for ex in exs)  # d_model of the small preset
     ready, dur = sharded_times(exs, [10.0 * (i + 1) for i in range(len(plan))], [4.0] * len(plan),
                                lambda i, d: d / 2)
@@ -475,7 +475,7 @@ def test_a_narrowed_sharded_plan_moves_its_linear_members_in_bf16(tmp_path):
                     "classes": {"embedding": {"tied_split": True}}}}
     cfg = config_mod.from_dict(raw, "test")
     plan = bucket_plan(cfg).buckets
-    sizes = [ex.nbytes("all_gather") or ex.bucket.nbytes for ex in exchanges(cfg, sync_for(cfg), plan, 2)]
+    sizes = [ex.nbytes("all_gather") or ex.bucket.nbytes for ex in sharded_exchanges(cfg, sync_for(cfg), plan, 2)]
     assert sizes[0] == plan[0].nbytes  # the replicated embedding: read by the lookups in fp32
     assert all(b.nbytes / 2 < n < b.nbytes for b, n in zip(plan[1:], sizes[1:]) if "norm" in " ".join(b.names))
     assert sum(sizes[1:]) < 0.51 * sum(b.nbytes for b in plan[1:])  # almost all of the rest is Linear weights

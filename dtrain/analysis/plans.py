@@ -55,7 +55,7 @@ def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = 
     return strategies.plan_for(sync_for(cfg, strategy, bucket_cap_mb, classes), list(ready_params(cfg, vocab)))
 
 
-def exchanges(cfg, sync, plan, world: int, vocab: int | None = None) -> list[Exchange]:
+def sharded_exchanges(cfg, sync, plan, world: int, vocab: int | None = None) -> list[Exchange]:
     """The exchange plan of `sharded`'s buckets `plan` for `cfg`'s model under `sync` (`sync_for`) on `world` ranks,
     as training computes it (`dtrain.collectives.sharded.exchange`)."""
     return exchange_plan(sync, _meta_model(cfg.model, vocab or cfg.data.vocab_size), plan, world)

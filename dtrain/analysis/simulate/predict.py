@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dtrain.analysis.plans import bucket_plan, exchanges as plan_exchanges, ready_params, sync_for
+from dtrain.analysis.plans import bucket_plan, ready_params, sharded_exchanges, sync_for
 from dtrain.analysis.simulate.calibration import Calibration
 from dtrain.analysis.simulate.costs import host_ms
 from dtrain.analysis.simulate.reference import ReferenceStep
@@ -123,7 +123,7 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
 
 def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration, strategy: str,
              cap_mb: float | None, vocab: int | None, classes: dict | None, cost, nccl_of) -> Prediction:
-    """`sharded`'s step, each bucket as its exchange plan says (`dtrain.analysis.plans.exchanges`, the plan
+    """`sharded`'s step, each bucket as its exchange plan says (`dtrain.analysis.plans.sharded_exchanges`, the plan
     training runs): a sharded bucket reduce-scattered in backward and all-gathered in the next forward, a
     replicated one (a split tied embedding) all-reduced, or exchanged whole in bf16, from the start of backward;
     narrowed members in their bytes (the reduce-scatter's only in a step of one micro-batch). A reduce-scatter or
@@ -133,7 +133,7 @@ def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibrati
     sync = sync_for(cfg, strategy, cap_mb, classes)
     plan, overlap, class_groups = bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
     world = getattr(model, "ranks", None) or 2
-    exchanges = plan_exchanges(cfg, sync, plan, world, vocab)
+    exchanges = sharded_exchanges(cfg, sync, plan, world, vocab)
     accumulated = cfg.train.accum_steps > 1
     one = cost or (lambda n, a, p: model.allreduce_ms(n, a, p))
     nccl_of = nccl_of or requested_nccl(cfg, class_groups)
@@ -186,12 +186,12 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     bf16 with `gather_dtype`, FSDP2's mixed precision) and, with `reshard_after_forward`, gathered again in backward
     (all but the root, the last bucket, which keeps its parameters). A reduce-scatter or all-gather costs what the
     benchmark measured for that collective where the model was fitted on it (FSDP2 calls torch's own, which on gloo
-    is not half an all-reduce), else its latency and half the rest of an all-reduce of its bytes. Without device streams (`calib.streams`: a CPU
-    device) every collective blocks the computing thread, so they add up to the step; with them the reduce-scatters
-    and the backward gathers (each issued as the unit before starts its backward, FSDP2's prefetch) are played on
-    the timeline as `sharded`'s, and the forward waits for its gathers as `sharded`'s does. Not modeled: FSDP2's
-    copies into and out of its flat buffers and the DTensor optimizer's overhead; the optimizer is charged for
-    1/world of the parameters, as `sharded`'s."""
+    is not half an all-reduce), else its latency and half the rest of an all-reduce of its bytes. Without device
+    streams (`calib.streams`: a CPU device) every collective blocks the computing thread, so they add up to the
+    step; with them the reduce-scatters and the backward gathers (each issued as the unit before starts its
+    backward, FSDP2's prefetch) are played on the timeline as `sharded`'s, and the forward waits for its gathers as
+    `sharded`'s does. Not modeled: FSDP2's copies into and out of its flat buffers and the DTensor optimizer's
+    overhead; the optimizer is charged for 1/world of the parameters, as `sharded`'s."""
     sync = sync_for(cfg, strategy, classes=classes)
     plan = bucket_plan(cfg, strategy, classes=classes, vocab=vocab).buckets
     one = cost or (lambda n, a, p: model.allreduce_ms(n, a, p))
