@@ -190,8 +190,10 @@ class TiedEmbeddingSplit:
 
     def _reduce_rows(self, part: Rows, index: int) -> None:
         """Start summing `part.rows` over the ranks: an all-reduce."""
-        def completed(fut):
-            part.complete_t = stamp(self.param.device)
+        device = self.param.device
+
+        def completed(fut):  # run, and released, on the group's own thread: it must not hold the split (the group)
+            part.complete_t = stamp(device)
             return fut.value()
 
         part.sent_bytes = part.rows.numel() * part.rows.element_size()

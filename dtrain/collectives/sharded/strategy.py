@@ -92,8 +92,8 @@ class ShardedSync(PlannedSync):
             h.remove()
         self._pre_hooks = []
         self.reducer.completions.close()
-        self._groups.append(self.reducer.group)
         super().close()
+        self._destroy([self.reducer.group])  # its exchanges' completions ran on the thread just ended
 
     def _make_reducer(self, named_params, buckets, groups, process_group):
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)

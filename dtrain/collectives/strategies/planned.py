@@ -65,7 +65,6 @@ class PlannedSync(GradSync):
             # One group per class, created in rule order on every rank (a collective call).
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
             groups = {c: nccl.class_group(c, self.settings[c], ranks) for c in used}
-        self._groups = list(groups.values())  # the per-class groups this handle created
         self.reducer = self._make_reducer(dict(model.named_parameters()), buckets, groups, process_group)
         self.splits = self._tied_splits(model, process_group)
         self.module = _Synced(model, self)
@@ -87,14 +86,19 @@ class PlannedSync(GradSync):
             first.register_hook(lambda grad: self.reducer.mark_backward_start())
 
     def close(self) -> None:
-        """The reducer's and the splits' hooks removed, and the process groups this handle created destroyed."""
+        """The reducer's and the splits' hooks removed, and the splits' process groups destroyed. The per-class
+        groups are not: each bucket's completion callback holds the reducer, and so its group, and runs (and is
+        released) on that group's own thread, where a group's last release would join the thread itself."""
         self.reducer.remove()
         for split in self.splits:
             split.remove()
-            self._groups.append(split.group)
-        for group in self._groups:
+        self._destroy([split.group for split in self.splits])
+        self.splits = []
+
+    @staticmethod
+    def _destroy(groups) -> None:
+        for group in groups:
             dist.destroy_process_group(group)
-        self._groups, self.splits = [], []
 
     def _make_reducer(self, named_params, buckets, groups, process_group) -> Reducer:
         return Reducer(named_params, buckets, self.world, self.strategy.overlap, groups, process_group)
