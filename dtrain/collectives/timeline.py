@@ -162,8 +162,8 @@ def optimizer_saving(plan, optimizer_ms: float, world: int, sharded: list[bool] 
     updates 1/world of the sharded buckets' elements (`sharded[i]`, default every bucket's) and all of the
     others'."""
     total = sum(b.numel for b in plan) or 1
-    sharded = sum(b.numel for i, b in enumerate(plan) if sharded is None or sharded[i])
-    return optimizer_ms * (1 - 1 / world) * sharded / total
+    updated = sum(b.numel for i, b in enumerate(plan) if sharded is None or sharded[i])
+    return optimizer_ms * (1 - 1 / world) * updated / total
 
 
 class ReadyCurve:
