@@ -88,19 +88,25 @@ def test_pruning_keeps_the_best_predicted_and_every_unpredicted_candidate():
     assert [c.name for c in racing] == [cands[2].name, cands[3].name, cands[1].name]
     assert [c.predicted_rank for c in cands] == [3, None, 1, 2, 4]
     dropped = [c for c in cands if c.status == "dropped: predicted"]
-    assert dropped == [cands[0], cands[4]] and "rank 4 of 4; the top 2" in cands[4].reason
+    assert dropped == [cands[0], cands[4]] and "rank 4 of 4; 2 are measured" in cands[4].reason
 
 
-def test_pruning_keeps_each_familys_best_predicted_within_the_slack():
-    """A prediction can be 20-25% off: the best predicted member of another family (here ddp, predicted 20% above
-    the best) is measured too, its family's others and anything beyond FAMILY_SLACK are not."""
+def test_pruning_measures_each_familys_best_first_within_the_slack():
+    """A prediction can be 20-25% off: of the top_k measured, the best predicted member of each family within
+    FAMILY_SLACK comes before a near copy of a better predicted one; a family beyond the slack only fills a place
+    left over."""
     by_name = {c.name: c for c in autotune.candidates(auto_cfg())}
-    cands = [by_name[n] for n in ("bucketed-0.5", "bucketed-2", "bucketed-8", "ddp-2", "ddp-25", "sharded-2")]
-    for c, ms in zip(cands, (100.0, 101.0, 102.0, 120.0, 121.0, 140.0)):
-        c.predicted_ms = ms
-    racing = autotune.prune(cands, top_k=2)
-    assert [c.name for c in racing] == ["bucketed-0.5", "bucketed-2", "ddp-2"]
-    assert {c.name for c in cands if c.status == "dropped: predicted"} == {"bucketed-8", "ddp-25", "sharded-2"}
+    names = ("bucketed-0.5", "bucketed-2", "bucketed-8", "ddp-2", "ddp-25", "sharded-2")
+    predictions = (100.0, 101.0, 102.0, 120.0, 121.0, 140.0)
+
+    def prune(top_k):
+        cands = [by_name[n] for n in names]
+        for c, ms in zip(cands, predictions):
+            c.predicted_ms, c.status = ms, ""
+        return [c.name for c in autotune.prune(cands, top_k)], {c.name for c in cands if c.status}
+
+    assert prune(2) == (["bucketed-0.5", "ddp-2"], {"bucketed-2", "bucketed-8", "ddp-25", "sharded-2"})
+    assert prune(3) == (["bucketed-0.5", "bucketed-2", "ddp-2"], {"bucketed-8", "ddp-25", "sharded-2"})
 
 
 def test_a_candidate_is_dropped_only_when_the_paired_interval_excludes_zero():

@@ -4,9 +4,9 @@ first training steps, then trains on with the winner.
 1. **Candidates**: `sync.tune.candidates` (name -> `sync` keys), or DEFAULT_SPACE. Lossy ones (a bf16/fp16 wire,
    PowerSGD, a compressing hook) only with `sync.tune.lossy`.
 2. **Pruning**: `dtrain.engine.tune_model` predicts each candidate's step (MODELED) from a short no-communication probe
-   and a timing of the job's own process group; the `top_k` best go on, with the best of each other family (a
-   strategy with or without the split, rows, bf16 exchanges) predicted within FAMILY_SLACK of the best, since a
-   prediction can be 20-25% off; the rest are dropped unmeasured. bf16 exchanges are in the default space only
+   and a timing of the job's own process group; `top_k` go on, each family's best predicted first (a family: a
+   strategy with or without the split, rows, bf16 exchanges; within FAMILY_SLACK of the best prediction, since a
+   prediction can be 20-25% off), then the best predicted of the rest; the others are dropped unmeasured. bf16 exchanges are in the default space only
    where the profile trains under bf16 autocast, where they are exact.
 3. **Measurement**: each remaining candidate is a replica of the job's trainer, built with the same seed, so all
    start from the same model and train on the same batches. Every round runs one training step of each, in an
@@ -84,8 +84,9 @@ DEFAULT_SPACE: dict[str, dict[str, Any]] = {
     "fsdp2-keep": {"strategy": "fsdp2", "reshard_after_forward": False},
     "fsdp2-bf16": {"strategy": "fsdp2", "gather_dtype": "bf16"},  # FSDP2's mixed precision: lossy, with tune.lossy
 }
-# A family whose best predicted member is within this factor of the best prediction is measured even outside
-# `top_k`: the prediction can be 20-25% off (docs/results.md), and a family measurement would pick must not be lost.
+# Of the `top_k` measured, each family's best predicted member goes first where its prediction is within this factor
+# of the best one: a prediction can be 20-25% off (docs/results.md), and a family measurement would pick must not be
+# lost to another family's near copies.
 FAMILY_SLACK = 1.30
 
 
@@ -160,22 +161,27 @@ def family(sync) -> str:
 
 
 def prune(cands: list[Candidate], top_k: int) -> list[Candidate]:
-    """The candidates to measure: the `top_k` best predicted; the best predicted of each other family, where its
-    prediction is within FAMILY_SLACK of the best one; and every one without a prediction (PowerSGD: no bucket plan
-    to play). The others are marked dropped. Ranks are given in predicted order."""
+    """The `top_k` candidates to measure, and every one without a prediction (PowerSGD: no bucket plan to play).
+    The `top_k` go first to the best predicted member of each family whose prediction is within FAMILY_SLACK of the
+    best one, families in predicted order; the places left, to the best predicted of the rest. The others are
+    marked dropped. Ranks are given in predicted order."""
     predicted = sorted((c for c in cands if c.predicted_ms is not None), key=lambda c: c.predicted_ms)
     for i, c in enumerate(predicted):
         c.predicted_rank = i + 1
-    kept = predicted[:top_k]
-    families = {family(c.cfg.sync) for c in kept}
-    for c in predicted[top_k:]:
-        if family(c.cfg.sync) not in families and c.predicted_ms <= FAMILY_SLACK * predicted[0].predicted_ms:
+    kept: list[Candidate] = []
+    families: set[str] = set()
+    for c in predicted:
+        if (len(kept) < top_k and family(c.cfg.sync) not in families
+                and c.predicted_ms <= FAMILY_SLACK * predicted[0].predicted_ms):
             kept.append(c)
             families.add(family(c.cfg.sync))
-            continue
-        c.status = "dropped: predicted"
-        c.reason = (f"predicted {c.predicted_ms:.0f} ms, rank {c.predicted_rank} of {len(predicted)}; the top "
-                    f"{top_k} and each family's best within {FAMILY_SLACK:g}x of the best are measured")
+    kept += [c for c in predicted if c not in kept][:top_k - len(kept)]
+    kept.sort(key=lambda c: c.predicted_ms)
+    for c in predicted:
+        if c not in kept:
+            c.status = "dropped: predicted"
+            c.reason = (f"predicted {c.predicted_ms:.0f} ms, rank {c.predicted_rank} of {len(predicted)}; "
+                        f"{top_k} are measured, each family's best first")
     return kept + [c for c in cands if c.predicted_ms is None]
 
 
