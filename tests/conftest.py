@@ -9,8 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -92,20 +91,16 @@ def train_ranks(*args, nproc=2, check=True, timeout=300):
         **os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
         "GROUP_RANK": "0"}) for r in range(nproc)]
-    outputs = [None] * nproc
     with ThreadPoolExecutor(nproc) as pool:  # read every rank's pipes while they run
-        futures = [pool.submit(p.communicate, timeout=timeout) for p in procs]
-        pending = set(range(nproc))
+        futures = {pool.submit(p.communicate, timeout=timeout): p for p in procs}
+        pending = set(futures)
         while pending:
-            for r in sorted(pending):
-                if futures[r].done():
-                    outputs[r] = futures[r].result()
-                    pending.discard(r)
-                    if procs[r].returncode != 0:
-                        for p in procs:
-                            if p.poll() is None:
-                                p.terminate()
-            time.sleep(0.05)
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            if any(futures[f].returncode != 0 for f in done):
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+        outputs = [f.result() for f in futures]  # rank order
     codes = [p.returncode for p in procs]
     failed = next((c for c in codes if c != 0), 0)
     r = subprocess.CompletedProcess(cmd, failed, "".join(o[0] for o in outputs), "".join(o[1] for o in outputs))

@@ -14,7 +14,8 @@ from dtrain.collectives import nccl, strategies, tensor_classes
 from dtrain.collectives.strategies.fsdp2 import Fsdp2Units
 from dtrain.collectives.tensor_classes import WIRE_DTYPES
 from dtrain.collectives.sharded.exchange import ROWS
-from dtrain.collectives.timeline import ReadyCurve, gather_stall, optimizer_saving, play_timeline, through
+from dtrain.collectives.timeline import (ReadyCurve, gather_stall, optimizer_saving, play_timeline, sharded_times,
+                                         through)
 from dtrain.common.errors import UserError
 
 
@@ -96,29 +97,22 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
         plan, ready = _split_first(cfg, strategy, cap_mb, classes, vocab, curve, split)
     else:
         ready = [curve.at(x) for x in through(plan, ready_params(cfg, vocab))]
-    one = cost or (lambda n, a, p: model.allreduce_ms(n, a, p))
-    nccl_of = nccl_of or requested_nccl(cfg, class_groups)
-    dur = [calib.comm_scale * one(b.nbytes, *nccl_of(b)) for b in plan]
-    lat = [calib.comm_scale * model.allreduce_latency_ms(b.nbytes) for b in plan] if cost is None else None
-    groups = [b.tensor_class for b in plan] if class_groups and calib.lanes > 1 else None
+    allreduce, latency = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, class_groups))
+    dur = [allreduce(b, b.nbytes) for b in plan]
+    lat = [latency(b.nbytes) for b in plan] if cost is None else None
+    groups = _groups(plan, class_groups, calib)
     sent = [b.nbytes for b in plan]
     if rows:  # each lookup's rows one more all-reduce, launched when that lookup's backward ended
         entries = list(zip(ready, dur, lat or [0.0] * len(plan), groups or [None] * len(plan), sent))
         for at, nbytes in sorted(rows):
             i = next((i for i in range(len(entries)) if entries[i][0] > at), len(entries))
-            entries.insert(i, (at, calib.comm_scale * one(nbytes, *nccl_of(plan[0])),
-                               calib.comm_scale * model.allreduce_latency_ms(nbytes) if lat else 0.0,
+            entries.insert(i, (at, allreduce(plan[0], nbytes), latency(nbytes),
                                plan[0].tensor_class if groups else None, nbytes))
         ready, dur, lats, grps, sent = (list(c) for c in zip(*entries))
         lat, groups = (lats if lat else None), (grps if groups else None)
-    tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups,
-                       model.link_efficiency)
-    exposed = tl.exposed_ms + calib.post_ms
-    if calib.host_base_ms is not None:  # more collectives during backward than the reference step: slower compute
-        compute += host_ms(model, sent, tl) - calib.host_base_ms
-    lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
+    tl, exposed, slower = _played(ref, model, calib, ready, dur, overlap, lat, groups, sent)
     return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, len(plan), tl.comm_ms,
-                      exposed, compute + exposed, lossless, split=bool(split))
+                      exposed, compute + slower + exposed, _lossless(plan), split=bool(split))
 
 
 def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration, strategy: str,
@@ -135,43 +129,57 @@ def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibrati
     world = getattr(model, "ranks", None) or 2
     exchanges = sharded_exchanges(cfg, sync, plan, world, vocab)
     accumulated = cfg.train.accum_steps > 1
-    one = cost or (lambda n, a, p: model.allreduce_ms(n, a, p))
-    nccl_of = nccl_of or requested_nccl(cfg, class_groups)
-
-    def allreduce(b, nbytes: int) -> float:
-        return calib.comm_scale * one(nbytes, *nccl_of(b))
-
-    def half(b, nbytes: int) -> float:
-        alpha = calib.comm_scale * model.allreduce_latency_ms(b.nbytes) if cost is None else 0.0
-        return exchange_ms(allreduce(b, nbytes), alpha)
-
+    allreduce, latency = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, class_groups))
+    lat = [latency(b.nbytes) for b in plan] if cost is None else None
+    alpha = lat or [0.0] * len(plan)
     sent = [ex.nbytes("reduce_scatter", accumulated) for ex in exchanges]
-    # A split embedding's bucket is complete at the start of backward, with the pre-softmax projection's gradient
-    at = through(plan, ready_params(cfg, vocab))
-    ready = [0.0 if ex.split else curve.at(x) for ex, x in zip(exchanges, at)]
-    dur = []
-    for b, ex, n in zip(plan, exchanges, sent):
-        if ex.gathered:  # a reduce-scatter
-            dur.append(half(b, n))
-        elif ex.whole and not accumulated:  # the bucket to each peer
-            dur.append(half(b, n * world))
-        else:  # an all-reduce
-            dur.append(allreduce(b, n))
-    lat = [calib.comm_scale * model.allreduce_latency_ms(b.nbytes) for b in plan] if cost is None else None
-    groups = [b.tensor_class for b in plan] if class_groups and calib.lanes > 1 else None
-    tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups,
-                       model.link_efficiency)
-    exposed = tl.exposed_ms + calib.post_ms
-    compute = ref.compute_ms
-    if calib.host_base_ms is not None:  # more collectives during backward than the reference step: slower compute
-        compute += host_ms(model, sent, tl) - calib.host_base_ms
+    whole = [ex.whole and not accumulated for ex in exchanges]
+    ready, dur = sharded_times(exchanges, [curve.at(x) for x in through(plan, ready_params(cfg, vocab))],
+                               [allreduce(b, n * world if w else n) for b, n, w in zip(plan, sent, whole)],
+                               lambda i, d: exchange_ms(d, alpha[i]))
+    dur = [exchange_ms(d, alpha[i]) if w else d for i, (d, w) in enumerate(zip(dur, whole))]
+    tl, exposed, slower = _played(ref, model, calib, ready, dur, overlap, lat, _groups(plan, class_groups, calib),
+                                  sent)
     gather_bytes = [ex.nbytes("all_gather") for ex in exchanges]
-    gather = [half(b, n) for b, n in zip(plan, gather_bytes)]
-    compute += _sharded_extra_ms(ref, model, plan, exchanges, gather, gather_bytes, calib, world)
-    lossless = all(b.settings.wire_dtype == "fp32" for b in plan)
-    return Prediction(strategy, cap_mb, len(plan), tl.comm_ms, exposed, compute + exposed, lossless,
+    gather = [exchange_ms(allreduce(b, n), a) for b, n, a in zip(plan, gather_bytes, alpha)]
+    compute = ref.compute_ms + slower + _sharded_extra_ms(ref, model, plan, exchanges, gather, gather_bytes, calib,
+                                                          world)
+    return Prediction(strategy, cap_mb, len(plan), tl.comm_ms, exposed, compute + exposed, _lossless(plan),
                       split=any(ex.split for ex in exchanges), rows=any(ex.layout == ROWS for ex in exchanges),
                       narrowed=sync.gather_dtype)
+
+
+def _costs(model, calib: Calibration, cost, nccl_of):
+    """(allreduce(bucket, nbytes), latency(nbytes)), calibrated ms: one all-reduce of `nbytes` with the (algo, proto)
+    `nccl_of(bucket)` gives, by `cost(nbytes, algo, proto)` where given, else by the model; and the part of it that
+    does not share the link (none for a given `cost`)."""
+    one = cost or model.allreduce_ms
+
+    def allreduce(bucket, nbytes: int) -> float:
+        return calib.comm_scale * one(nbytes, *nccl_of(bucket))
+
+    def latency(nbytes: int) -> float:
+        return calib.comm_scale * model.allreduce_latency_ms(nbytes) if cost is None else 0.0
+
+    return allreduce, latency
+
+
+def _groups(plan, class_groups: bool, calib: Calibration) -> list[str] | None:
+    """Each bucket's process group (its class's), where classes have their own and the machine runs several lanes."""
+    return [b.tensor_class for b in plan] if class_groups and calib.lanes > 1 else None
+
+
+def _played(ref: ReferenceStep, model, calib: Calibration, ready, dur, overlap: bool, lat, groups, sent):
+    """The backward's collectives (ready and taking `dur` ms, of `sent` bytes) played on the reference step:
+    (timeline, exposed ms, ms the reference step's compute is slower for more collectives during backward)."""
+    tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups,
+                       model.link_efficiency)
+    slower = host_ms(model, sent, tl) - calib.host_base_ms if calib.host_base_ms is not None else 0.0
+    return tl, tl.exposed_ms + calib.post_ms, slower
+
+
+def _lossless(plan) -> bool:
+    return all(b.settings.wire_dtype == "fp32" for b in plan)
 
 
 def exchange_ms(allreduce_ms: float, latency_ms: float) -> float:
@@ -194,16 +202,13 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     overhead; the optimizer is charged for 1/world of the parameters, as `sharded`'s."""
     sync = sync_for(cfg, strategy, classes=classes)
     plan = bucket_plan(cfg, strategy, classes=classes, vocab=vocab).buckets
-    one = cost or (lambda n, a, p: model.allreduce_ms(n, a, p))
-    nccl_of = nccl_of or requested_nccl(cfg, False)
-
+    allreduce, latency = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, False))
     fitted = getattr(model, "colls", ()) if cost is None else ()
 
     def collective(b, nbytes: int, coll: str) -> float:
         if coll in fitted:  # the benchmark measured this collective itself (`--collective`)
             return calib.comm_scale * model.time_us(nbytes, coll) / 1000.0
-        alpha = calib.comm_scale * model.allreduce_latency_ms(nbytes) if cost is None else 0.0
-        return exchange_ms(calib.comm_scale * one(nbytes, *nccl_of(b)), alpha)
+        return exchange_ms(allreduce(b, nbytes), latency(nbytes))
 
     low = WIRE_DTYPES[sync.gather_dtype].itemsize if sync.gather_dtype else None
     scatter = [collective(b, b.nbytes, "reducescatter") for b in plan]

@@ -105,7 +105,7 @@ def exchange_plan(sync, model: nn.Module, buckets: list[Bucket], world: int) -> 
                 narrowed = frozenset(n for n in b.names if n not in read_whole)
         unit = (row or 1) * (1 if layout == REPLICATED else world)
         padded = -(-b.numel // unit) * unit
-        own = b.nbytes // b.numel
+        own = b.settings.torch_wire_dtype.itemsize
         nbytes = sum(params[n].numel() * (WIRE_DTYPES[low].itemsize if n in narrowed else own) for n in b.names)
         out.append(Exchange(b, layout, world, padded, row, narrowed, low if narrowed else None, nbytes))
     return out

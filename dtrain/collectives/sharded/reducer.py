@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.collectives.reducer import Reducer, _BucketState
-from dtrain.collectives.sharded.exchange import REPLICATED, SHARDS, Exchange, member_offsets
+from dtrain.collectives.sharded.exchange import REPLICATED, Exchange, member_offsets
 from dtrain.collectives.sharded.p2p import Completions, exchange, rank_order_sum
 from dtrain.collectives.tensor_classes import WIRE_DTYPES
 from dtrain.collectives.timing import Stamp, record_ms, stamp
@@ -138,7 +138,7 @@ class ShardedReducer(Reducer):
                 for off, p in zip(member_offsets(st.params), st.params):
                     flat[off: off + p.numel()].copy_(p.reshape(-1))
                     p.data = flat[off: off + p.numel()].view_as(p)  # the model reads P from now on
-            s = padded // self.world
+            s = ex.chunk
             shard = nn.Parameter(flat[self.rank * s: (self.rank + 1) * s])  # shares P's storage
             self.shards.append(_Shard(flat, shard, [flat.new_empty(s) for _ in range(self.world - 1)],
                                       exact_idx=self._exact_idx(st, ex)))
@@ -147,9 +147,9 @@ class ShardedReducer(Reducer):
         self.attach_grads()
 
     def _exact_idx(self, st: _BucketState, ex: Exchange) -> list[torch.Tensor]:
-        """Per chunk (s,) of a SHARDS bucket with narrowed members: the indices of its elements that stay exact.
-        Empty when the bucket has no member to narrow (then the whole bucket goes in fp32)."""
-        if ex.layout != SHARDS or not ex.narrowed:
+        """Per chunk (s,) of a bucket with narrowed members: the indices of its elements that stay exact. Empty when
+        the bucket has no member to narrow (then the whole bucket goes in fp32)."""
+        if not ex.narrowed:
             return []
         s = ex.chunk
         keep = torch.zeros(ex.padded, dtype=torch.bool)
