@@ -12,7 +12,8 @@
 #    settings (per_group) and the log check against the bucket plan (nccl_check.txt), then bucketed; GPU telemetry
 #    in the step records, bucket timelines from CUDA events.
 # 4. CUDA training steps on one rank, checkpoint averaging, beam search and sacreBLEU on test 2016.
-# 4b. The same one-rank steps with torch.compile (train.compile: default): tokens/s and GPU utilization.
+# 4b. The same one-rank steps with torch.compile (train.compile: default): tokens/s and GPU utilization (its limit
+#     leaves room for two compilations: the second batch shape compiles the model again, with dynamic shapes).
 # 5. `dtrain.collectives.bench` over the two ranks with NCCL's pick (NCCL_DEBUG=INFO; with --groups 3: one to three NCCL
 #    communicators all-reducing at once), two-rank ddp training and the same
 #    with the tied embedding's gradient split, with the sharded strategy, with both, with the embedding sharded by
@@ -89,7 +90,7 @@ part train-1rank 120 python3 -m dtrain.engine.train --profile dtrain/profiles/ba
 
 # The same steps with the model compiled (train.compile): tokens/s and GPU utilization of both in their step records
 # (telemetry), against train-1rank's; no final evaluation, the comparison is the step.
-part train-1rank-compiled 150 python3 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN --set train.max_steps="$STEPS" \
+part train-1rank-compiled 240 python3 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN --set train.max_steps="$STEPS" \
     --set train.compile=default --set train.ckpt_every=100000 --set eval.at_end=false \
     --run-dir "$OUT_DIR/train-1rank-compiled"
 

@@ -162,6 +162,18 @@ def test_version_guards_that_pass_or_warn():
     assert any("creates no per-class process groups" in w for w in ddp.warnings)
 
 
+def test_auto_warns_only_when_no_candidate_has_class_groups():
+    def warnings(candidates):
+        raw = {"collectives": {"mode": "per_group"},
+               "sync": {"strategy": "auto", "tune": {"candidates": candidates}}}
+        return [w for w in nccl.build_groups(config.from_dict(raw)).warnings if "per-class process groups" in w]
+    assert warnings({"ddp-25": {"strategy": "ddp", "bucket_cap_mb": 25},
+                     "proj-LL": {"strategy": "per_class", "classes.projection.protocol": "LL"}}) == []
+    assert warnings({}) == []  # the default space holds per_class
+    only_ddp = warnings({"ddp-2": {"strategy": "ddp"}, "ddp-25": {"strategy": "ddp", "bucket_cap_mb": 25}})
+    assert len(only_ddp) == 1 and "nor does any candidate of its search" in only_ddp[0]
+
+
 def test_nonblocking_init_is_refused_for_per_group(monkeypatch):
     monkeypatch.setenv("TORCH_NCCL_USE_COMM_NONBLOCKING", "1")
     with pytest.raises(UserError, match="needs blocking communicator init"):

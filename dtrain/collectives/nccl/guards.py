@@ -20,6 +20,14 @@ def creates_class_groups(strategy: str) -> bool:
     return strategies.get(strategy).class_groups
 
 
+def _searched(sync) -> list[str]:
+    """The strategies a run can use: its own, or under `auto` its candidates' (none named: the default space, which
+    holds per_class)."""
+    if sync.strategy != "auto":
+        return [sync.strategy]
+    return [keys["strategy"] for keys in sync.tune.candidates.values()] or ["per_class"]
+
+
 def nonblocking_init() -> bool:
     """Non-blocking communicator init: NCCL would read the class's variables from a background thread, after they
     were restored (PyTorch's TORCH_NCCL_USE_COMM_NONBLOCKING; NCCL's ncclConfig_t.blocking)."""
@@ -52,9 +60,10 @@ def guards(cfg, version, settings: dict[str, NcclSettings]) -> list[str]:
                         f"thread after dtrain restored them (unset it)")
     if c.mode in ("global", "per_group"):
         warn += _forced_warnings(cfg, {n: s for n, s in settings.items() if s.proto or s.algo})
-    if c.mode in ("per_group", "tuner") and not creates_class_groups(cfg.sync.strategy):
-        warn.append(f"sync.strategy '{cfg.sync.strategy}' creates no per-class process groups: the classes' "
-                    f"settings reach no communicator (use sync.strategy per_class)")
+    if c.mode in ("per_group", "tuner") and not any(map(creates_class_groups, _searched(cfg.sync))):
+        what = "nor does any candidate of its search" if cfg.sync.strategy == "auto" else ""
+        warn.append(f"sync.strategy '{cfg.sync.strategy}' creates no per-class process groups{what and ', ' + what}: "
+                    f"the classes' settings reach no communicator (use sync.strategy per_class)")
     if c.parse_log and version and version < (2, 21, 0):
         warn.append(f"collectives.parse_log: NCCL {vs} predates the TUNING log formats parse-log reads")
     return warn

@@ -152,7 +152,7 @@ class ShardedReducer(Reducer):
         if not ex.narrowed:
             return []
         s = ex.chunk
-        keep = torch.zeros(ex.padded, dtype=torch.bool)
+        keep = torch.zeros(ex.padded, dtype=torch.bool, device=st.params[0].device)  # index_copy_ wants P's device
         for off, n, p in zip(member_offsets(st.params), st.bucket.names, st.params):
             keep[off: off + p.numel()] = n not in ex.narrowed
         return [keep[j * s: (j + 1) * s].nonzero().view(-1) for j in range(self.world)]
