@@ -21,20 +21,32 @@ def auto_cfg(*overrides):
     return config_mod.load(SMOKE, ["sync.strategy=auto", *overrides])
 
 
-def test_the_default_space_builds_and_only_lossless_candidates_are_searched_by_default():
+def test_the_default_space_builds_and_only_lossless_candidates_are_searched_by_default(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # one rank, one node: no hierarchical plan
+    flat = [n for n, k in autotune.DEFAULT_SPACE.items() if not k.get("hierarchical")]
     cands = autotune.candidates(auto_cfg("train.amp=bf16"))
-    assert [c.name for c in cands] == [n for n in autotune.DEFAULT_SPACE if n != "fsdp2-bf16"]  # lossy: bf16 params
+    assert [c.name for c in cands] == [n for n in flat if n != "fsdp2-bf16"]  # lossy: bf16 params
     assert all(c.lossless for c in cands)
     assert {autotune.family(c.cfg.sync) for c in cands} >= {"ddp", "bucketed+split", "sharded+split+rows",
                                                              "sharded+split+bf16", "fsdp2"}
     # bf16 exchanges are exact only under bf16 autocast: without it they are not in the space
     fp32 = autotune.candidates(auto_cfg("train.amp=fp32"))
-    assert [c.name for c in fp32] == [n for n, k in autotune.DEFAULT_SPACE.items() if "gather_dtype" not in k]
+    assert [c.name for c in fp32] == [n for n in flat if "gather_dtype" not in autotune.DEFAULT_SPACE[n]]
     lossy = autotune.candidates(auto_cfg("train.amp=bf16", "sync.tune.lossy=true"))
     assert [c.name for c in lossy if not c.lossless] == ["fsdp2-bf16"]
     split = next(c for c in cands if c.name == "bucketed-0.5-split")
     assert split.cfg.sync.strategy == "bucketed" and split.cfg.sync.classes["embedding"].tied_split
     assert split.cfg.sync.bucket_cap_mb == 0.5
+
+    # 2 nodes x 2 ranks (torchrun's LOCAL_WORLD_SIZE): the hierarchical plan joins, a family of its own
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(autotune.ddist, "world_size", lambda: 4)
+    nodes = autotune.candidates(auto_cfg("train.amp=fp32"))
+    hierarchical = [c for c in nodes if c.cfg.sync.hierarchical]
+    assert [c.name for c in hierarchical] == ["bucketed-2-hierarchical", "bucketed-8-hierarchical"]
+    assert {autotune.family(c.cfg.sync) for c in hierarchical} == {"bucketed+hierarchical"}
+    monkeypatch.setattr(autotune.ddist, "world_size", lambda: 2)  # one node of 2 ranks: out again
+    assert not any(c.cfg.sync.hierarchical for c in autotune.candidates(auto_cfg("train.amp=fp32")))
 
     space = "{fp32: {strategy: per_class}, bf16: {strategy: per_class, classes.embedding.wire_dtype: bf16}}"
     assert [c.name for c in autotune.candidates(auto_cfg(f"sync.tune.candidates={space}"))] == ["fp32"]
@@ -78,6 +90,9 @@ def test_the_prediction_charges_the_exposed_tail_on_a_slow_network():
     assert probe.step_ms <= on_fast < pred["ddp-2"]
     powersgd = config_mod.load(REPO / "dtrain" / "profiles" / "multi30k-cpu.yaml", ["sync.strategy=powersgd"])
     assert tune_model.predict_ms(powersgd.sync, model, probe, slow, 2, "gloo") is None
+    hierarchical = config_mod.load(REPO / "dtrain" / "profiles" / "multi30k-cpu.yaml",
+                                   ["sync.strategy=bucketed", "sync.hierarchical=true"])
+    assert tune_model.predict_ms(hierarchical.sync, model, probe, slow, 4, "gloo") is None  # measured, not predicted
 
 
 def test_pruning_keeps_the_best_predicted_and_every_unpredicted_candidate():

@@ -154,7 +154,8 @@ def test_unused_keys_name_the_key_and_the_strategy_s_keys():
                                               classes={"ffn": {"wire_dtype": "bf16", "match": "*.w_1.*"}}))
     assert [k for k, _ in found] == ["sync.hook", "sync.classes.ffn.wire_dtype"]
     assert found[0][1] == ("is not used by strategy 'bucketed' (its keys: sync.bucket_cap_mb, sync.first_bucket_mb, "
-                           "sync.last_bucket_mb, sync.classes.<class>.(match, min_numel, max_numel, tied_split))")
+                           "sync.last_bucket_mb, sync.hierarchical, sync.ranks_per_node, sync.classes.<class>.(match, min_numel, "
+                           "max_numel, tied_split))")
     assert strategies.unused_keys(SyncConfig(strategy="nope", hook="allreduce")) == []  # the name is the error
 
 

@@ -42,6 +42,8 @@ def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check:
     for key in ("first_bucket_mb", "last_bucket_mb"):
         value = getattr(s, key)
         check(value is None or value > 0, f"sync.{key}", f"must be positive or null, got {value}")
+    check(s.ranks_per_node is None or s.ranks_per_node > 0, "sync.ranks_per_node",
+          f"must be positive or null, got {s.ranks_per_node}")
     check(s.powersgd_rank > 0, "sync.powersgd_rank", f"must be positive, got {s.powersgd_rank}")
     check(s.powersgd_start_iter >= 2, "sync.powersgd_start_iter",
           f"must be at least 2 (DDP rebuilds its buckets after iteration 1), got {s.powersgd_start_iter}")

@@ -70,7 +70,7 @@ class Reducer:
         self.buckets, self._where = [], {}
         for b in buckets:
             params = [self.named_params[n] for n in b.names]
-            buffer = torch.zeros(b.numel, dtype=b.dtype, device=params[0].device)
+            buffer = torch.zeros(self._buffer_numel(b.numel), dtype=b.dtype, device=params[0].device)
             views, offset = [], 0
             for name, p in zip(b.names, params):
                 views.append(buffer[offset: offset + p.numel()].view_as(p))
@@ -79,6 +79,10 @@ class Reducer:
             self.buckets.append(_BucketState(b, params, buffer, views, self.groups.get(b.tensor_class,
                                                                                         self.default_group)))
         self.attach_grads()
+
+    def _buffer_numel(self, numel: int) -> int:
+        """A bucket buffer's length for `numel` gradient elements (a reducer that splits buckets pads them)."""
+        return numel
 
     def rebuild(self, buckets: list[Bucket]) -> None:
         """Replace the layout (between steps): the gradients move into the new buffers."""
@@ -172,13 +176,7 @@ class Reducer:
 
     def _launch(self, st: _BucketState) -> None:
         st.launch_t = stamp(self.device)
-        wire_dtype = st.bucket.settings.torch_wire_dtype
-        if wire_dtype == st.buffer.dtype:
-            st.wire = st.buffer  # in place: the gradients themselves go on the wire
-        else:
-            st.wire = st.buffer.to(wire_dtype)  # (numel,) cast: the one copy compression costs
-            if wire_dtype == torch.float16:
-                st.wire.div_(self.world)  # average before summing so the fp16 sum cannot overflow
+        st.wire = self._to_wire(st)
         b = st.bucket
         with comm_span(b.index, b.tensor_class, b.nbytes, b.settings.wire_dtype) as span:  # profiler label
             work = dist.all_reduce(st.wire, group=st.group, async_op=True)
@@ -187,9 +185,23 @@ class Reducer:
         # on CPU that is the idle tail of the backward; `finish()` waits for the chained future.
         st.work = fut.then(lambda fut, st=st: self._averaged(st, fut))
 
+    def _to_wire(self, st: _BucketState) -> torch.Tensor:
+        """What goes on the wire: the buffer itself (in place), or its cast to the bucket's wire dtype."""
+        wire_dtype = st.bucket.settings.torch_wire_dtype
+        if wire_dtype == st.buffer.dtype:
+            return st.buffer  # in place: the gradients themselves go on the wire
+        wire = st.buffer.to(wire_dtype)  # (numel,) cast: the one copy compression costs
+        if wire_dtype == torch.float16:
+            wire.div_(self.world)  # average before summing so the fp16 sum cannot overflow
+        return wire
+
     def _averaged(self, st: _BucketState, fut) -> torch.Tensor:
         st.complete_t = stamp(self.device)
         fut.value()  # re-raises a failed collective
+        return self._average(st)
+
+    def _average(self, st: _BucketState) -> torch.Tensor:
+        """The summed wire back into the buffer as the mean (cast back, divided by the world size)."""
         if st.wire is not st.buffer:
             st.buffer.copy_(st.wire)
         if st.wire is st.buffer or st.wire.dtype != torch.float16:

@@ -99,6 +99,11 @@ class SyncConfig:
     # fsdp2: free a unit's gathered parameters after its forward and gather them again for its backward (FSDP2's
     # default); false: keep them from forward to backward
     reshard_after_forward: bool = True
+    # bucketed, flat, per_tensor: each bucket reduce-scattered inside the node, its shard all-reduced between the
+    # nodes (the ranks of one local index), the sums all-gathered inside the node; a process group per level
+    hierarchical: bool = False
+    # the ranks of one node, consecutive global ranks (torchrun's layout); null: torchrun's LOCAL_WORLD_SIZE
+    ranks_per_node: int | None = None
     powersgd_rank: int = 1  # powersgd: matrix approximation rank
     powersgd_start_iter: int = 2  # powersgd: plain all-reduce before this iteration (error feedback needs >= 2)
     tune: TuneConfig = field(default_factory=TuneConfig)  # auto: how the job searches its configuration

@@ -7,7 +7,9 @@ first training steps, then trains on with the winner.
    and a timing of the job's own process group; `top_k` go on, each family's best predicted first (a family: a
    strategy with or without the split, rows, bf16 exchanges; within FAMILY_SLACK of the best prediction, since a
    prediction can be 20-25% off), then the best predicted of the rest; the others are dropped unmeasured. bf16 exchanges are in the default space only
-   where the profile trains under bf16 autocast, where they are exact.
+   where the profile trains under bf16 autocast, where they are exact; the hierarchical plan only where the job's
+   nodes hold several ranks each, and it is measured without a prediction (the job times only the world's
+   all-reduce).
 3. **Measurement**: each remaining candidate is a replica of the job's trainer, built with the same seed, so all
    start from the same model and train on the same batches. Every round runs one training step of each, in an
    order shuffled per round and equal on every rank (the collectives must be issued in the same order), as
@@ -68,6 +70,9 @@ DEFAULT_SPACE: dict[str, dict[str, Any]] = {
     "per_class-2-embedding16": {"strategy": "per_class", "bucket_cap_mb": 2, "classes.embedding.bucket_cap_mb": 16},
     "bucketed-0.5-split": {"strategy": "bucketed", "bucket_cap_mb": 0.5, "classes.embedding.tied_split": True},
     "bucketed-2-split": {"strategy": "bucketed", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
+    # the hierarchical plan: in the space only where the job's nodes hold several ranks each (torchrun's layout)
+    "bucketed-2-hierarchical": {"strategy": "bucketed", "bucket_cap_mb": 2, "hierarchical": True},
+    "bucketed-8-hierarchical": {"strategy": "bucketed", "bucket_cap_mb": 8, "hierarchical": True},
     "sharded-0.5": {"strategy": "sharded", "bucket_cap_mb": 0.5},
     "sharded-2": {"strategy": "sharded", "bucket_cap_mb": 2},
     "sharded-8": {"strategy": "sharded", "bucket_cap_mb": 8},
@@ -142,6 +147,8 @@ def candidates(cfg: RunConfig) -> list[Candidate]:
     for name, keys in space.items():
         if space is DEFAULT_SPACE and keys.get("gather_dtype") and cfg.train.amp != "bf16":
             continue  # bf16 parameters or exchanges need the forward under bf16 autocast
+        if space is DEFAULT_SPACE and keys.get("hierarchical") and not multi_rank_nodes():
+            continue
         c_cfg = candidate_config(cfg, name, keys)
         out.append(Candidate(name, dict(keys), c_cfg, is_lossless(c_cfg.sync)))
     if not t.lossy:
@@ -151,13 +158,19 @@ def candidates(cfg: RunConfig) -> list[Candidate]:
     return out
 
 
+def multi_rank_nodes() -> bool:
+    """Whether the job runs on more than one node of more than one rank each (torchrun's LOCAL_WORLD_SIZE)."""
+    world, local = ddist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return 1 < local < world and world % local == 0
+
+
 def family(sync) -> str:
     """A candidate's family: its strategy and the project's own ideas it uses (the split, rows, bf16 exchanges)."""
     split = any(c.tied_split for c in sync.classes.values()) and "classes.tied_split" in strategies.get(
         sync.strategy).sync_keys
     rows = split and sync.shard_tied_split
     return sync.strategy + ("+split" if split else "") + ("+rows" if rows else "") + (
-        f"+{sync.gather_dtype}" if sync.gather_dtype else "")
+        f"+{sync.gather_dtype}" if sync.gather_dtype else "") + ("+hierarchical" if sync.hierarchical else "")
 
 
 def prune(cands: list[Candidate], top_k: int) -> list[Candidate]:

@@ -93,6 +93,8 @@ def predict_ms(sync, model: torch.nn.Module, probe: Probe, net: FittedModel, wor
     cls = strategies.get(sync.strategy)
     if not cls.communicates:
         return probe.step_ms
+    if sync.hierarchical:  # the in-job timing has the world's all-reduce, not each level's
+        return None
     params = ready_order(model)
     try:
         plan = strategies.plan_for(sync, params)

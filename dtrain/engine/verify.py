@@ -8,6 +8,7 @@ buckets and `zero_grad(set_to_none=True)` between steps are covered), with or wi
     python -m dtrain.engine.verify --nproc 2 --strategies all
     python -m dtrain.engine.verify --nproc 3 --strategies bucketed,per_class --accum 2 --json
     python -m dtrain.engine.verify --nproc 2 --strategies per_class --set sync.classes.ffn.wire_dtype=bf16
+    python -m dtrain.engine.verify --nproc 4 --strategies bucketed --set sync.hierarchical=true --set sync.ranks_per_node=2
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from dtrain.collectives import attach
+from dtrain.collectives.hierarchy import ranks_per_node
 from dtrain.collectives.reducer import allreduce_each
 from dtrain.collectives.strategies import attachable, get
 from dtrain.common.errors import UserError, exit_on_user_error
@@ -146,7 +148,9 @@ def run(nproc: int, strategies: list[str], accums: list[int] = (1,), steps: int 
         overrides: list[str] = ()) -> dict:
     """Spawn `nproc` gloo ranks and check `strategies`; returns {accum: {strategy: result}} (accum as a string)."""
     for s in strategies:
-        sync_config(s, bucket_mb, list(overrides))  # bad input fails here, not in nproc tracebacks
+        cfg = sync_config(s, bucket_mb, list(overrides))  # bad input fails here, not in nproc tracebacks
+        if cfg.hierarchical:
+            ranks_per_node(cfg, nproc)
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.json")
         mp.spawn(_worker, args=(nproc, init_file, out_file, list(strategies), list(accums), steps, bucket_mb,

@@ -28,6 +28,8 @@ _REGISTRY: dict[str, type] = {}
 # say how a class's buckets travel (wire dtype, bucket cap, the NCCL choices of its own communicator): only a
 # strategy that buckets and sends each class on its own reads them.
 CLASS_RULE_KEYS = ("classes.match", "classes.min_numel", "classes.max_numel")
+# The hierarchical plan (`dtrain.collectives.hierarchy`), which the planned strategies without class groups offer.
+HIERARCHY_KEYS = ("hierarchical", "ranks_per_node")
 CLASS_SETTING_KEYS = tuple(f"classes.{f.name}" for f in dataclasses.fields(ClassSettings)
                            if f"classes.{f.name}" not in CLASS_RULE_KEYS)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtrain.collectives.plan import BucketingStrategy, pack
-from dtrain.collectives.strategies import CLASS_RULE_KEYS, register
+from dtrain.collectives.strategies import CLASS_RULE_KEYS, HIERARCHY_KEYS, register
 from dtrain.collectives.tensor_classes import DEFAULT_BUCKET_CAP_MB, CollectiveSettings
 
 DDP_FIRST_BUCKET_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
@@ -17,7 +17,8 @@ DDP_FIRST_BUCKET_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 @register("bucketed")
 class Bucketed(BucketingStrategy):
     uses_cap = True
-    sync_keys = ("bucket_cap_mb", "first_bucket_mb", "last_bucket_mb") + CLASS_RULE_KEYS + ("classes.tied_split",)
+    sync_keys = (("bucket_cap_mb", "first_bucket_mb", "last_bucket_mb") + CLASS_RULE_KEYS + ("classes.tied_split",)
+                 + HIERARCHY_KEYS)
 
     @dataclass(frozen=True)
     class Config:

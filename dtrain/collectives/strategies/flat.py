@@ -4,14 +4,14 @@ collectives, with all of the communication exposed."""
 from __future__ import annotations
 
 from dtrain.collectives.plan import Bucket, BucketingStrategy
-from dtrain.collectives.strategies import CLASS_RULE_KEYS, register
+from dtrain.collectives.strategies import CLASS_RULE_KEYS, HIERARCHY_KEYS, register
 from dtrain.collectives.tensor_classes import CollectiveSettings
 
 
 @register("flat")
 class Flat(BucketingStrategy):
     overlap = False  # launched in wait(), after the whole backward
-    sync_keys = CLASS_RULE_KEYS + ("classes.tied_split",)  # no cap: one bucket per dtype
+    sync_keys = CLASS_RULE_KEYS + ("classes.tied_split", *HIERARCHY_KEYS)  # no cap: one bucket per dtype
 
     def plan(self, named_params, classes, settings):
         by_dtype: dict = {}  # one flat buffer holds one dtype (all fp32 for dtrain's model)

@@ -4,13 +4,13 @@ latency-bound extreme, whose cost shows what bucketing buys."""
 from __future__ import annotations
 
 from dtrain.collectives.plan import Bucket, BucketingStrategy
-from dtrain.collectives.strategies import CLASS_RULE_KEYS, register
+from dtrain.collectives.strategies import CLASS_RULE_KEYS, HIERARCHY_KEYS, register
 from dtrain.collectives.tensor_classes import CollectiveSettings
 
 
 @register("per_tensor")
 class PerTensor(BucketingStrategy):
-    sync_keys = CLASS_RULE_KEYS + ("classes.tied_split",)  # no cap: a bucket per tensor
+    sync_keys = CLASS_RULE_KEYS + ("classes.tied_split", *HIERARCHY_KEYS)  # no cap: a bucket per tensor
 
     def plan(self, named_params, classes, settings):
         fp32 = CollectiveSettings()  # no cap: every tensor is a bucket of its own

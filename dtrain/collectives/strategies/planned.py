@@ -17,6 +17,7 @@ from torch import nn
 
 from dtrain.collectives import nccl
 from dtrain.collectives import tensor_classes as tc
+from dtrain.collectives.hierarchy import HierarchicalReducer, Levels, ranks_per_node
 from dtrain.collectives.plan import BucketingStrategy, plan_params, ready_order
 from dtrain.collectives.reducer import Reducer
 from dtrain.collectives.sync import GradSync
@@ -65,6 +66,7 @@ class PlannedSync(GradSync):
             # One group per class, created in rule order on every rank (a collective call).
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
             groups = {c: nccl.class_group(c, self.settings[c], ranks) for c in used}
+        self.levels: Levels | None = None  # the hierarchical plan's two process groups
         self.reducer = self._make_reducer(dict(model.named_parameters()), buckets, groups, process_group)
         self.splits = self._tied_splits(model, process_group)
         self.module = _Synced(model, self)
@@ -94,6 +96,9 @@ class PlannedSync(GradSync):
             split.remove()
         self._destroy([split.group for split in self.splits])
         self.splits = []
+        if self.levels is not None:  # the reducer's own thread, which used them, has ended
+            self.levels.destroy()
+            self.levels = None
 
     @staticmethod
     def _destroy(groups) -> None:
@@ -101,6 +106,12 @@ class PlannedSync(GradSync):
             dist.destroy_process_group(group)
 
     def _make_reducer(self, named_params, buckets, groups, process_group) -> Reducer:
+        if self.cfg.hierarchical:
+            if process_group is not None and self.world != dist.get_world_size():
+                raise UserError("'sync.hierarchical' runs on the whole world: its levels' groups are made by every "
+                                f"rank, and this handle's group holds {self.world} of {dist.get_world_size()}")
+            self.levels = Levels(list(range(self.world)), ranks_per_node(self.cfg, self.world))
+            return HierarchicalReducer(named_params, buckets, self.world, self.strategy.overlap, self.levels)
         return Reducer(named_params, buckets, self.world, self.strategy.overlap, groups, process_group)
 
     @contextmanager
