@@ -120,6 +120,16 @@ def test_shaping_limits_throughput(bed):
     assert 2.5e6 < bps < 5.5e6
 
 
+@pytest.mark.slow
+@needs_netns
+def test_the_link_inside_a_node_is_shaped_apart(bed):
+    # node 0: unshaped between nodes, 40 Mbit/s between its own ranks (loopback); node 1: both unshaped
+    testbed_net.up(bed, [testbed_links.Link(None, intra_rate=40 * 10**6), testbed_links.Link(None)])
+    assert [r["intra"].split(" burst")[0] for r in testbed_net.status(bed)] == ["tbf 40mbit", "unshaped"]
+    assert 2.5e6 < testbed_net.probe(bed, 0, 0, seconds=1.0) < 5.5e6  # a stream inside node 0
+    assert testbed_net.probe(bed, 0, 1, seconds=1.0) > 50e6  # node 0 to node 1: not through node 0's loopback
+
+
 RANK_SCRIPT = """
 import json, os, socket, sys, time
 import torch, torch.distributed as dist

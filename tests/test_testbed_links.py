@@ -35,7 +35,8 @@ def test_bytes_and_burst():
 
 
 def _up_args(**kw):
-    base = dict(nodes=None, link=None, link_per_node=None, burst=None, latency_ms=None, congestion_control=None)
+    base = dict(nodes=None, link=None, link_per_node=None, burst=None, latency_ms=None, congestion_control=None,
+                intra_link=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -52,6 +53,18 @@ def test_links_from_command_line_over_profile_over_defaults():
     assert [(lk.rate, lk.burst) for lk in listed] == [(10**8, 131072), (None, 131072)]
     with pytest.raises(UserError, match="2 rate"):
         links.links_from(_up_args(nodes=3, link_per_node="1gbit,1gbit"))
+
+
+@pytest.mark.parametrize("shape, nodes, per_node", [("2x2", 2, 2), ("4x1", 4, 1), ("8x1", 8, 1)])
+def test_the_shape_profiles_give_their_nodes_and_ranks(shape, nodes, per_node):
+    profile = links.load_profile(REPO / "dtrain" / "profiles" / "testbed" / f"{shape}.yaml")
+    assert profile.ranks_per_node == per_node
+    made = links.links_from(_up_args(), profile)
+    assert [(lk.rate, lk.intra_rate) for lk in made] == [(10**9, None)] * nodes  # loopback unshaped inside
+    pcie = links.links_from(_up_args(intra_link="8gbit"), profile)  # the command line over the profile
+    assert {lk.intra_rate for lk in pcie} == {8 * 10**9}
+    assert pcie[0].intra_tbf_args()[:4] == ["tbf", "rate", "8000000000bit", "burst"]
+    assert int(pcie[0].intra_tbf_args()[4]) > 64 * 1024  # above loopback's 64 KiB MTU: no packet dropped whole
 
 
 def _sysctls(tmp_path, available, allowed):
@@ -78,7 +91,7 @@ def test_congestion_control_must_be_available_and_allowed(tmp_path, monkeypatch)
 
 @pytest.mark.parametrize("text,expected", [
     ("testbed:\n  nodes: 2\n  lnk: 1gbit\n",
-     r"tb.yaml:3: unknown key 'testbed.lnk'; did you mean 'testbed.link'\? \(known: burst, congestion_control, latency_ms"),
+     r"tb.yaml:3: unknown key 'testbed.lnk'; did you mean 'testbed.link'\? \(known: burst, congestion_control, intra_link, latency_ms"),
     ("testbed:\n  nodes: two\n", r"tb.yaml:2: 'testbed.nodes' must be int, got 'two'"),
     ("testbed:\n  latency_ms: .inf\n", r"tb.yaml:2: 'testbed.latency_ms' must be a finite number"),
     ("testbed:\n  link_per_node: [1gbit, 3]\n", r"tb.yaml:2: 'testbed.link_per_node"),

@@ -12,6 +12,8 @@ the links and the testbed profile (`--profile`): `dtrain.analysis.testbed_links`
     python -m dtrain.analysis.testbed run --nodes 2 --nproc-per-node 1 -- -m dtrain.collectives.bench -b 8 -e 256M
     python -m dtrain.analysis.testbed run --nodes 2 --nproc-per-node 1 -- -m dtrain.engine.train --profile dtrain/profiles/smoke.yaml
     python -m dtrain.analysis.testbed run --private-fs -- -m dtrain.engine.train --profile dtrain/profiles/smoke.yaml
+    python -m dtrain.analysis.testbed up --profile dtrain/profiles/testbed/2x2.yaml  # 2 nodes x 2 ranks
+    python -m dtrain.analysis.testbed run --profile dtrain/profiles/testbed/2x2.yaml -- -m dtrain.engine.train ...
     python -m dtrain.analysis.testbed down
 
 The nodes share the host's filesystem unless `run --private-fs`: then every node but node 0 (the machine the job is
@@ -51,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--latency-ms", type=float, help="tbf queue: longest wait before a packet drops (default 50)")
     p_up.add_argument("--congestion-control", help="the nodes' TCP congestion control, e.g. cubic or bbr (default: "
                                                    "the host's, which each node's namespace inherits)")
+    p_up.add_argument("--intra-link", help="the link between the ranks inside each node (their loopback) in tc "
+                                           "units, or 'none' (default: unshaped)")
     p_up.add_argument("--profile", help="a YAML file with a 'testbed:' section; the options above override it")
     sub.add_parser("down", help="remove everything 'up' created (idempotent)")
     sub.add_parser("status", help="show nodes, addresses and shaping")
@@ -60,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     p_probe.add_argument("--seconds", type=float, default=2.0)
     p_run = sub.add_parser("run", help="run a torchrun job across the nodes: run [options] -- <module and args>")
     p_run.add_argument("--nodes", type=int, help="nodes to use (default: all that are up)")
-    p_run.add_argument("--nproc-per-node", type=int, default=1)
+    p_run.add_argument("--nproc-per-node", type=int, help="ranks per node (default: the profile's "
+                                                         "ranks_per_node, else 1)")
+    p_run.add_argument("--profile", help="a testbed profile: its ranks_per_node is the default --nproc-per-node")
     p_run.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous port on node 0")
     p_run.add_argument("--log-dir", help="where nodes 1.. write their output (default: a new /tmp/<name>-run-*)")
     p_run.add_argument("--private-fs", action="store_true",
@@ -115,8 +121,9 @@ def _command(args, job: list[str]) -> int:
         if args.private_path and not args.private_fs:
             raise UserError("--private-path needs --private-fs")
         private = private_paths(args.private_path) if args.private_fs else None
+        nproc = args.nproc_per_node or (load_profile(args.profile).ranks_per_node if args.profile else None) or 1
         with signals_as_interrupt():
-            return run(names, args.nodes, args.nproc_per_node, job, args.port, args.log_dir, private=private,
+            return run(names, args.nodes, nproc, job, args.port, args.log_dir, private=private,
                        min_nodes=args.min_nodes, last_call_s=args.last_call, pin_cpus=args.pin_cpus)
     return 0
 

@@ -8,6 +8,8 @@
       burst: 250kb         # tbf bucket size (default: 2 ms of the rate, at least 64 KiB)
       latency_ms: 50       # tbf queue depth: the longest a packet waits before it is dropped
       congestion_control: cubic  # the nodes' TCP congestion control (default: the host's, which they inherit)
+      intra_link: none     # the link between the ranks inside a node (their loopback): 'none' (unshaped) or a rate
+      ranks_per_node: 2    # `run`'s --nproc-per-node when the job names this profile
 
 `up`'s command-line options override the profile's keys of the same name.
 """
@@ -66,6 +68,15 @@ class Link:
     burst: int | None = None  # bytes; None = default_burst(rate)
     latency_ms: float = DEFAULT_LATENCY_MS  # tbf queue depth: the longest a packet may wait before it is dropped
     congestion_control: str | None = None  # the node's TCP congestion control; None: the host's, inherited
+    # The link between the ranks of this node: their traffic goes to the node's own address, which the kernel routes
+    # over loopback, so shaping `lo` inside the namespace shapes it and nothing else. None: unshaped (shared memory
+    # speed, as NVLink is to a network); a rate stands for a slower path, such as PCIe between GPUs without NVLink.
+    intra_rate: int | None = None
+
+    def intra_tbf_args(self) -> list[str]:
+        # loopback's MTU is 64 KiB: tbf drops a packet larger than its bucket, so the bucket holds several
+        burst = max(default_burst(self.intra_rate), 4 * 64 * 1024)
+        return ["tbf", "rate", f"{self.intra_rate}bit", "burst", str(burst), "latency", f"{self.latency_ms:g}ms"]
 
     def tbf_args(self) -> list[str]:
         burst = self.burst or default_burst(self.rate)
@@ -95,6 +106,8 @@ class TestbedSection:
     burst: str | int | None = None  # tbf bucket size (parse_bytes); default: default_burst(rate)
     latency_ms: float | None = None  # default DEFAULT_LATENCY_MS
     congestion_control: str | None = None  # default: the host's (check_congestion_control)
+    intra_link: str | None = None  # the link inside a node (parse_rate); default 'none', unshaped loopback
+    ranks_per_node: int | None = None  # `run`'s default --nproc-per-node with this profile; default 1
 
 
 def load_profile(path: str | Path) -> TestbedSection:
@@ -130,7 +143,8 @@ def links_from(args, profile: TestbedSection | None = None) -> list[Link]:
     cc = pick("congestion_control", None)
     if cc is not None:
         check_congestion_control(cc)
-    return [Link(rate, burst, latency, cc) for rate in rates]
+    intra = parse_rate(pick("intra_link", "none"))
+    return [Link(rate, burst, latency, cc, intra) for rate in rates]
 
 
 def check_congestion_control(name: str, sysctls: Path | None = None) -> None:

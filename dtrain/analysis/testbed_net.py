@@ -145,6 +145,8 @@ def up(names: Names, links: list[Link]) -> None:
                 # Egress on both ends: the node's sending side and the bridge port's side towards the node.
                 sh("tc", "-n", ns, "qdisc", "add", "dev", IFACE, "root", *link.tbf_args())
                 sh("tc", "-n", names.hub, "qdisc", "add", "dev", port, "root", *link.tbf_args())
+            if link.intra_rate is not None:  # the ranks inside the node reach each other over loopback
+                sh("tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", *link.intra_tbf_args())
     except BaseException:
         with shielded():
             _delete_namespaces(reversed(created))
@@ -217,7 +219,7 @@ def status(names: Names) -> list[dict]:
                 if a["family"] == "inet"]
         state = addrs[0].get("operstate", "?") if addrs else "missing"
         rows.append({"node": i, "netns": ns, "iface": IFACE, "address": ",".join(inet) or "-", "state": state,
-                     "tcp": _congestion_control(ns), "egress": _qdisc(ns, IFACE),
+                     "tcp": _congestion_control(ns), "egress": _qdisc(ns, IFACE), "intra": _qdisc(ns, "lo"),
                      "ingress": _qdisc(names.hub, names.port(i)) if names.hub in ours else "no hub"})
     return rows
 
@@ -230,8 +232,8 @@ def print_status(names: Names) -> None:
         return
     hub = f"bridge {BRIDGE} in netns {names.hub}" if names.hub in ours else "NO HUB NAMESPACE (broken: run down)"
     print(f"testbed '{names.prefix}': {len(rows)} node(s), {hub}, {SUBNET}.0/24")
-    cols = ["node", "netns", "iface", "address", "state", "tcp", "egress", "ingress"]
-    heads = {"egress": "node→bridge", "ingress": "bridge→node"}
+    cols = ["node", "netns", "iface", "address", "state", "tcp", "egress", "ingress", "intra"]
+    heads = {"egress": "node→bridge", "ingress": "bridge→node", "intra": "inside the node"}
     width = {c: max([len(heads.get(c, c))] + [len(str(r[c])) for r in rows]) for c in cols}
     print("  ".join(heads.get(c, c).ljust(width[c]) for c in cols).rstrip())
     for r in rows:
