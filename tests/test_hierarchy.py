@@ -48,6 +48,7 @@ def _two_by_two(rank: int, init: str) -> None:
                                           ranks_per_node=2))
         reducer = handle.reducer
         assert isinstance(reducer, HierarchicalReducer)
+        assert handle.stats()["hierarchical"] == {"ranks_per_node": 2, "nodes": 2}
         node, index = divmod(rank, 2)
         assert dist.get_process_group_ranks(reducer.levels.intra) == [2 * node, 2 * node + 1]
         assert dist.get_process_group_ranks(reducer.levels.inter) == [index, 2 + index]

@@ -196,6 +196,8 @@ class PlannedSync(GradSync):
             entry["bytes"] += p.numel() * p.element_size()
         out = {**super().stats(), "overlap": self.strategy.overlap, **dataclasses.asdict(self.strategy.config),
                "buckets": len(buckets), "bytes_per_step": sum(b.nbytes for b in buckets), "classes": per_class}
+        if self.levels is not None:
+            out["hierarchical"] = {"ranks_per_node": self.levels.per_node, "nodes": self.world // self.levels.per_node}
         if self.strategy.class_groups:
             out["class_settings"] = {c: dataclasses.asdict(s) for c, s in self.settings.items()}
         return out
