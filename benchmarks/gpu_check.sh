@@ -26,6 +26,8 @@
 # 8. Stock FSDP2 (sync.strategy: fsdp2) on NCCL, each reshard setting, the second with bf16 parameters (FSDP2's
 #    mixed precision): its parameters against ddp's (fp32: equal to rounding; bf16: another forward, compared
 #    only), and its checkpoint resumed under ddp.
+# 9. sync.strategy: auto through `attach` in examples/plain_loop.py on NCCL: the search on the loop's own steps, its
+#    candidates attached to the one model at once (only the armed one communicates), parameters equal on both ranks.
 # Each part has its own time limit and the script goes on after a failed part; the exit status counts the failures.
 set -uf  # -f: the part patterns below are not file globs
 OUT_DIR=${1:-runs/gpu-check}
@@ -167,6 +169,11 @@ part fsdp2-bf16-vs-ddp 30 python3 -m dtrain.engine.checkpoint diff "$OUT_DIR/tra
 part fsdp2-resumed-under-ddp 100 two_ranks 29630 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN \
     $NOEVAL --set sync.strategy=ddp --resume --set train.max_steps=$((STEPS2 + 10)) \
     --run-dir "$OUT_DIR/train-2rank-fsdp2"
+
+ATTACH_SPACE="{ddp-25: {strategy: ddp, bucket_cap_mb: 25}, bucketed-0.5: {strategy: bucketed, bucket_cap_mb: 0.5},
+    per_class-1: {strategy: per_class, bucket_cap_mb: 1}}"
+part plain-loop-auto 60 two_ranks 29631 examples/plain_loop.py --backend nccl --strategy auto --steps 60 \
+    --candidates "$ATTACH_SPACE"
 
 echo "=== done ($(date +%T)): $failures part(s) failed"
 exit "$failures"

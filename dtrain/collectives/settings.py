@@ -59,8 +59,9 @@ class HookConfig:
 
 @dataclass(frozen=True)
 class TuneConfig:
-    """`sync.tune`: how `sync.strategy: auto` searches (the engine's tuner, `dtrain.engine.autotune`, runs it). Budgets count
-    training steps: each measured round runs one step of every candidate still in the race."""
+    """`sync.tune`: how `sync.strategy: auto` searches (in dtrain's trainer `dtrain.engine.autotune`, through `attach`
+    `dtrain.collectives.strategies.auto`). Budgets count training steps: each measured round runs one step of every
+    candidate still in the race."""
 
     # name -> the candidate's `sync` keys (dotted below `sync`, e.g. {strategy: bucketed, bucket_cap_mb: 0.5,
     # classes.embedding.tied_split: true}); empty: the default space (dtrain.engine.autotune.DEFAULT_SPACE)

@@ -43,11 +43,12 @@ from typing import Any
 from tqdm import tqdm
 
 from dtrain.collectives import dist as ddist
-from dtrain.collectives import hooks, strategies
+from dtrain.collectives import hooks, race, strategies
+from dtrain.collectives.race import Entrant
+from dtrain.collectives.strategies.auto import REPLICATED_SPACE, multi_rank_nodes
 from dtrain.common.errors import UserError
 from dtrain.common.files import replace_atomically
 from dtrain.common.rundir import TUNED, TUNING, TUNING_COLUMNS
-from dtrain.common.stats import paired_median
 from dtrain.engine import tune_model
 from dtrain.engine.config import RunConfig, candidate_config
 from dtrain.engine.log import prepare_run_dir
@@ -60,19 +61,7 @@ TUNE_DIR = "tune"  # <run>/tune/<candidate>/: each replica's records during the 
 # base model's tensors, a small first bucket, a per-class cap, the tied embedding's split, the sharded strategy's
 # forward overlap and stock FSDP2 with each reshard setting.
 DEFAULT_SPACE: dict[str, dict[str, Any]] = {
-    "ddp-25": {"strategy": "ddp", "bucket_cap_mb": 25},  # stock DDP's defaults
-    "ddp-2": {"strategy": "ddp", "bucket_cap_mb": 2},
-    "bucketed-0.5": {"strategy": "bucketed", "bucket_cap_mb": 0.5},
-    "bucketed-2": {"strategy": "bucketed", "bucket_cap_mb": 2},
-    "bucketed-8": {"strategy": "bucketed", "bucket_cap_mb": 8},
-    "bucketed-8-first1": {"strategy": "bucketed", "bucket_cap_mb": 8, "first_bucket_mb": 1},
-    "bucketed-8-last1": {"strategy": "bucketed", "bucket_cap_mb": 8, "last_bucket_mb": 1},
-    "per_class-2-embedding16": {"strategy": "per_class", "bucket_cap_mb": 2, "classes.embedding.bucket_cap_mb": 16},
-    "bucketed-0.5-split": {"strategy": "bucketed", "bucket_cap_mb": 0.5, "classes.embedding.tied_split": True},
-    "bucketed-2-split": {"strategy": "bucketed", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
-    # the hierarchical plan: in the space only where the job's nodes hold several ranks each (torchrun's layout)
-    "bucketed-2-hierarchical": {"strategy": "bucketed", "bucket_cap_mb": 2, "hierarchical": True},
-    "bucketed-8-hierarchical": {"strategy": "bucketed", "bucket_cap_mb": 8, "hierarchical": True},
+    **REPLICATED_SPACE,  # ddp, bucketed and per_class caps, first and last buckets, the split, the hierarchical plan
     "sharded-0.5": {"strategy": "sharded", "bucket_cap_mb": 0.5},
     "sharded-2": {"strategy": "sharded", "bucket_cap_mb": 2},
     "sharded-8": {"strategy": "sharded", "bucket_cap_mb": 8},
@@ -96,23 +85,11 @@ FAMILY_SLACK = 1.30
 
 
 @dataclass
-class Candidate:
-    name: str
-    keys: dict[str, Any]  # its `sync` keys, dotted below `sync`
-    cfg: RunConfig
-    lossless: bool
+class Candidate(Entrant):
+    keys: dict[str, Any] = field(default_factory=dict)  # its `sync` keys, dotted below `sync`
+    cfg: RunConfig | None = None
     predicted_ms: float | None = None
     predicted_rank: int | None = None
-    times: dict[int, float] = field(default_factory=dict)  # counted round -> step ms (mean over ranks)
-    losses: dict[int, float] = field(default_factory=dict)  # counted round -> training loss (mean over ranks)
-    steps: int = 0
-    diff: tuple[float, float, float] | None = None  # paired (median, low, high) ms against the winner / leader
-    status: str = ""
-    reason: str = ""
-
-    @property
-    def measured_ms(self) -> float | None:
-        return statistics.median(self.times.values()) if self.times else None
 
     def row(self) -> dict:
         r = lambda v: "" if v is None else round(v, 2)  # noqa: E731
@@ -147,10 +124,10 @@ def candidates(cfg: RunConfig) -> list[Candidate]:
     for name, keys in space.items():
         if space is DEFAULT_SPACE and keys.get("gather_dtype") and cfg.train.amp != "bf16":
             continue  # bf16 parameters or exchanges need the forward under bf16 autocast
-        if space is DEFAULT_SPACE and keys.get("hierarchical") and not multi_rank_nodes():
+        if space is DEFAULT_SPACE and keys.get("hierarchical") and not _multi_rank_nodes():
             continue
         c_cfg = candidate_config(cfg, name, keys)
-        out.append(Candidate(name, dict(keys), c_cfg, is_lossless(c_cfg.sync)))
+        out.append(Candidate(name, is_lossless(c_cfg.sync), keys=dict(keys), cfg=c_cfg))
     if not t.lossy:
         out = [c for c in out if c.lossless]
     if not out:
@@ -158,10 +135,9 @@ def candidates(cfg: RunConfig) -> list[Candidate]:
     return out
 
 
-def multi_rank_nodes() -> bool:
+def _multi_rank_nodes() -> bool:
     """Whether the job runs on more than one node of more than one rank each (torchrun's LOCAL_WORLD_SIZE)."""
-    world, local = ddist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return 1 < local < world and world % local == 0
+    return multi_rank_nodes(ddist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def family(sync) -> str:
@@ -287,7 +263,7 @@ class Tuner:
                 for i, c in enumerate(alive):
                     c.times[self.rounds], c.losses[self.rounds] = sums[2 * i] / world, sums[2 * i + 1] / world
             self.rounds += 1
-            alive = self._drop(alive)
+            alive = race.drop(alive, self.t.min_rounds, self.t.loss_tolerance)
             for name in sorted(set(trainers) - {c.name for c in alive}):
                 trainers.pop(name).close()  # a dropped replica's memory goes now, not at the end of the search
             if alive[0].times:  # past the warm-up rounds
@@ -296,52 +272,15 @@ class Tuner:
                 self._write(leader)
         bar.close()
         # The fastest median; where nothing was measured (a search cut short by the run's last step), the prediction.
-        winner = min(alive, key=lambda c: (c.measured_ms is None, c.measured_ms if c.times else
-                                            c.predicted_ms if c.predicted_ms is not None else math.inf))
-        for c in alive:
-            c.status = "winner" if c is winner else "kept: budget"
-            if c is not winner:
-                c.diff = self._paired(c, winner)
-                c.reason = (f"not separated from the winner within the budget of {self.t.budget_steps} steps"
-                            + (f": {_fmt_diff(c.diff)}" if c.diff else ""))
+        if not any(c.times for c in alive):
+            alive.sort(key=lambda c: c.predicted_ms if c.predicted_ms is not None else math.inf)
+        winner = race.pick(alive, self.t.budget_steps)
         winner.reason = (f"fastest median over {len(winner.times)} rounds" if winner.times else
                          "best prediction: the run's last step came before any counted round")
         for c in racing:  # the dropped ones against the winner too
             if c.status.startswith("dropped: measured"):
-                c.diff = self._paired(c, winner) or c.diff
+                c.diff = race.paired(c, winner) or c.diff
         return winner
-
-    @staticmethod
-    def _paired(c: Candidate, ref: Candidate) -> tuple[float, float, float] | None:
-        rounds = sorted(c.times.keys() & ref.times.keys())
-        if len(rounds) < 2:
-            return None
-        return paired_median([c.times[r] for r in rounds], [ref.times[r] for r in rounds])
-
-    def _drop(self, alive: list[Candidate]) -> list[Candidate]:
-        """Candidates slower than the leader at ~95% (the interval of the paired median above 0), and lossy ones
-        whose loss is above the best lossless one's by more than the tolerance; after `min_rounds`."""
-        if min(len(c.times) for c in alive) < self.t.min_rounds:
-            return alive
-        leader = min(alive, key=lambda c: c.measured_ms)
-        lossless = [c for c in alive if c.lossless]
-        keep = []
-        for c in alive:
-            if c is not leader:
-                c.diff = self._paired(c, leader)
-                if c.diff and c.diff[1] > 0:
-                    c.status = "dropped: measured"
-                    c.reason = f"slower than the leader {leader.name} at 95%: {_fmt_diff(c.diff)}"
-                    continue
-            if not c.lossless and lossless:
-                base = min(statistics.mean(b.losses.values()) for b in lossless)
-                rel = statistics.mean(c.losses.values()) / base - 1
-                if rel > self.t.loss_tolerance:
-                    c.status = "dropped: measured"
-                    c.reason = f"lossy and its loss {rel:+.1%} above the best lossless candidate's"
-                    continue
-            keep.append(c)
-        return keep
 
     # -- the record ---------------------------------------------------------------------------------------------
 
@@ -362,7 +301,7 @@ class Tuner:
             return
         for c in self.cands:
             if not c.status and c.times:
-                c.diff = self._paired(c, leader) if c is not leader else None
+                c.diff = race.paired(c, leader) if c is not leader else None
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=TUNING_COLUMNS, lineterminator="\n")
         w.writeheader()
@@ -374,10 +313,6 @@ def _order(c: Candidate):
     return (c.measured_ms is None, c.measured_ms or 0.0, c.predicted_ms is None, c.predicted_ms or 0.0)
 
 
-def _fmt_diff(d) -> str:
-    return f"{d[0]:+.1f} ms [{d[1]:+.1f}, {d[2]:+.1f}]"
-
-
 def table_text(cands: list[Candidate], winner: Candidate, spent: int) -> str:
     """The search as a text table (printed at its end, and by `dtrain.analysis.tune`)."""
     lines = [f"tuning: {winner.name} wins after {spent} steps; predicted = MODELED, measured = median of its "
@@ -386,7 +321,7 @@ def table_text(cands: list[Candidate], winner: Candidate, spent: int) -> str:
     for c in sorted(cands, key=_order):
         pred = f"{c.predicted_ms:.1f}" if c.predicted_ms is not None else "-"
         meas = f"{c.measured_ms:.1f}" if c.measured_ms is not None else "-"
-        diff = _fmt_diff(c.diff) if c.diff else "-"
+        diff = race.fmt_diff(c.diff) if c.diff else "-"
         lines.append(f"{c.name:<22} {pred:>10} {meas:>9} {diff:>26} {len(c.times):>6}  {c.status}")
     return "\n".join(lines)
 

@@ -50,8 +50,8 @@ def available() -> list[str]:
 
 
 def attachable() -> list[str]:
-    """The strategies `attach` builds (all but `auto`, which the engine's tuner resolves to one of these)."""
-    return [n for n in available() if issubclass(_REGISTRY[n], (BucketingStrategy, GradSync))]
+    """The strategies `attach` builds, each on its own (`auto`, a search over them, is attached too)."""
+    return [n for n in available() if n != "auto" and issubclass(_REGISTRY[n], (BucketingStrategy, GradSync))]
 
 
 def get(name: str) -> type:
@@ -62,9 +62,6 @@ def get(name: str) -> type:
 
 def build(name: str, model, cfg, process_group=None):
     cls = get(name)
-    if name not in attachable():
-        raise UserError(f"strategy '{name}' is chosen by the engine's tuner, not attached (train with "
-                        "python -m dtrain.engine.train, or attach the configuration it picked: <run>/config.yaml)")
     if issubclass(cls, BucketingStrategy):
         return (cls.handle or PlannedSync)(model, cfg, process_group, cls.from_sync(cfg))
     return cls(model, cfg, process_group)

@@ -1,18 +1,243 @@
 """`sync.strategy: auto`: the configuration is chosen by measurement while the job trains.
 
-Not a synchronization of its own. The engine's tuner (`dtrain.engine.autotune`) ranks the candidates of `sync.tune` with
-the cost model, measures the best few on the job's own training steps, and trains on with the winner, an ordinary
-strategy of this registry. Registered so that a profile naming it is checked like any other (its only key is
-`sync.tune`); `attach` refuses it, since a bare training loop has no tuner behind it.
+Two searches stand behind the name. The engine's tuner (`dtrain.engine.autotune`) ranks a wider space with the cost
+model and races replicas of dtrain's trainer. `attach(model, SyncConfig(strategy="auto"))` gives `OnlineSearch`, which
+needs no trainer and no replica: it holds one handle per candidate on the one model and lets each run the loop's own
+next training steps in turn. Every search step is a training step of the run, and with lossless candidates the run
+is an untuned run that used that sequence of configurations.
+
+Only the handle whose forward runs is armed: a planned strategy's hooks do nothing while its reducer is not armed,
+and DDP's reducer ignores its autograd hooks unless its own forward prepared the backward. So the candidates can
+all stay attached while the race runs, and each step is the candidate's own. Candidates switch between steps (at
+`stepped()`), never inside an accumulation.
+
+The candidates here keep the parameters whole (ddp, per_tensor, flat, bucketed, per_class, the split, the
+hierarchical plan): the loop's optimizer, built over `optimizer_params()` once, updates the same tensors under every
+one of them. A sharding candidate (`sharded`, `fsdp2`) would change what the optimizer holds, and a lossy one would
+need the loss, which the seam does not see: both are refused with a one-line error naming the candidate.
+
+The loop must call `stepped()` after `optimizer.step()`: a candidate's step is timed from its first forward to there.
 """
 
 from __future__ import annotations
 
-from dtrain.collectives.strategies import CLASS_RULE_KEYS, register
-from dtrain.collectives.sync import StrategyFacts
+import os
+import random
+import time
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.collectives import race, tensor_classes
+from dtrain.collectives.settings import ClassSettings, SyncConfig
+from dtrain.collectives.strategies import CLASS_RULE_KEYS, build, planner, register, unused_keys
+from dtrain.collectives.sync import GradSync
+from dtrain.common.errors import UserError
+from dtrain.common.rundir import BucketRecord
+from dtrain.common.schema import Source, build as build_section, set_dotted
+
+# The configurations that keep the parameters whole, at caps around the sizes of the base model's tensors: the search
+# space of `OnlineSearch` when `sync.tune.candidates` names none, and the first part of the engine's default space.
+# The hierarchical plan joins only where the job's nodes hold several ranks (`multi_rank_nodes`).
+REPLICATED_SPACE: dict[str, dict[str, Any]] = {
+    "ddp-25": {"strategy": "ddp", "bucket_cap_mb": 25},  # stock DDP's defaults
+    "ddp-2": {"strategy": "ddp", "bucket_cap_mb": 2},
+    "bucketed-0.5": {"strategy": "bucketed", "bucket_cap_mb": 0.5},
+    "bucketed-2": {"strategy": "bucketed", "bucket_cap_mb": 2},
+    "bucketed-8": {"strategy": "bucketed", "bucket_cap_mb": 8},
+    "bucketed-8-first1": {"strategy": "bucketed", "bucket_cap_mb": 8, "first_bucket_mb": 1},
+    "bucketed-8-last1": {"strategy": "bucketed", "bucket_cap_mb": 8, "last_bucket_mb": 1},
+    "per_class-2-embedding16": {"strategy": "per_class", "bucket_cap_mb": 2, "classes.embedding.bucket_cap_mb": 16},
+    "bucketed-0.5-split": {"strategy": "bucketed", "bucket_cap_mb": 0.5, "classes.embedding.tied_split": True},
+    "bucketed-2-split": {"strategy": "bucketed", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
+    "bucketed-2-hierarchical": {"strategy": "bucketed", "bucket_cap_mb": 2, "hierarchical": True},
+    "bucketed-8-hierarchical": {"strategy": "bucketed", "bucket_cap_mb": 8, "hierarchical": True},
+}
+
+
+def multi_rank_nodes(world: int, local: int) -> bool:
+    """Whether `world` ranks run as more than one node of `local` > 1 ranks each (torchrun's LOCAL_WORLD_SIZE)."""
+    return 1 < local < world and world % local == 0
+
+
+def candidate_sync(base: SyncConfig, name: str, keys: Any) -> SyncConfig:
+    """Candidate `name`'s `SyncConfig`: its dotted `sync` keys over `base`'s class rules (which parameters form each
+    class), read by the strict loader. A bad key is a one-line error naming `sync.tune.candidates.<name>`."""
+    where = f"sync.tune.candidates.{name}"
+    if not isinstance(keys, dict) or keys.get("strategy") in (None, "auto") or "tune" in keys:
+        raise UserError(f"'{where}' must name a strategy other than auto (and no 'tune'), got {keys}")
+    rules = [k.split(".", 1)[1] for k in CLASS_RULE_KEYS]
+    raw: dict = {"classes": {c: {k: getattr(spec, k) for k in rules if getattr(spec, k) != getattr(ClassSettings, k)}
+                             for c, spec in base.classes.items()}}
+    for key, value in keys.items():
+        set_dotted(raw, str(key), value, f"{where}: '{key}'")
+    try:
+        sync = build_section(SyncConfig, raw, "sync", Source(where))
+    except UserError as e:
+        raise UserError(f"'{where}': {e}") from None
+    for key, message in unused_keys(sync):
+        raise UserError(f"'{where}': '{key}' {message}")
+    return sync
+
+
+def _shards(strategy: str) -> bool:
+    """Whether `strategy` hands the optimizer shards instead of the model's parameters (sharded, fsdp2)."""
+    try:
+        return planner(strategy).shards
+    except UserError:  # no bucket plan (powersgd, noop): the parameters stay whole
+        return False
+
+
+def _splits_apply(sync: SyncConfig, model: nn.Module) -> bool:
+    """Whether every class `sync` splits (`tied_split`) holds exactly one of `model`'s parameters."""
+    split = [c for c, spec in sync.classes.items() if spec.tied_split]
+    if not split:
+        return True
+    of = tensor_classes.from_config(sync).assign(model.named_parameters())
+    return all(list(of.values()).count(c) == 1 for c in split)
+
+
+class _Active(nn.Module):
+    """What the loop runs forward on: the current candidate's module (the loop may keep this one object)."""
+
+    def __init__(self, model: nn.Module, search: "OnlineSearch"):
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "_search", search)  # not a submodule: no second path to the parameters
+
+    def forward(self, *args, **kwargs):
+        self._search.before_forward()
+        return self._search.current.module(*args, **kwargs)
 
 
 @register("auto")
-class AutoSearch(StrategyFacts):
-    sync_keys = ("tune", *CLASS_RULE_KEYS)  # the class rules hold for every candidate
-    lossless = True  # the search measures only lossless candidates unless `sync.tune.lossy`
+class OnlineSearch(GradSync):
+    """`auto` inside any training loop (see the module's docstring). `winner` is the chosen candidate's name once
+    the race has ended, `entrants` the race's record. Registered as `auto`: a profile naming it is checked like any
+    other (its keys are `sync.tune` and the class rules, which hold for every candidate)."""
+
+    sync_keys = ("tune", *CLASS_RULE_KEYS)
+    lossless = True  # lossless candidates only
+
+    def __init__(self, model: nn.Module, cfg: SyncConfig, process_group=None):
+        super().__init__(model, cfg, process_group)
+        t = cfg.tune
+        if t.lossy:
+            raise UserError("'sync.tune.lossy': attach's search measures lossless candidates only (a lossy one is "
+                            "judged by its loss, which the seam does not see)")
+        world = dist.get_world_size(process_group)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        space = t.candidates or {n: k for n, k in REPLICATED_SPACE.items()
+                                 if not k.get("hierarchical") or multi_rank_nodes(world, local)}
+        syncs = {name: candidate_sync(cfg, name, keys) for name, keys in space.items()}
+        if not t.candidates:  # the default space: the split only where the model has one tied embedding to split
+            syncs = {name: sync for name, sync in syncs.items() if _splits_apply(sync, model)}
+        for name, sync in syncs.items():
+            if _shards(sync.strategy):
+                raise UserError(f"'sync.tune.candidates.{name}': {sync.strategy} shards the parameters the "
+                                "optimizer holds; attach's search takes candidates that keep them whole (ddp, "
+                                "per_tensor, flat, bucketed, per_class); python -m dtrain.engine.train searches it")
+        # Every rank builds the same handles in the same order (some make process groups: a collective).
+        self.handles: dict[str, GradSync] = {}
+        for name, sync in syncs.items():
+            handle = build(sync.strategy, model, sync, process_group)
+            self.handles[name] = handle
+            if not handle.lossless:
+                self.close()
+                raise UserError(f"'sync.tune.candidates.{name}' is lossy; attach's search measures lossless "
+                                "candidates only")
+        self.entrants = [race.Entrant(name) for name in self.handles]
+        self.alive = list(self.entrants)
+        self.budget, self.spent, self.rounds = t.budget_steps, 0, 0
+        self.order = random.Random(0)  # the same order on every rank
+        self.queue: list[race.Entrant] = self.order.sample(self.alive, len(self.alive))
+        self.round_ms: dict[str, float] = {}  # this round's steps so far, this rank's
+        self.winner: str | None = None
+        self.current = self.handles[self.queue[0].name]
+        self.module = _Active(model, self)
+        self.device = next(model.parameters()).device
+        self._t0: float | None = None
+
+    # -- the race, one training step at a time -------------------------------------------------------------------
+
+    def before_forward(self) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+
+    def stepped(self) -> None:
+        self.current.stepped()
+        if self.winner is not None or self._t0 is None:
+            self._t0 = None
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's kernels are part of its time
+        entrant = self.queue.pop(0)
+        self.round_ms[entrant.name] = (time.perf_counter() - self._t0) * 1000
+        entrant.steps += 1
+        self.spent += 1
+        self._t0 = None
+        if not self.queue:
+            self._end_round()
+        if self.winner is None:
+            self.current = self.handles[self.queue[0].name]
+
+    def _end_round(self) -> None:
+        names = [c.name for c in self.alive]
+        mine = torch.tensor([self.round_ms[n] for n in names], dtype=torch.float64, device=self.device)
+        dist.all_reduce(mine, group=self.process_group)  # every rank decides on the same means
+        world = dist.get_world_size(self.process_group)
+        if self.rounds >= self.cfg.tune.warmup_rounds:
+            for c, total in zip(self.alive, mine.tolist()):
+                c.times[self.rounds] = total / world
+        self.rounds += 1
+        self.round_ms = {}
+        self.alive = race.drop(self.alive, self.cfg.tune.min_rounds, self.cfg.tune.loss_tolerance)
+        if len(self.alive) == 1 or self.spent + len(self.alive) > self.budget:
+            self._finish(race.pick(self.alive, self.budget))
+        else:
+            self.queue = self.order.sample(self.alive, len(self.alive))
+
+    def _finish(self, winner: race.Entrant) -> None:
+        """The winner trains on; the others' hooks, threads and groups go now (in name order on every rank)."""
+        self.winner = winner.name
+        self.current = self.handles[winner.name]
+        for name in sorted(set(self.handles) - {winner.name}):
+            self.handles.pop(name).close()
+
+    # -- the seam: the current candidate's ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        for name in sorted(self.handles):
+            self.handles[name].close()
+        self.handles = {}
+
+    def no_sync(self) -> AbstractContextManager:
+        return self.current.no_sync()
+
+    def wait(self) -> None:
+        self.current.wait()
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return self.current.optimizer_params()  # the model's parameters under every candidate
+
+    def grad_norm(self, exact: bool = False) -> torch.Tensor:
+        return self.current.grad_norm(exact)
+
+    def wait_params(self) -> None:
+        self.current.wait_params()
+
+    def model_state(self) -> dict:
+        return self.current.model_state()
+
+    def load_model_state(self, state: dict) -> None:
+        self.current.load_model_state(state)
+
+    def step_records(self) -> list[BucketRecord]:
+        return self.current.step_records()
+
+    def stats(self) -> dict:
+        return {**super().stats(), "searching": self.winner is None, "winner": self.winner,
+                "candidates": [c.name for c in self.entrants], "steps_spent": self.spent}

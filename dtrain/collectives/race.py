@@ -1,0 +1,82 @@
+"""The race behind `sync.strategy: auto`: candidates measured on the same training steps, round by round, and
+dropped once the paired differences say they are slower.
+
+Both searches use it: the engine's (`dtrain.engine.autotune`, whose candidates may shard the optimizer or trade
+exactness for bytes) and the one behind `attach` (`dtrain.collectives.strategies.auto`, inside any training loop).
+Each round runs every candidate still in the race once, in an order shuffled per round and equal on every rank. A
+candidate's time in a round is the mean over the ranks, so every rank decides alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from dtrain.common.stats import paired_median
+
+
+@dataclass
+class Entrant:
+    name: str
+    lossless: bool = True
+    times: dict[int, float] = field(default_factory=dict)  # counted round -> step ms (mean over ranks)
+    losses: dict[int, float] = field(default_factory=dict)  # counted round -> training loss (mean over ranks)
+    steps: int = 0  # training steps it ran, counted or not
+    diff: tuple[float, float, float] | None = None  # paired (median, low, high) ms against the winner / leader
+    status: str = ""
+    reason: str = ""
+
+    @property
+    def measured_ms(self) -> float | None:
+        return statistics.median(self.times.values()) if self.times else None
+
+
+def paired(c: Entrant, ref: Entrant) -> tuple[float, float, float] | None:
+    """The median of `c`'s step minus `ref`'s over the rounds both ran, with its ~95% interval (None under two)."""
+    rounds = sorted(c.times.keys() & ref.times.keys())
+    if len(rounds) < 2:
+        return None
+    return paired_median([c.times[r] for r in rounds], [ref.times[r] for r in rounds])
+
+
+def fmt_diff(d) -> str:
+    return f"{d[0]:+.1f} ms [{d[1]:+.1f}, {d[2]:+.1f}]"
+
+
+def drop(alive: list, min_rounds: int, loss_tolerance: float) -> list:
+    """The entrants that stay: not slower than the leader at ~95% (the interval of the paired median above 0), and
+    for a lossy one, a loss within `loss_tolerance` of the best lossless one's; decided after `min_rounds`."""
+    if min(len(c.times) for c in alive) < min_rounds:
+        return alive
+    leader = min(alive, key=lambda c: c.measured_ms)
+    lossless = [c for c in alive if c.lossless]
+    keep = []
+    for c in alive:
+        if c is not leader:
+            c.diff = paired(c, leader)
+            if c.diff and c.diff[1] > 0:
+                c.status = "dropped: measured"
+                c.reason = f"slower than the leader {leader.name} at 95%: {fmt_diff(c.diff)}"
+                continue
+        if not c.lossless and lossless and c.losses:
+            base = min(statistics.mean(b.losses.values()) for b in lossless)
+            rel = statistics.mean(c.losses.values()) / base - 1
+            if rel > loss_tolerance:
+                c.status = "dropped: measured"
+                c.reason = f"lossy and its loss {rel:+.1%} above the best lossless candidate's"
+                continue
+        keep.append(c)
+    return keep
+
+
+def pick(alive: list, budget_steps: int) -> Entrant:
+    """The winner among those left: the fastest median (where nothing was measured, the first); the others are
+    marked as kept by the budget, with their paired difference against it."""
+    winner = min(alive, key=lambda c: (c.measured_ms is None, c.measured_ms or 0.0))
+    for c in alive:
+        c.status = "winner" if c is winner else "kept: budget"
+        if c is not winner:
+            c.diff = paired(c, winner)
+            c.reason = (f"not separated from the winner within the budget of {budget_steps} steps"
+                        + (f": {fmt_diff(c.diff)}" if c.diff else ""))
+    return winner
