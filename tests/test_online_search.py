@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_examples import plain_loop
+from test_examples import per_class_run, plain_loop  # noqa: F401 - per_class_run: the reference fixture
 from test_strategies import one_rank  # noqa: F401 - the one-rank gloo group fixture
 
 from dtrain.collectives import attach
@@ -126,8 +126,10 @@ def test_on_two_ranks_the_search_trains_the_run_bit_for_bit_as_ddp_and_leaves_no
 
 
 @pytest.mark.slow
-def test_auto_in_the_plain_loop_with_no_other_change(tmp_path):
-    searched, out = plain_loop(tmp_path, "--strategy", "auto", steps=40)
-    assert "auto: " in out and "after " in out
-    plain, _ = plain_loop(tmp_path, "--strategy", "ddp", steps=40)
-    assert all(torch.equal(searched[n], plain[n]) for n in plain)  # lossless candidates, 2 CPU ranks
+def test_auto_in_the_plain_loop_with_no_other_change(tmp_path, per_class_run):
+    """examples/plain_loop.py with --strategy auto: the same 20 steps as per_class's run, the same parameters."""
+    space = "{ddp-2: {strategy: ddp, bucket_cap_mb: 2}, bucketed-0.5: {strategy: bucketed, bucket_cap_mb: 0.5}}"
+    searched, out = plain_loop(tmp_path, "--strategy", "auto", "--candidates", space)
+    assert "auto: " in out and "of the loop's steps" in out
+    reference, _ = per_class_run
+    assert all(torch.equal(searched[n], reference[n]) for n in reference)  # lossless candidates, 2 CPU ranks
