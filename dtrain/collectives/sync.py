@@ -44,6 +44,19 @@ class StrategyFacts:
     gather_dtype_exact: ClassVar[bool] = True
 
 
+class Front(nn.Module):
+    """What a loop runs forward on when the handle acts around the model's forward (`handle.module`): the call goes
+    to `handle.forward(model, ...)`. The handle is not a submodule, so the parameters keep one path."""
+
+    def __init__(self, model: nn.Module, handle: "GradSync"):
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "_handle", handle)
+
+    def forward(self, *args, **kwargs):
+        return self._handle.forward(self.model, *args, **kwargs)
+
+
 class GradSync(StrategyFacts):
     """Base handle. Subclasses synchronize gradients so that after `wait()` each holds the mean over ranks."""
 

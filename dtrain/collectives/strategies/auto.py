@@ -34,7 +34,7 @@ from torch import nn
 from dtrain.collectives import race, tensor_classes
 from dtrain.collectives.settings import ClassSettings, SyncConfig
 from dtrain.collectives.strategies import CLASS_RULE_KEYS, build, planner, register, unused_keys
-from dtrain.collectives.sync import GradSync
+from dtrain.collectives.sync import Front, GradSync
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
 from dtrain.common.schema import Source, build as build_section, set_dotted
@@ -100,19 +100,6 @@ def _splits_apply(sync: SyncConfig, model: nn.Module) -> bool:
     return all(list(of.values()).count(c) == 1 for c in split)
 
 
-class _Active(nn.Module):
-    """What the loop runs forward on: the current candidate's module (the loop may keep this one object)."""
-
-    def __init__(self, model: nn.Module, search: "OnlineSearch"):
-        super().__init__()
-        self.model = model
-        object.__setattr__(self, "_search", search)  # not a submodule: no second path to the parameters
-
-    def forward(self, *args, **kwargs):
-        self._search.before_forward()
-        return self._search.current.module(*args, **kwargs)
-
-
 @register("auto")
 class OnlineSearch(GradSync):
     """`auto` inside any training loop (see the module's docstring). `winner` is the chosen candidate's name once
@@ -157,15 +144,17 @@ class OnlineSearch(GradSync):
         self.round_ms: dict[str, float] = {}  # this round's steps so far, this rank's
         self.winner: str | None = None
         self.current = self.handles[self.queue[0].name]
-        self.module = _Active(model, self)
+        self.module = Front(model, self)  # the current candidate's module (the loop may keep this one object)
         self.device = next(model.parameters()).device
         self._t0: float | None = None
 
     # -- the race, one training step at a time -------------------------------------------------------------------
 
-    def before_forward(self) -> None:
+    def forward(self, model: nn.Module, *args, **kwargs):
+        """`handle.module`'s forward: the current candidate's, its step timed from the first micro-batch."""
         if self._t0 is None:
             self._t0 = time.perf_counter()
+        return self.current.module(*args, **kwargs)
 
     def stepped(self) -> None:
         self.current.stepped()

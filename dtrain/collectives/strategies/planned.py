@@ -20,25 +20,10 @@ from dtrain.collectives import tensor_classes as tc
 from dtrain.collectives.hierarchy import HierarchicalReducer, Levels, ranks_per_node
 from dtrain.collectives.plan import BucketingStrategy, plan_params, ready_order
 from dtrain.collectives.reducer import Reducer
-from dtrain.collectives.sync import GradSync
+from dtrain.collectives.sync import Front, GradSync
 from dtrain.collectives.tied_split import TiedEmbeddingSplit
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
-
-
-class _Synced(nn.Module):
-    """What the trainer runs forward on: arms the reducer and marks the start of backward on the output."""
-
-    def __init__(self, model: nn.Module, handle: "PlannedSync"):
-        super().__init__()
-        self.model = model
-        object.__setattr__(self, "_handle", handle)  # not a submodule: no second path to the parameters
-
-    def forward(self, *args, **kwargs):
-        self._handle.before_forward()
-        out = self.model(*args, **kwargs)
-        self._handle.after_forward(out)
-        return out
 
 
 def _first_tensor(out):
@@ -69,10 +54,17 @@ class PlannedSync(GradSync):
         self.levels: Levels | None = None  # the hierarchical plan's two process groups
         self.reducer = self._make_reducer(dict(model.named_parameters()), buckets, groups, process_group)
         self.splits = self._tied_splits(model, process_group)
-        self.module = _Synced(model, self)
+        self.module = Front(model, self)  # arms the reducer, marks the start of backward on the output
         self._sync_enabled = True
         self._replanned = False
         self._records: list[BucketRecord] = []
+
+    def forward(self, model: nn.Module, *args, **kwargs):
+        """`handle.module`'s forward: the reducer armed around the model's."""
+        self.before_forward()
+        out = model(*args, **kwargs)
+        self.after_forward(out)
+        return out
 
     def before_forward(self) -> None:
         """Arm the reducer (and the splits) for this micro-batch."""
