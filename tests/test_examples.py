@@ -63,3 +63,28 @@ def test_fsdp2_through_attach_in_the_plain_loop_trains_as_the_others(tmp_path, p
     params, out = plain_loop(tmp_path, "--strategy", "fsdp2")
     assert "fsdp2: last loss" in out
     assert set(params) == set(reference) and max_rel(params, reference) <= 1e-6
+
+
+def gpt_lm(tmp_path, *args):
+    """examples/gpt_lm.py on 2 ranks, small: its final parameters (rank 0's) and what it printed."""
+    out = tmp_path / f"gpt-{len(list(tmp_path.glob('gpt-*')))}.pt"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(REPO / "examples" / "gpt_lm.py"), "--layers", "1", "--d-model", "32", "--context", "32",
+                        "--batch", "4", "--steps", "24", "--save", str(out), *args],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(out), r.stdout
+
+
+@pytest.mark.slow
+def test_the_language_model_searches_with_auto_and_trains_as_ddp(tmp_path):
+    """A second model, decoder-only with a tied embedding: auto's search (the split among its candidates) in the
+    loop, and the parameters DDP gives, bit for bit on 2 CPU ranks (every candidate is lossless)."""
+    space = "{ddp-25: {strategy: ddp}, split: {strategy: bucketed, bucket_cap_mb: 0.5, classes.embedding.tied_split: true}}"
+    searched, out = gpt_lm(tmp_path, "--candidates", space, "--budget", "20")
+    assert "auto picked " in out and "of the loop's 24 steps" in out, out
+    assert "ddp-25" in out and "split" in out and "rounds" in out, out
+    reference, _ = gpt_lm(tmp_path, "--strategy", "ddp")
+    assert set(searched) == set(reference) and "embed.weight" in reference
+    assert all(torch.equal(searched[n], reference[n]) for n in reference)

@@ -228,5 +228,11 @@ class OnlineSearch(GradSync):
         return self.current.step_records()
 
     def stats(self) -> dict:
+        """The search's state, and per candidate its race: status, median step (ms, over its counted rounds) and
+        its step minus the winner's, paired over the rounds both ran (median, low, high; None before the pick)."""
+        winner = next((c for c in self.entrants if c.name == self.winner), None)
+        racing = {c.name: {"status": c.status or "racing", "median_ms": c.measured_ms, "rounds": len(c.times),
+                           "vs_winner": race.paired(c, winner) if winner and c is not winner else None}
+                  for c in self.entrants}
         return {**super().stats(), "searching": self.winner is None, "winner": self.winner,
-                "candidates": [c.name for c in self.entrants], "steps_spent": self.spent}
+                "candidates": [c.name for c in self.entrants], "steps_spent": self.spent, "race": racing}
