@@ -31,7 +31,7 @@ from torch import nn
 import dtrain
 from dtrain import collectives
 from dtrain.collectives.dist import cleanup
-from dtrain.collectives.race import fmt_diff
+from dtrain.collectives.race import summary
 from dtrain.collectives.settings import SyncConfig, TuneConfig
 
 
@@ -140,13 +140,7 @@ def train(args) -> None:
         print(f"gpt ({sum(p.numel() for p in model.parameters()):,} parameters), {args.strategy}: step {args.steps} "
               f"loss {loss.item():.3f} ({loss.item() / math.log(2):.2f} bits per byte)")
         if args.strategy == "auto":
-            stats = handle.stats()
-            print(f"auto picked {stats['winner']} after {stats['steps_spent']} of the loop's {args.steps} steps")
-            for name, row in stats["race"].items():
-                against = ("the pick" if name == stats["winner"]
-                           else fmt_diff(row["vs_winner"]) if row["vs_winner"] else "under two common rounds")
-                print(f"  {name:28s} {row['status']:18s} median {row['median_ms'] or float('nan'):7.1f} ms, "
-                      f"{row['rounds']} rounds; step minus the pick's: {against}")
+            print("\n".join(summary(handle.stats())))
         if args.save:
             torch.save({n: t.detach().clone() for n, t in state.items()}, args.save)
 

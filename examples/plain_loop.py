@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dtrain import collectives
 from dtrain.collectives.dist import cleanup
 from dtrain.collectives.hooks import per_class_hook
+from dtrain.collectives.race import summary
 from dtrain.collectives.settings import SyncConfig, TuneConfig
 
 
@@ -99,8 +100,7 @@ def train(args) -> None:
     if rank == 0:
         print(f"{label}: last loss {loss.item():.4f}; parameters equal on every rank: {largest.item() == 0.0}")
         if args.strategy == "auto" and not args.own_ddp:  # the search's pick, and what it spent of the loop's steps
-            stats = handle.stats()
-            print(f"auto: {stats['winner']} after {stats['steps_spent']} of the loop's steps")
+            print("\n".join(summary(handle.stats())))
         if args.save:
             torch.save({n: state[n].detach().clone() for n, _ in model.named_parameters()}, args.save)
 

@@ -83,7 +83,7 @@ def test_the_language_model_searches_with_auto_and_trains_as_ddp(tmp_path):
     loop, and the parameters DDP gives, bit for bit on 2 CPU ranks (every candidate is lossless)."""
     space = "{ddp-25: {strategy: ddp}, split: {strategy: bucketed, bucket_cap_mb: 0.5, classes.embedding.tied_split: true}}"
     searched, out = gpt_lm(tmp_path, "--candidates", space, "--budget", "20")
-    assert "auto picked " in out and "of the loop's 24 steps" in out, out
+    assert "auto picked " in out and "of the loop's steps" in out, out
     assert "ddp-25" in out and "split" in out and "rounds" in out, out
     reference, _ = gpt_lm(tmp_path, "--strategy", "ddp")
     assert set(searched) == set(reference) and "embed.weight" in reference

@@ -80,3 +80,19 @@ def pick(alive: list, budget_steps: int) -> Entrant:
             c.reason = (f"not separated from the winner within the budget of {budget_steps} steps"
                         + (f": {fmt_diff(c.diff)}" if c.diff else ""))
     return winner
+
+
+def summary(stats: dict) -> list[str]:
+    """An `attach` search's outcome as printable lines, from its handle's `stats()`: the pick, what it spent of the
+    loop's steps, and each candidate's median step and its step minus the pick's, paired."""
+    if stats["winner"] is None:
+        return [f"auto: still searching after {stats['steps_spent']} steps"]
+    lines = [f"auto picked {stats['winner']} after {stats['steps_spent']} of the loop's steps"]
+    for name, row in stats["race"].items():
+        against = ("the pick" if name == stats["winner"]
+                   else fmt_diff(row["vs_winner"]) if row["vs_winner"] else "under two common rounds")
+        median = f"{row['median_ms']:7.1f} ms" if row["median_ms"] is not None else "      -   "
+        lines.append(f"  {name:28s} {row['status']:18s} median {median}, {row['rounds']:2d} rounds; "
+                     f"step minus the pick's: {against}")
+    return lines
+
