@@ -95,6 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--strategy", default="auto", help="auto, or any of dtrain.collectives.strategies.available()")
     ap.add_argument("--candidates", help="sync.tune.candidates as YAML (default: attach's space)")
+    ap.add_argument("--bucket-cap-mb", type=float, help="sync.bucket_cap_mb of a single strategy (default: its own)")
     ap.add_argument("--budget", type=int, default=120, help="sync.tune.budget_steps: steps the search may take")
     ap.add_argument("--steps", type=int, default=160)
     ap.add_argument("--batch", type=int, default=16, help="windows per rank and step")
@@ -118,7 +119,8 @@ def train(args) -> None:
     model = GPT(d_model=args.d_model, layers=args.layers, heads=4, context=args.context).to(device)
     tune = TuneConfig(candidates=yaml.safe_load(args.candidates) if args.candidates else {},
                       budget_steps=args.budget)
-    handle = collectives.attach(model, SyncConfig(strategy=args.strategy, tune=tune))
+    sync = SyncConfig(strategy=args.strategy, bucket_cap_mb=args.bucket_cap_mb, tune=tune)
+    handle = collectives.attach(model, sync)
     optimizer = torch.optim.AdamW(handle.optimizer_params(), lr=1e-3)
 
     text = source_text()

@@ -77,15 +77,18 @@ def test_every_search_step_is_a_training_step_and_the_budget_ends_it(one_rank):
     model = verify.tiny_model()
     handle = attach(model, auto(SPACE, budget_steps=9, warmup_rounds=1, min_rounds=2))
     assert isinstance(handle, OnlineSearch) and handle.winner is None
-    seen = []
+    seen, laid_out = [], []
     forward = handle.module  # the loop may keep this one object: it runs the current candidate
     for step in range(12):
         seen.append(handle.current)
         src, tgt_in, tgt_out = verify.batch(0, step, 0)
         verify.loss_fn(forward(src, tgt_in), tgt_out, 1).backward()
         handle.wait()
+        # the planned candidates holding bucket buffers: only the one that ran this step
+        laid_out.append([n for n, h in handle.handles.items() if getattr(h, "reducer", None) and h.reducer.buckets])
         handle.stepped()
         model.zero_grad(set_to_none=True)
+    assert all(len(names) <= 1 for names in laid_out) and ["bucketed-0.5"] in laid_out, laid_out
     # three rounds of three steps (the budget), then the winner alone
     assert handle.spent == 9 and handle.rounds == 3 and handle.winner in SPACE
     assert sorted(c.steps for c in handle.entrants) == [3, 3, 3]
@@ -130,6 +133,7 @@ def test_auto_in_the_plain_loop_with_no_other_change(tmp_path, per_class_run):
     """examples/plain_loop.py with --strategy auto: the same 20 steps as per_class's run, the same parameters."""
     space = "{ddp-2: {strategy: ddp, bucket_cap_mb: 2}, bucketed-0.5: {strategy: bucketed, bucket_cap_mb: 0.5}}"
     searched, out = plain_loop(tmp_path, "--strategy", "auto", "--candidates", space)
-    assert "auto picked " in out and "of the loop's steps" in out and "step minus the pick's" in out, out
+    # 20 steps are 10 rounds of the two: a pick only if the paired rule separated them by then (budget: 60 steps)
+    assert ("auto picked " in out and "step minus the pick's" in out) or "auto: still searching after 20" in out, out
     reference, _ = per_class_run
     assert all(torch.equal(searched[n], reference[n]) for n in reference)  # lossless candidates, 2 CPU ranks

@@ -61,6 +61,7 @@ class Reducer:
         self.observed: list[str] = []  # parameter names in the order their gradients became ready
         self._next = 0  # the next bucket to launch
         self.device = next(iter(named_params.values())).device if named_params else None
+        self._released: list[Bucket] | None = None  # the plan while release() has freed its buffers
         self._layout(buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(self._ready_hook(name))
                        for name, p in named_params.items() if p.requires_grad]
@@ -88,6 +89,20 @@ class Reducer:
         """Replace the layout (between steps): the gradients move into the new buffers."""
         self.armed = False
         self._layout(buckets)
+
+    def release(self) -> None:
+        """Free the bucket buffers while another handle trains the model (`attach`'s search between candidates),
+        keeping only the plan. A `.grad` still viewing a freed buffer keeps it until `zero_grad` or the next layout."""
+        if self.buckets:
+            self.armed = False
+            self._released = [st.bucket for st in self.buckets]
+            self.buckets, self._where = [], {}
+
+    def restore(self) -> None:
+        """Lay the released plan out again: new zeroed buffers, any gradient copied in."""
+        if self._released is not None:
+            plan, self._released = self._released, None
+            self._layout(plan)
 
     def bucket_of(self, name: str) -> int:
         """The index of the bucket that holds parameter `name`'s gradient."""

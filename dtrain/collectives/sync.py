@@ -92,6 +92,12 @@ class GradSync(StrategyFacts):
         rather than when the next forward starts (optional; the next forward waits, module by module, for what it
         needs)."""
 
+    def suspend(self) -> None:
+        """Another handle trains the model for now (`attach`'s search): free what `resume()` can rebuild."""
+
+    def resume(self) -> None:
+        """This handle trains the model again: rebuild what `suspend()` freed (before its step is timed)."""
+
     def wait_params(self) -> None:
         """Block until the model's parameters are current on this rank (before validation or a checkpoint)."""
 

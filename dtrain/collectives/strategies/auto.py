@@ -9,7 +9,9 @@ is an untuned run that used that sequence of configurations.
 Only the handle whose forward runs is armed: a planned strategy's hooks do nothing while its reducer is not armed,
 and DDP's reducer ignores its autograd hooks unless its own forward prepared the backward. So the candidates can
 all stay attached while the race runs, and each step is the candidate's own. Candidates switch between steps (at
-`stepped()`), never inside an accumulation.
+`stepped()`), never inside an accumulation. A planned candidate frees its bucket buffers (a copy of the gradients
+each) while another one trains and lays them out again before its next step's timer starts, so the search holds one
+planned candidate's buffers at a time; each DDP candidate keeps its own buckets.
 
 The candidates here keep the parameters whole (ddp, per_tensor, flat, bucketed, per_class, the split, the
 hierarchical plan): the loop's optimizer, built over `optimizer_params()` once, updates the same tensors under every
@@ -136,6 +138,7 @@ class OnlineSearch(GradSync):
                 self.close()
                 raise UserError(f"'sync.tune.candidates.{name}' is lossy; attach's search measures lossless "
                                 "candidates only")
+            handle.suspend()  # one candidate's buffers at a time: each resumes before its own steps
         self.entrants = [race.Entrant(name) for name in self.handles]
         self.alive = list(self.entrants)
         self.budget, self.spent, self.rounds = t.budget_steps, 0, 0
@@ -153,6 +156,7 @@ class OnlineSearch(GradSync):
     def forward(self, model: nn.Module, *args, **kwargs):
         """`handle.module`'s forward: the current candidate's, its step timed from the first micro-batch."""
         if self._t0 is None:
+            self.current.resume()  # its buffers again, outside its timed step
             self._t0 = time.perf_counter()
         return self.current.module(*args, **kwargs)
 
@@ -170,8 +174,11 @@ class OnlineSearch(GradSync):
         self._t0 = None
         if not self.queue:
             self._end_round()
+        previous = self.current
         if self.winner is None:
             self.current = self.handles[self.queue[0].name]
+        if self.current is not previous and previous in self.handles.values():
+            previous.suspend()
 
     def _end_round(self) -> None:
         names = [c.name for c in self.alive]

@@ -115,6 +115,12 @@ class PlannedSync(GradSync):
         finally:
             self._sync_enabled = True
 
+    def suspend(self) -> None:
+        self.reducer.release()  # the bucket buffers: a copy of the gradients each
+
+    def resume(self) -> None:
+        self.reducer.restore()
+
     def _tied_splits(self, model: nn.Module, process_group) -> list[TiedEmbeddingSplit]:
         """One split per class with `tied_split`, which must hold exactly one parameter (created in rule order on
         every rank: each makes a process group)."""
