@@ -20,6 +20,7 @@ interleaved measurement): among them stock DDP's defaults, `ddp-25`.
 import argparse
 import math
 import os
+import resource
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from dtrain import collectives
 from dtrain.collectives.dist import cleanup
 from dtrain.collectives.race import summary
 from dtrain.collectives.settings import SyncConfig, TuneConfig
+from dtrain.collectives.strategies.auto import REPLICATED_SPACE, candidate_sync
 
 
 class CausalSelfAttention(nn.Module):
@@ -93,7 +95,9 @@ def source_text() -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--strategy", default="auto", help="auto, or any of dtrain.collectives.strategies.available()")
+    ap.add_argument("--strategy", default="auto",
+                    help="auto, any of dtrain.collectives.strategies.available(), or one of auto's candidates by name "
+                         "(e.g. bucketed-8-last1: a plain run of a pick)")
     ap.add_argument("--candidates", help="sync.tune.candidates as YAML (default: attach's space)")
     ap.add_argument("--bucket-cap-mb", type=float, help="sync.bucket_cap_mb of a single strategy (default: its own)")
     ap.add_argument("--budget", type=int, default=120, help="sync.tune.budget_steps: steps the search may take")
@@ -119,7 +123,10 @@ def train(args) -> None:
     model = GPT(d_model=args.d_model, layers=args.layers, heads=4, context=args.context).to(device)
     tune = TuneConfig(candidates=yaml.safe_load(args.candidates) if args.candidates else {},
                       budget_steps=args.budget)
-    sync = SyncConfig(strategy=args.strategy, bucket_cap_mb=args.bucket_cap_mb, tune=tune)
+    if args.strategy in REPLICATED_SPACE:
+        sync = candidate_sync(SyncConfig(), args.strategy, REPLICATED_SPACE[args.strategy])
+    else:
+        sync = SyncConfig(strategy=args.strategy, bucket_cap_mb=args.bucket_cap_mb, tune=tune)
     handle = collectives.attach(model, sync)
     optimizer = torch.optim.AdamW(handle.optimizer_params(), lr=1e-3)
 
@@ -138,7 +145,10 @@ def train(args) -> None:
     handle.wait_params()
     state = handle.model_state()  # name -> whole tensor (a sharded strategy's state dict gathers its shards)
 
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], device=device)  # MiB (Linux: KiB)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
+        print(f"peak RSS {peak.item():.0f} MiB (the largest rank's)")
         print(f"gpt ({sum(p.numel() for p in model.parameters()):,} parameters), {args.strategy}: step {args.steps} "
               f"loss {loss.item():.3f} ({loss.item() / math.log(2):.2f} bits per byte)")
         if args.strategy == "auto":

@@ -85,6 +85,6 @@ def test_the_language_model_searches_with_auto_and_trains_as_ddp(tmp_path):
     searched, out = gpt_lm(tmp_path, "--candidates", space, "--budget", "20")
     assert "auto picked " in out and "of the loop's steps" in out, out
     assert "ddp-25" in out and "split" in out and "rounds" in out, out
-    reference, _ = gpt_lm(tmp_path, "--strategy", "ddp")
+    reference, _ = gpt_lm(tmp_path, "--strategy", "ddp-25")  # a candidate by name: DDP at 25 MiB, no search
     assert set(searched) == set(reference) and "embed.weight" in reference
     assert all(torch.equal(searched[n], reference[n]) for n in reference)

@@ -1,0 +1,62 @@
+"""Peak memory of `auto` through `attach` against a plain run of its pick, on 2 ranks, in one command.
+
+    python benchmarks/auto_memory.py [--pairs 2] [--steps 200] [--glibc-tunables glibc.malloc.mmap_threshold=1048576]
+
+Runs `examples/gpt_lm.py` (made larger: d_model 256, 6 layers, 4.84M parameters) under torchrun on 2 local gloo
+ranks, alternately: `auto` over attach's default space, then a plain run of the configuration it picked (the
+candidate by name: the same sync keys, no search). Each run prints its largest rank's peak RSS (getrusage
+ru_maxrss); this prints each pair's ratio, auto over the plain run, and their median. The runs alternate so that
+the machine's drift falls on both alike.
+
+glibc's malloc keeps freed heap memory and serves large blocks from it, so a process that frees and allocates
+buffers of many sizes (the search, switching candidates) can peak higher than its live memory; `--glibc-tunables`
+passes GLIBC_TUNABLES to the runs (e.g. a fixed mmap threshold, which hands large blocks back when freed), to
+separate what the search holds from what the allocator keeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt_lm.py"
+
+
+def run(strategy: str, args) -> tuple[float, str]:
+    """One 2-rank run: (its largest rank's peak RSS in MiB, what it printed)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if args.glibc_tunables:
+        env["GLIBC_TUNABLES"] = args.glibc_tunables
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLE),
+           "--strategy", strategy, "--steps", str(args.steps), "--d-model", "256", "--layers", "6"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"auto_memory: {' '.join(cmd[4:])} failed: {r.stderr.strip().splitlines()[-1:]}")
+    peak = re.search(r"peak RSS (\d+) MiB", r.stdout)
+    return float(peak.group(1)), r.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--glibc-tunables", help="GLIBC_TUNABLES for the runs")
+    args = ap.parse_args()
+    ratios = []
+    for i in range(args.pairs):
+        searched, out = run("auto", args)
+        pick = re.search(r"auto picked (\S+) after (\d+)", out)
+        plain, _ = run(pick.group(1), args)
+        ratios.append(searched / plain)
+        print(f"pair {i + 1}: auto {searched:.0f} MiB (picked {pick.group(1)} after {pick.group(2)} steps), "
+              f"plain {pick.group(1)} {plain:.0f} MiB: {ratios[-1]:.3f}x", flush=True)
+    print(f"peak RSS of auto over its pick's plain run: median {statistics.median(ratios):.3f}x over {args.pairs} pairs")
+
+
+if __name__ == "__main__":
+    main()
