@@ -28,6 +28,7 @@
 #    only), and its checkpoint resumed under ddp.
 # 9. sync.strategy: auto through `attach` in examples/plain_loop.py on NCCL: the search on the loop's own steps, its
 #    candidates attached to the one model at once (only the armed one communicates), parameters equal on both ranks.
+# 10. examples/gpt_lm.py (a GPT-style decoder, tied embedding) with auto over attach's default space on NCCL.
 # Each part has its own time limit and the script goes on after a failed part; the exit status counts the failures.
 set -uf  # -f: the part patterns below are not file globs
 OUT_DIR=${1:-runs/gpu-check}
@@ -174,6 +175,9 @@ ATTACH_SPACE="{ddp-25: {strategy: ddp, bucket_cap_mb: 25}, bucketed-0.5: {strate
     per_class-1: {strategy: per_class, bucket_cap_mb: 1}}"
 part plain-loop-auto 60 two_ranks 29631 examples/plain_loop.py --backend nccl --strategy auto --steps 60 \
     --candidates "$ATTACH_SPACE"
+# The language model with attach's default space on CUDA: planned candidates free their bucket buffers while others
+# train and lay them out again on the GPU before their own step; the race's table and the peak host RSS.
+part gpt-lm-auto 120 two_ranks 29632 examples/gpt_lm.py --backend nccl --steps 160
 
 echo "=== done ($(date +%T)): $failures part(s) failed"
 exit "$failures"
