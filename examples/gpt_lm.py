@@ -132,9 +132,10 @@ def train(args) -> None:
 
     text = source_text()
     draw = torch.Generator().manual_seed(1000 + rank)  # each rank its own windows
+    offsets = torch.arange(args.context + 1)  # (context + 1,): a window's positions from its start
     for step in range(args.steps):
         at = torch.randint(0, len(text) - args.context - 1, (args.batch,), generator=draw)
-        window = torch.stack([text[i:i + args.context + 1] for i in at.tolist()]).to(device)  # (batch, context + 1)
+        window = text[at[:, None] + offsets].to(device)  # (batch, context + 1)
         logits = handle.module(window[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), window[:, 1:].reshape(-1))
         loss.backward()

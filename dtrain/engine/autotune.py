@@ -124,7 +124,7 @@ def candidates(cfg: RunConfig) -> list[Candidate]:
     for name, keys in space.items():
         if space is DEFAULT_SPACE and keys.get("gather_dtype") and cfg.train.amp != "bf16":
             continue  # bf16 parameters or exchanges need the forward under bf16 autocast
-        if space is DEFAULT_SPACE and keys.get("hierarchical") and not _multi_rank_nodes():
+        if space is DEFAULT_SPACE and keys.get("hierarchical") and not multi_rank_nodes(ddist.world_size()):
             continue
         c_cfg = candidate_config(cfg, name, keys)
         out.append(Candidate(name, is_lossless(c_cfg.sync), keys=dict(keys), cfg=c_cfg))
@@ -133,11 +133,6 @@ def candidates(cfg: RunConfig) -> list[Candidate]:
     if not out:
         raise UserError("sync.tune.candidates: no lossless candidate (set sync.tune.lossy: true to search lossy ones)")
     return out
-
-
-def _multi_rank_nodes() -> bool:
-    """Whether the job runs on more than one node of more than one rank each (torchrun's LOCAL_WORLD_SIZE)."""
-    return multi_rank_nodes(ddist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def family(sync) -> str:

@@ -19,8 +19,9 @@ import yaml
 from dtrain.collectives.config import validate as validate_comm
 from dtrain.collectives.settings import CollectivesConfig, DistConfig, SyncConfig
 from dtrain.collectives.strategies import unused_keys
+from dtrain.collectives.strategies.auto import candidate_raw
 from dtrain.common.errors import UserError
-from dtrain.common.schema import Source, apply_overrides, build, deep_merge, read_overlay, set_dotted
+from dtrain.common.schema import Source, apply_overrides, build, read_overlay
 
 # The paper's Table 3 models, plus small presets that train on two CPU cores.
 MODEL_PRESETS = {
@@ -260,14 +261,6 @@ def from_dict(raw: dict, source: str | Source = "<dict>", lines: dict[str, int] 
     return cfg
 
 
-def _nested(keys: dict[str, Any]) -> dict:
-    """Dotted keys -> the nested mapping of a profile's `sync` section (nested mappings are taken as they are)."""
-    out: dict = {}
-    for key, value in keys.items():
-        set_dotted(out, str(key), value, f"sync.tune.candidates: '{key}'")
-    return out
-
-
 def candidate_config(cfg: RunConfig, name: str, keys: dict[str, Any], src: Source | None = None) -> RunConfig:
     """The profile of one candidate of `sync.strategy: auto` (`dtrain.engine.autotune`): `sync` replaced by the candidate's
     keys over the profile's class rules. A bad key is a one-line error naming `sync.tune.candidates.<name>` (and
@@ -277,13 +270,11 @@ def candidate_config(cfg: RunConfig, name: str, keys: dict[str, Any], src: Sourc
     if _NAME.fullmatch(name) is None:  # it names the candidate's folder, <run>/tune/<name>
         raise UserError(f"{at}'{where}': a candidate's name must be letters, digits and - _ . = + (one path "
                         "component, not starting with '.')")
-    if not isinstance(keys, dict) or "strategy" not in keys or keys["strategy"] == "auto" or "tune" in keys:
-        raise UserError(f"{at}'{where}' must name a strategy other than auto (and no 'tune'), got {keys}")
+    try:
+        sync = candidate_raw(cfg.sync, name, keys)
+    except UserError as e:
+        raise UserError(f"{at}{e}") from None
     raw = cfg.to_dict()
-    rules = ("match", "min_numel", "max_numel")
-    classes = {c: {k: v for k, v in spec.items() if k in rules} for c, spec in raw["sync"]["classes"].items()}
-    sync = {"classes": classes}
-    deep_merge(sync, _nested(keys))
     raw["sync"] = sync
     try:
         return from_dict(raw, Source(where))

@@ -60,14 +60,15 @@ REPLICATED_SPACE: dict[str, dict[str, Any]] = {
 }
 
 
-def multi_rank_nodes(world: int, local: int) -> bool:
-    """Whether `world` ranks run as more than one node of `local` > 1 ranks each (torchrun's LOCAL_WORLD_SIZE)."""
+def multi_rank_nodes(world: int) -> bool:
+    """Whether `world` ranks run as more than one node of more than one rank each (torchrun's LOCAL_WORLD_SIZE)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return 1 < local < world and world % local == 0
 
 
-def candidate_sync(base: SyncConfig, name: str, keys: Any) -> SyncConfig:
-    """Candidate `name`'s `SyncConfig`: its dotted `sync` keys over `base`'s class rules (which parameters form each
-    class), read by the strict loader. A bad key is a one-line error naming `sync.tune.candidates.<name>`."""
+def candidate_raw(base: SyncConfig, name: str, keys: Any) -> dict:
+    """Candidate `name`'s raw `sync` mapping, for both searches: its dotted `sync` keys over `base`'s class rules
+    (which parameters form each class). Keys that are not a mapping naming a strategy are a one-line error."""
     where = f"sync.tune.candidates.{name}"
     if not isinstance(keys, dict) or keys.get("strategy") in (None, "auto") or "tune" in keys:
         raise UserError(f"'{where}' must name a strategy other than auto (and no 'tune'), got {keys}")
@@ -76,6 +77,14 @@ def candidate_sync(base: SyncConfig, name: str, keys: Any) -> SyncConfig:
                              for c, spec in base.classes.items()}}
     for key, value in keys.items():
         set_dotted(raw, str(key), value, f"{where}: '{key}'")
+    return raw
+
+
+def candidate_sync(base: SyncConfig, name: str, keys: Any) -> SyncConfig:
+    """Candidate `name`'s `SyncConfig` (`candidate_raw`), read by the strict loader. A bad key is a one-line error
+    naming `sync.tune.candidates.<name>`."""
+    where = f"sync.tune.candidates.{name}"
+    raw = candidate_raw(base, name, keys)
     try:
         sync = build_section(SyncConfig, raw, "sync", Source(where))
     except UserError as e:
@@ -118,9 +127,8 @@ class OnlineSearch(GradSync):
             raise UserError("'sync.tune.lossy': attach's search measures lossless candidates only (a lossy one is "
                             "judged by its loss, which the seam does not see)")
         world = dist.get_world_size(process_group)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         space = t.candidates or {n: k for n, k in REPLICATED_SPACE.items()
-                                 if not k.get("hierarchical") or multi_rank_nodes(world, local)}
+                                 if not k.get("hierarchical") or multi_rank_nodes(world)}
         syncs = {name: candidate_sync(cfg, name, keys) for name, keys in space.items()}
         if not t.candidates:  # the default space: the split only where the model has one tied embedding to split
             syncs = {name: sync for name, sync in syncs.items() if _splits_apply(sync, model)}
