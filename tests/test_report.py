@@ -384,3 +384,40 @@ def test_runs_with_translations_get_a_bleu_significance_section(tmp_path, capsys
     s = sections["bleu_significance"]
     assert s.figure is None and s.display is None and "cannot be compared" in s.note
     assert "*skipped: " in (tmp_path / "out2" / "report.md").read_text() and sections["pareto"].figure is not None
+
+
+def _simulation(path, world, rows):
+    path.write_text(json.dumps({"modeled": True, "world": world, "notes": [], "rows": [
+        {"label": label, "step_ms": modeled, "exposed_ms": exposed, "measured_step_ms": measured,
+         "measured_exposed_ms": exposed + 5.0, "run": f"2 runs: {label}"} for label, modeled, measured, exposed in rows]
+        + [{"label": "per_tensor", "step_ms": 1.0, "exposed_ms": 0.0, "measured_step_ms": None}]}))
+    return path
+
+
+def test_the_scaling_section_sets_measured_beside_modeled_per_shape(tmp_path, capsys):
+    """--scaling NxR=FILE per shape (the simulator's JSON): one row per shape and measured configuration, shapes in
+    order of ranks then nodes, each configuration a measured and a MODELED line in both panels; a bad spec, a
+    missing file or a simulation of another world is a one-line error before any work."""
+    s41 = _simulation(tmp_path / "s41.json", 4, [("ddp@2M", 900.0, 1000.0, 0.0)])
+    s21 = _simulation(tmp_path / "s21.json", 2, [("ddp@2M", 480.0, 500.0, 0.0), ("noop", 300.0, 300.0, 0.0)])
+    s22 = _simulation(tmp_path / "s22.json", 4, [("ddp@2M", 1000.0, 900.0, 0.0)])
+    specs = [f"4x1={s41}", f"2x1={s21}", f"2x2={s22}"]
+    from dtrain.analysis import report_scaling
+    t = report_scaling.scaling_table(specs)
+    assert list(t["shape"]) == ["2x1", "2x1", "2x2", "4x1"] and list(t["ranks"]) == [2, 2, 4, 4]
+    assert t.loc[t["shape"] == "4x1", "error_pct"].item() == pytest.approx(-10.0)
+    s = report_scaling.section_scaling(specs)
+    gids = {line.get_gid() for ax in s.figure.axes for line in ax.get_lines()}
+    assert {"measured:ddp@2M", "modeled:ddp@2M", "measured:noop", "modeled:noop"} <= gids
+    assert "MODELED" in s.caption and "max 11.1% (ddp@2M at 2x2)" in s.caption
+    assert report.main([str(RUNS), "--out", str(tmp_path / "r"), "--topology", "none", "--warmup", "2",
+                        *(a for spec in specs for a in ("--scaling", spec))]) == 0
+    assert (tmp_path / "r" / "scaling.csv").is_file() and "Scaling with the job's shape" in (
+        tmp_path / "r" / "report.md").read_text()
+    capsys.readouterr()
+    for bad, msg in (("2by2=x.json", "NODESxRANKS=FILE"), (f"2x2={tmp_path / 'none.json'}", "no such file"),
+                     (f"2x2={tmp_path / 's21.json'}", None)):
+        with pytest.raises(SystemExit) as e:
+            report.main([str(RUNS), "--out", str(tmp_path / "r2"), "--topology", "none", "--scaling", bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and (msg or "a simulation of 2 ranks, not 4") in err

@@ -13,7 +13,8 @@ from dtrain.analysis import simulate as sim
 from dtrain.analysis.plans import bucket_plan, ready_params, sharded_exchanges, sync_for
 from dtrain.analysis.runs import load_run, slowest_rank_records
 from dtrain.analysis.simulate.__main__ import main
-from dtrain.analysis.simulate.calibration import Calibration
+from dtrain.analysis.simulate.calibration import LOOKUP_GROUP, Calibration, record_groups
+from dtrain.analysis.simulate.predict import hierarchical_ms
 from dtrain.collectives import costmodel as cm
 from dtrain.collectives.costmodel import CollectiveCost
 from dtrain.collectives.timeline import gather_stall, optimizer_saving, sharded_times
@@ -664,3 +665,97 @@ def test_fsdp2_costs_the_reduce_scatters_and_all_gathers_the_benchmark_measured(
     assert p.comm_ms == pytest.approx(scatter + gather)
     only_allreduce = cm.FittedModel({"raw": flat}, "allreduce", 2)
     assert sim.predict(cfg, ref, curve, only_allreduce, cal, "fsdp2", None, run.vocab).comm_ms < p.comm_ms / 3
+
+
+class _Flat4(_Flat):
+    """_Flat over 4 ranks (2 nodes x 2 ranks)."""
+
+    ranks = 4
+
+
+def test_the_hierarchical_plan_costs_each_buckets_shard_by_the_load_it_puts_on_a_nodes_link(tmp_path):
+    """sync.hierarchical on 2 nodes x 2 ranks: each bucket's shard all-reduce between the nodes costs the flat
+    all-reduce of (N-1)/N / ((NR-1)/NR) = 2/3 of its bytes, the reduce-scatter and all-gather inside the node their
+    latency each, and the three run one after another on one thread (one bucket at a time)."""
+    _write_run(tmp_path / "run", "bucketed", 0.05)
+    run = load_run(tmp_path / "run")
+    ref = sim.reference_step(run)
+    curve, cal = sim.ready_curve(run, ref), Calibration(lanes=2)
+    model = _Flat4()
+    def allreduce(_, nbytes):
+        return model.allreduce_ms(nbytes)
+
+    one = hierarchical_ms(allreduce, model.allreduce_latency_ms, None, 3_000_000, 2, 4)
+    assert one == pytest.approx(2 * model.allreduce_latency_ms(1_500_000) + model.allreduce_ms(2_000_000))
+    hier = config_mod.from_dict({**run.cfg.to_dict(), "sync": {"strategy": "bucketed", "bucket_cap_mb": 0.05,
+                                                                "hierarchical": True, "ranks_per_node": 2}}, "test")
+    flat = sim.predict(run.cfg, ref, curve, model, cal, "bucketed", 0.05, run.vocab)
+    tiered = sim.predict(hier, ref, curve, model, cal, "bucketed", 0.05, run.vocab)
+    assert tiered.hierarchical and not flat.hierarchical and tiered.label == "bucketed@0.05M+hier"
+    plan = bucket_plan(hier).buckets
+    sizes = [b.nbytes for b in plan]
+    # One lane: the buckets' durations add up wherever they overlap nothing else (after backward, in the end)
+    assert tiered.comm_ms == pytest.approx(sum(hierarchical_ms(allreduce, model.allreduce_latency_ms, None, n, 2, 4)
+                                               for n in sizes))
+    # The ranks per node must be known and split the cost model's world
+    odd = config_mod.from_dict({**hier.to_dict(), "sync": {**hier.to_dict()["sync"], "ranks_per_node": 3}}, "test")
+    with pytest.raises(UserError, match="ranks_per_node"):
+        sim.predict(odd, ref, curve, model, cal, "bucketed", 0.05, run.vocab)
+    with pytest.raises(UserError, match="ranks_per_node"):
+        sim.predict(hier, ref, curve, _Flat(), cal, "bucketed", 0.05, run.vocab)  # a 2-rank model
+
+
+def test_a_split_embeddings_lookups_run_on_their_own_group_beside_the_buckets():
+    """The split's lookups' rows go through the split's own process group: in the calibration's replay a lookup
+    launched while a long bucket runs starts at once (in launch order, not the record order that puts lookups last)
+    and shares the link with it, instead of queueing behind it."""
+    recs = [{"bucket": 0, "bytes": 4_000_000, "launch_ms": 1.0, "complete_ms": 5.0, "wait_start_ms": 9.0},
+            {"bucket": 1, "bytes": 1_000, "launch_ms": 2.0, "complete_ms": 3.0, "wait_start_ms": 9.0,
+             "part": "lookup"}]
+    ref = sim.ReferenceStep(1, 0.0, 1.0, 9.0, 1.0, exposed_ms=0.0, step_ms=10.0, records=recs)
+    assert record_groups(recs, False) == [None, LOOKUP_GROUP]
+    cal = sim.calibrate(ref, _Flat(), lanes=1)
+    # On one group with one lane the lookup would wait for bucket 0 (5 ms of work): its replay ends long after 3 ms.
+    assert cal.timeline.start[1] == pytest.approx(2.0)
+    reordered = sim.ReferenceStep(1, 0.0, 1.0, 9.0, 1.0, 0.0, 10.0, records=list(reversed(recs)))
+    assert sim.calibrate(reordered, _Flat(), lanes=1).timeline.start == cal.timeline.start  # record order: no matter
+
+
+def test_collectives_run_slower_until_the_last_rank_stops_computing():
+    """With ranks that share cores, some rank still computes after this one's backward ends: the slowdown lasts
+    until `computing_ms`, while exposed time still counts from this rank's backward end."""
+    alone = sim.play_timeline([0.0], [4.0], 2.0, slowdown=2.0)
+    assert alone.end == pytest.approx([5.0])  # 1 ms of work by 2 ms, 3 ms after
+    shared = sim.play_timeline([0.0], [4.0], 2.0, slowdown=2.0, computing_ms=6.0)
+    assert shared.end == pytest.approx([7.0]) and shared.exposed_ms == pytest.approx(5.0)  # 3 ms of work by 6
+
+
+def test_the_reference_step_knows_when_the_first_and_last_ranks_compute(tmp_path):
+    """slowest_rank_records also gives when the last rank's backward started and ended on rank 0's clock: the
+    reference step's compute window (a gradient ready "at the start of backward" is ready everywhere only then) and
+    the ready curve's first point."""
+    _write_run(tmp_path / "run", cap=0.02)
+    run = load_run(tmp_path / "run")
+    own = run.buckets[4]
+    # Rank 1's backward starts 4 ms after rank 0's (its clock reads 4 ms less for the same moment), its buckets are
+    # ready 2 ms later than rank 0's, and its backward ends 6 ms later (at 16 ms on rank 0's clock).
+    run.rank_buckets = {1: {4: [{**r, "ready_ms": r["ready_ms"] - 2.0, "launch_ms": r["launch_ms"] - 2.0,
+                                 "complete_ms": r["complete_ms"] - 4.0, "wait_start_ms": 12.0} for r in own]}}
+    ref = sim.reference_step(run, 4)
+    assert ref.sync_backward_ms == pytest.approx(10.0)
+    assert ref.compute_start_ms == pytest.approx(4.0) and ref.compute_end_ms == pytest.approx(16.0)
+    assert all(r["ready_ms"] == pytest.approx(m["ready_ms"] + 2.0) for r, m in zip(ref.records, own))
+    curve = sim.ready_curve(run, ref)
+    assert curve.at(0) == pytest.approx(min(4.0, min(r["ready_ms"] for r in ref.records)))
+    alone = _write_run(tmp_path / "alone", cap=0.02) and sim.reference_step(load_run(tmp_path / "alone"), 4)
+    assert (alone.compute_start_ms, alone.compute_end_ms) == (0.0, alone.sync_backward_ms)
+
+
+def test_in_lockstep_a_groups_collectives_share_its_link_by_size():
+    """gloo beyond two ranks: two collectives of one group in flight at once advance a chunk each per step, so a
+    small one beside a large one ends about with it; shared equally, the small one ends first. Either way the link
+    moves the same bytes: the last one ends at the same time."""
+    equal = sim.play_timeline([0.0, 0.0], [8.0, 1.0], 0.0, lanes=2)
+    by_size = sim.play_timeline([0.0, 0.0], [8.0, 1.0], 0.0, lanes=2, lockstep=True)
+    assert equal.end == pytest.approx([9.0, 2.0]) and by_size.end == pytest.approx([9.0, 9.0])
+    assert sim.costs.lockstep(_Flat4()) and not sim.costs.lockstep(_Flat())

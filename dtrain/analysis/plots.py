@@ -316,3 +316,32 @@ def tuning(table: pd.DataFrame, title: str = "", reference: str = "winner") -> F
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
+
+
+def scaling(table: pd.DataFrame, title: str = "") -> Figure:
+    """Step time (left) and exposed communication (right) against the job's shape, one colour per configuration:
+    measured solid with dots, MODELED dashed with open circles. Columns: shape, ranks, nodes, configuration,
+    measured_step_ms, modeled_step_ms, measured_exposed_ms, modeled_exposed_ms."""
+    fig = _figure(10.0, 4.2)
+    shapes = list(dict.fromkeys(table.sort_values(["ranks", "nodes"], kind="stable")["shape"]))
+    x = {s: i for i, s in enumerate(shapes)}
+    colors = matplotlib.colormaps["tab10"]
+    panels = (("step", "step time (ms)"), ("exposed", "exposed communication (ms)"))
+    for k, (what, ylabel) in enumerate(panels):
+        ax = fig.add_subplot(1, 2, k + 1)
+        for c, (config, rows) in enumerate(table.groupby("configuration", sort=False)):
+            xs = [x[s] for s in rows["shape"]]
+            color = colors(c % 10)
+            ax.plot(xs, rows[f"measured_{what}_ms"], "-o", color=color, label=config, gid=f"measured:{config}")
+            ax.plot(xs, rows[f"modeled_{what}_ms"], "--o", color=color, markerfacecolor="none",
+                    gid=f"modeled:{config}")
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels(shapes)
+        ax.set_xlabel("nodes x ranks per node")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    ax.plot([], [], "k-o", label="measured")
+    ax.plot([], [], "k--o", markerfacecolor="none", label="MODELED")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(title or "Step time and exposed communication against the job's shape", fontsize=10)
+    return fig

@@ -27,6 +27,7 @@ import pandas as pd
 from dtrain.analysis.report_sections import (Section, fmt, machines, section_allreduce_size, section_breakdown,
                                       section_busbw, section_pareto, section_step_vs_bucket, section_timeline,
                                       sections_curves, sections_significance)
+from dtrain.analysis.report_scaling import parse_spec, section_scaling
 from dtrain.analysis.report_tables import summary_table
 from dtrain.analysis.report_tuning import sections_tuning
 from dtrain.analysis.runs import Run, find_runs, load_run
@@ -38,8 +39,9 @@ PROG = "dtrain.analysis.report"
 
 def build(run_paths: list[str | Path], out: str | Path, bench: list[str | Path] = (), topology: str | None = "h100x8",
           warmup: int | None = None, target: float | None = None, timeline: str | None = None,
-          baseline: str | None = None) -> list[Section]:
-    """Load the runs, build every section, write figures (PNG, SVG), tables (CSV), report.md and report.html."""
+          baseline: str | None = None, scaling: list[str] = ()) -> list[Section]:
+    """Load the runs, build every section, write figures (PNG, SVG), tables (CSV), report.md and report.html.
+    `scaling`: 'NxR=FILE' per shape, FILE the simulator's JSON for that shape (`dtrain.analysis.report_scaling`)."""
     paths = find_runs(run_paths)
     if not paths:
         raise UserError(f"no run directories in {', '.join(map(str, run_paths))} (a run holds steps.jsonl)")
@@ -56,6 +58,8 @@ def build(run_paths: list[str | Path], out: str | Path, bench: list[str | Path] 
                 section_allreduce_size(runs, bench, topology), section_breakdown(runs, warmup),
                 section_timeline(runs, warmup, timeline), section_pareto(runs, warmup, target),
                 *sections_curves(runs), *sections_significance(runs, baseline), *sections_tuning(runs)]
+    if scaling:
+        sections.append(section_scaling(list(scaling)))
     write(Path(out), runs, summary, sections)
     return sections
 
@@ -151,6 +155,9 @@ def parse_args(argv=None):
                                        "per_class, else bucketed run)")
     ap.add_argument("--baseline", help="run (directory name) the BLEU significance table compares with (default: "
                                        "the first ddp run, else the first run with hypotheses)")
+    ap.add_argument("--scaling", action="append", default=[], metavar="NxR=FILE",
+                    help="a shape's simulator JSON (python -m dtrain.analysis.simulate ... --measured ... --json), "
+                         "e.g. 2x2=sim-2x2.json; repeat per shape for the figure of step time against the shape")
     return ap.parse_args(argv)
 
 
@@ -160,9 +167,13 @@ def main(argv=None) -> int:
         if args.warmup is not None and args.warmup < 0:
             raise UserError("--warmup must be 0 or positive")
         topology = None if args.topology in ("none", "") else args.topology
-        output_dir(args.out, "--out")  # before the work, not after it
+        for spec in args.scaling:  # before the work, not after it
+            _, _, _, path = parse_spec(spec)
+            if not path.is_file():
+                raise UserError(f"--scaling {spec}: no such file")
+        output_dir(args.out, "--out")
         sections = build(args.runs, args.out, args.bench, topology, args.warmup, args.target_val_nll, args.timeline,
-                         args.baseline)
+                         args.baseline, args.scaling)
     for s in sections:
         print(f"{s.key:<16} {'written' if s.figure is not None or s.display is not None else s.note}")
     print(f"report: {Path(args.out) / 'report.md'}, {Path(args.out) / 'report.html'}")

@@ -277,7 +277,8 @@ def finished(path: str | Path) -> bool:
 
 def slowest_rank_records(run: Run, step: int) -> tuple[list[dict], float | None]:
     """Rank 0's bucket records of `step` (those of its backward), with each bucket's ready and launch times the latest over the ranks whose
-    records the run has (`train.record_ranks`): a collective cannot start before every rank has launched it. Each
+    records the run has (`train.record_ranks`): a collective cannot start before every rank has launched it; and
+    when the last rank's backward started and ended (`last_backward_start_ms`, `last_wait_start_ms`). Each
     rank's clock starts at its own backward; it is put on rank 0's by the median, over buckets, of the difference
     in completion times (an all-reduce completes on every rank at about the same moment). Also returns the largest
     delay another rank added to a bucket's launch (ms), None where no other rank's records cover the step."""
@@ -295,6 +296,12 @@ def slowest_rank_records(run: Run, step: int) -> tuple[list[dict], float | None]
     for recs in others:
         offset = statistics.median(a["complete_ms"] - b["complete_ms"] for a, b in zip(own, recs))
         for rec, theirs in zip(out, recs):
+            # when the last rank's backward started: its clock's 0 on rank 0's
+            rec["last_backward_start_ms"] = max(rec.get("last_backward_start_ms", 0.0), offset)
+            if theirs.get("wait_start_ms") is not None and rec.get("wait_start_ms") is not None:
+                # when the last rank's backward ended (ranks sharing cores drift apart by whole phases)
+                rec["last_wait_start_ms"] = max(rec.get("last_wait_start_ms", rec["wait_start_ms"]),
+                                                theirs["wait_start_ms"] + offset)
             for key in ("ready_ms", "launch_ms"):
                 if theirs.get(key) is not None and rec.get(key) is not None:
                     later = theirs[key] + offset

@@ -54,7 +54,8 @@ def launch_times(ready_ms: list[float], backward_ms: float, overlap: bool = True
 
 def play_timeline(ready_ms: list[float], durations_ms: list[float], backward_ms: float, overlap: bool = True,
                   slowdown: float = 1.0, lanes: int = 1, latency_ms: list[float] | None = None,
-                  groups: list | None = None, link_efficiency: Callable[[int], float] | None = None) -> Timeline:
+                  groups: list | None = None, link_efficiency: Callable[[int], float] | None = None,
+                  computing_ms: float | None = None, lockstep: bool = False) -> Timeline:
     """The collectives of one backward played onto a timeline. A launched bucket waits in its process group's queue
     (`groups`, one group if None) until one of the group's `lanes` is free, then runs: first its latency part
     (`latency_ms`, at most its duration; none if None), which does not use the link, then its transfer part, which
@@ -63,8 +64,14 @@ def play_timeline(ready_ms: list[float], durations_ms: list[float], backward_ms:
     `link_efficiency(k)`: the share of the link's rate that k groups transferring at once get together while
     backward computes (1 for one; measured by `dtrain.collectives.bench --groups` beside computation); after backward the
     whole link.
-    Everything runs `slowdown` times slower while backward computes (on CPUs, compute and gloo share the cores).
+    Everything runs `slowdown` times slower while backward computes (on CPUs, compute and gloo share the cores):
+    until `computing_ms` where given (the last rank's backward end, where ranks sharing cores drift apart), else
+    until `backward_ms` (this rank's, from which exposed time counts).
     With one lane and one group this is a single stream: a bucket starts when launched and the previous one is done.
+    `lockstep`: a group's transfers share its part of the link in proportion to their sizes instead of equally, so
+    that a small one sent beside a large one takes about as long as the large one. gloo's ring collectives of one
+    process group share its connections and move one chunk of each bucket per step, in turn (seen in the records of
+    4 ranks: buckets completing in pairs, a 1 MB bucket beside an 8 MB one finishing with it).
 
     lanes=1 is NCCL's model here (one communication stream); gloo runs GLOO_LANES collectives per process group at
     once, which shows in its records as small buckets completing out of index order."""
@@ -72,11 +79,13 @@ def play_timeline(ready_ms: list[float], durations_ms: list[float], backward_ms:
     launch = launch_times(ready_ms, backward_ms, overlap)
     lat = [min(max(0.0, a), d) for a, d in zip(latency_ms or [0.0] * n, durations_ms)]
     left = [[a, d - a] for a, d in zip(lat, durations_ms)]  # per bucket: [latency, transfer] still to do
+    full = [max(d - a, 1e-12) for a, d in zip(lat, durations_ms)]  # each transfer's whole: its weight in lockstep
     group = groups or [None] * n
     start, end = [math.nan] * n, [math.nan] * n
     queues: dict = {}
     running: dict = {}  # group -> indices running now
     now, nxt, eps = 0.0, 0, 1e-9
+    busy_until = backward_ms if computing_ms is None else max(backward_ms, computing_ms)
     while True:
         while nxt < n and launch[nxt] <= now + eps:  # launched: queue in the group
             queues.setdefault(group[nxt], []).append(nxt)
@@ -90,18 +99,19 @@ def play_timeline(ready_ms: list[float], durations_ms: list[float], backward_ms:
         active = [i for on in running.values() for i in on]
         if not active and nxt == n:
             break
-        computing = now < backward_ms
+        computing = now < busy_until
         rate = 1.0 / slowdown if computing else 1.0
         # The link's share of each transfer (`share[i]` of the link): equal between the groups transferring (each
-        # group is its own connection), and equal between a group's transfers.
-        sending = {g: sum(1 for i in on if left[i][0] <= eps) for g, on in running.items()}
+        # group is its own connection), and between a group's transfers equal or, in lockstep, by size.
+        weight = {i: (full[i] if lockstep else 1.0) for on in running.values() for i in on if left[i][0] <= eps}
+        sending = {g: sum(weight[i] for i in on if i in weight) for g, on in running.items()}
         groups_sending = sum(1 for k in sending.values() if k) or 1
         link = link_efficiency(groups_sending) if link_efficiency and groups_sending > 1 and computing else 1.0
-        share = {i: link / (groups_sending * sending[g]) for g, on in running.items() for i in on
-                 if left[i][0] <= eps}
+        share = {i: link * weight[i] / (groups_sending * sending[g]) for g, on in running.items() for i in on
+                 if i in weight}
         horizon = [launch[nxt] - now] if nxt < n else []
         if computing and (slowdown != 1.0 or link != 1.0):  # the rates change when backward ends
-            horizon.append(backward_ms - now)
+            horizon.append(busy_until - now)
         for i in active:
             horizon.append(left[i][0] / rate if i not in share else left[i][1] / (rate * share[i]))
         dt = max(0.0, min(horizon))
@@ -146,13 +156,15 @@ def gather_stall(plan, durations_ms: list[float], forward_ms: float, gathered: l
     return forward_stall(need, [durations_ms[i] for i in order], forward_ms)
 
 
-def sharded_times(exchanges, ready_ms: list[float], durations_ms: list[float], half) -> tuple[list[float], list[float]]:
+def sharded_times(exchanges, ready_ms: list[float], durations_ms: list[float], half,
+                  start_ms: float = 0.0) -> tuple[list[float], list[float]]:
     """A sharded plan's (ready, duration) per bucket (`exchanges`, `dtrain.collectives.sharded.exchange`) from its
     all-reduce's: a sharded bucket's reduce-scatter costs `half(i, all-reduce ms)`; a replicated bucket (a tied
     embedding with `tied_split`) is all-reduced whole. Either way a split embedding's bucket (replicated, or sharded by
     rows) is ready at the start of backward, with the pre-softmax projection's gradient, the first computed (its
-    lookup rows, the rows each lookup's tokens touched, sent as that lookup's backward ends, are not played)."""
-    ready = [0.0 if ex.split else r for ex, r in zip(exchanges, ready_ms)]
+    lookup rows, the rows each lookup's tokens touched, sent as that lookup's backward ends, are not played):
+    `start_ms`, when every rank's backward has started."""
+    ready = [start_ms if ex.split else r for ex, r in zip(exchanges, ready_ms)]
     dur = [half(i, d) if ex.gathered else d for i, (ex, d) in enumerate(zip(exchanges, durations_ms))]
     return ready, dur
 

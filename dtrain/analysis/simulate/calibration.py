@@ -8,9 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dtrain.analysis.simulate.costs import host_ms
+from dtrain.analysis.simulate.costs import host_ms, lockstep
 from dtrain.analysis.simulate.reference import ReferenceStep
 from dtrain.collectives.timeline import Timeline, play_timeline
+
+LOOKUP_GROUP = "tied_split lookups"  # the process group of a split embedding's lookups' rows
 
 
 @dataclass
@@ -28,10 +30,25 @@ class Calibration:
     # applied
     host_base_ms: float | None = None
     lanes: int = 1  # collectives at once per process group (`play_timeline`): 1 for NCCL's single stream, 2 for gloo
+    lockstep: bool = False  # a group's collectives share its link by size (`play_timeline`; `costs.lockstep`)
     # The device has streams on which a collective runs beside the computing thread (CUDA). On a CPU device FSDP2
     # issues each collective on the thread that computes and waits for it there (fsdp2's prediction adds them up).
     streams: bool = True
     timeline: Timeline | None = field(default=None, repr=False)  # the reference step's collectives, played again
+
+
+def in_launch_order(recs: list[dict]) -> list[dict]:
+    """The records as their collectives launched: a split embedding's lookups, recorded after the buckets, launch
+    during backward."""
+    return sorted(recs, key=lambda r: r["launch_ms"])
+
+
+def record_groups(recs: list[dict], by_class: bool) -> list | None:
+    """Each record's process group for `play_timeline`: a split embedding's lookups run on the split's own group
+    (`dtrain.collectives.tied_split`), beside the buckets; the buckets on their class's group where `by_class`, else
+    on one. None: all on one group."""
+    groups = [LOOKUP_GROUP if r.get("part") == "lookup" else (r.get("class") if by_class else None) for r in recs]
+    return groups if any(g is not None for g in groups) else None
 
 
 def calibrate(ref: ReferenceStep, model, host_cost: bool = False, lanes: int = 1, class_groups: bool = False
@@ -40,8 +57,9 @@ def calibrate(ref: ReferenceStep, model, host_cost: bool = False, lanes: int = 1
     collectives run at once per process group (see `play_timeline`); `class_groups`: the profiled run sent each
     tensor class through its own group."""
     calib = _calibrate(ref, model, lanes, class_groups)
+    calib.lockstep = lockstep(model)
     if host_cost and calib.timeline is not None:
-        base = host_ms(model, [r["bytes"] for r in ref.records], calib.timeline)
+        base = host_ms(model, [r["bytes"] for r in in_launch_order(ref.records)], calib.timeline)
         if base is not None:
             calib.host_base_ms = base
             calib.note += (f"; backward lengthened by the collectives it overlaps, as the benchmark measured "
@@ -56,10 +74,11 @@ def _calibrate(ref: ReferenceStep, model, lanes: int, class_groups: bool) -> Cal
     if not recs or any(r.get(k) is None for r in recs for k in ("launch_ms", "complete_ms")):
         return Calibration(note="none (the profiled step has no launch/complete times)", lanes=lanes)
     backward = ref.sync_backward_ms
+    recs = in_launch_order(recs)
     launch = [r["launch_ms"] for r in recs]
     work = [model.allreduce_ms(r["bytes"]) for r in recs]
     lat = [model.allreduce_latency_ms(r["bytes"]) for r in recs]
-    groups = [r.get("class") for r in recs] if class_groups and lanes > 1 else None
+    groups = record_groups(recs, class_groups and lanes > 1)
     ends = [r["complete_ms"] for r in recs]
     wait_start = recs[0].get("wait_start_ms")
     post = 0.0
@@ -68,10 +87,10 @@ def _calibrate(ref: ReferenceStep, model, lanes: int, class_groups: bool) -> Cal
 
     def played(k: float, scale: float = 1.0) -> Timeline:
         return play_timeline(launch, [scale * w for w in work], backward, True, k, lanes, [scale * a for a in lat],
-                             groups)
+                             groups, computing_ms=ref.compute_end_ms, lockstep=lockstep(model))
 
     lanes_note = f", {lanes} collectives at once per process group" if lanes > 1 else ""
-    if any(s < backward for s in played(1.0).start):
+    if any(s < ref.compute_end_ms for s in played(1.0).start):
         # Fit the slowdown during backward (log-scale golden section on [1/4, 8]) to the measured completions.
         def err(log_k):
             return sum((e - m) ** 2 for e, m in zip(played(math.exp(log_k)).end, ends))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from dtrain.analysis.plans import bucket_plan
 from dtrain.analysis.runs import Run
 from dtrain.analysis.simulate.calibration import Calibration, calibrate
+from dtrain.analysis.simulate.costs import lockstep
 from dtrain.analysis.simulate.predict import Prediction, predict
 from dtrain.analysis.simulate.reference import ReferenceStep, ready_curve, reference_step
 from dtrain.collectives import strategies
@@ -54,7 +55,7 @@ def measured_runs(measured: list[Run], ref_run: Run, ref: ReferenceStep, curve: 
     ref_forward = statistics.median(s["forward_ms"] for s in ref_run.steady_steps(warmup))
     out = []
     for runs in groups.values():
-        cfg = runs[0].cfg
+        cfg = _with_layout(runs[0])
         per_run = [run.steady_steps(warmup) for run in runs]
         cap = cfg.sync.bucket_cap_mb
         pred = predict(cfg, ref, curve, model, calib, runs[0].strategy, cap, ref_run.vocab)
@@ -81,6 +82,16 @@ def measured_runs(measured: list[Run], ref_run: Run, ref: ReferenceStep, curve: 
             str(r.path) for r in runs)
         out.append(pred)
     return out
+
+
+def _with_layout(run: Run):
+    """The run's config, with the ranks per node its hierarchical plan ran on (run.json) where the config left them
+    to torchrun's layout."""
+    cfg = run.cfg
+    layout = run.sync.get("hierarchical")
+    if cfg.sync.hierarchical and cfg.sync.ranks_per_node is None and isinstance(layout, dict):
+        cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, ranks_per_node=layout["ranks_per_node"]))
+    return cfg
 
 
 def speed_probe(ref: ReferenceStep, measured: list[Prediction]) -> str:
@@ -190,7 +201,7 @@ def each_step(run: Run, model, host_cost: bool, lanes: int, warmup: int | None,
     for s in steps:
         ref = reference_step(run, s["step"], warmup)
         calib = (calibrate(ref, model, host_cost, lanes, class_groups) if calibrated
-                 else Calibration(note="off", lanes=lanes))
+                 else Calibration(note="off", lanes=lanes, lockstep=lockstep(model)))
         calib.streams = not run.on_cpu
         out.append(play(ref, ready_curve(run, ref), calib))
     return out

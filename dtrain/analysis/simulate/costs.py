@@ -33,3 +33,11 @@ def default_lanes(backend: str, model) -> int:
     """gloo runs GLOO_LANES collectives at once per process group, which a fit to its benchmark models; NCCL's
     models (a preset, or the table NCCL logged) are one stream."""
     return GLOO_LANES if backend == "gloo" and isinstance(model, cm.FittedModel) else 1
+
+
+def lockstep(model) -> bool:
+    """Whether the collectives running at once in one gloo process group share its link by size (`play_timeline`'s
+    `lockstep`): on more than two ranks, where gloo's ring collectives move a chunk of each in turn, step by step
+    (the testbed's records at 4 ranks: buckets completing in pairs). On two ranks they share it equally (its records
+    there: small buckets completing before a large one launched ahead of them). Only matters with several lanes."""
+    return (getattr(model, "ranks", None) or 2) > 2

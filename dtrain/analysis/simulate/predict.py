@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dtrain.analysis.plans import bucket_plan, ready_params, sharded_exchanges, sync_for
-from dtrain.analysis.simulate.calibration import Calibration
+from dtrain.analysis.simulate.calibration import LOOKUP_GROUP, Calibration
 from dtrain.analysis.simulate.costs import host_ms
 from dtrain.analysis.simulate.reference import ReferenceStep
 from dtrain.collectives import nccl, strategies, tensor_classes
@@ -45,12 +45,14 @@ class Prediction:
     rows: bool = False  # and that embedding sharded by rows (`sharded` with `shard_tied_split`)
     narrowed: str | None = None  # `sharded` with `gather_dtype`: the Linear members' dtype in the exchanges
     keep: bool = False  # fsdp2 with `reshard_after_forward: false`: the units keep their parameters until backward
+    hierarchical: bool = False  # the hierarchical plan (`sync.hierarchical`)
 
     @property
     def label(self) -> str:
         return (self.strategy + (f"@{self.cap_mb:g}M" if self.cap_mb is not None else "")
                 + ("+split" if self.split else "") + ("+rows" if self.rows else "")
-                + (f"+{self.narrowed}" if self.narrowed else "") + ("+keep" if self.keep else ""))
+                + (f"+{self.narrowed}" if self.narrowed else "") + ("+keep" if self.keep else "")
+                + ("+hier" if self.hierarchical else ""))
 
 
 def requested_nccl(cfg, class_groups: bool):
@@ -98,21 +100,27 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     else:
         ready = [curve.at(x) for x in through(plan, ready_params(cfg, vocab))]
     allreduce, latency = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, class_groups))
-    dur = [allreduce(b, b.nbytes) for b in plan]
-    lat = [latency(b.nbytes) for b in plan] if cost is None else None
+    per_node = _per_node(cfg, strategy, model)
+    if per_node:  # the hierarchical plan: each bucket's three collectives one after another on the reducer's thread
+        world = model.ranks
+        dur = [hierarchical_ms(allreduce, latency, b, b.nbytes, per_node, world) for b in plan]
+        lat = [hierarchical_ms(lambda _, n: latency(n), latency, b, b.nbytes, per_node, world) for b in plan]
+    else:
+        dur = [allreduce(b, b.nbytes) for b in plan]
+        lat = [latency(b.nbytes) for b in plan] if cost is None else None
     groups = _groups(plan, class_groups, calib)
     sent = [b.nbytes for b in plan]
-    if rows:  # each lookup's rows one more all-reduce, launched when that lookup's backward ended
+    if rows:  # each lookup's rows one more all-reduce on the split's own group, when that lookup's backward ended
         entries = list(zip(ready, dur, lat or [0.0] * len(plan), groups or [None] * len(plan), sent))
         for at, nbytes in sorted(rows):
             i = next((i for i in range(len(entries)) if entries[i][0] > at), len(entries))
-            entries.insert(i, (at, allreduce(plan[0], nbytes), latency(nbytes),
-                               plan[0].tensor_class if groups else None, nbytes))
-        ready, dur, lats, grps, sent = (list(c) for c in zip(*entries))
-        lat, groups = (lats if lat else None), (grps if groups else None)
-    tl, exposed, slower = _played(ref, model, calib, ready, dur, overlap, lat, groups, sent)
+            entries.insert(i, (at, allreduce(plan[0], nbytes), latency(nbytes), LOOKUP_GROUP, nbytes))
+        ready, dur, lats, groups, sent = (list(c) for c in zip(*entries))
+        lat = lats if lat else None
+    tl, exposed, slower = _played(ref, model, calib, ready, dur, overlap, lat, groups, sent, 1 if per_node else None)
     return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, len(plan), tl.comm_ms,
-                      exposed, compute + slower + exposed, _lossless(plan), split=bool(split))
+                      exposed, compute + slower + exposed, _lossless(plan), split=bool(split),
+                      hierarchical=per_node is not None)
 
 
 def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration, strategy: str,
@@ -136,7 +144,7 @@ def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibrati
     whole = [ex.whole and not accumulated for ex in exchanges]
     ready, dur = sharded_times(exchanges, [curve.at(x) for x in through(plan, ready_params(cfg, vocab))],
                                [allreduce(b, n * world if w else n) for b, n, w in zip(plan, sent, whole)],
-                               lambda i, d: exchange_ms(d, alpha[i]))
+                               lambda i, d: exchange_ms(d, alpha[i]), curve.at(0))
     dur = [exchange_ms(d, alpha[i]) if w else d for i, (d, w) in enumerate(zip(dur, whole))]
     tl, exposed, slower = _played(ref, model, calib, ready, dur, overlap, lat, _groups(plan, class_groups, calib),
                                   sent)
@@ -169,13 +177,42 @@ def _groups(plan, class_groups: bool, calib: Calibration) -> list[str] | None:
     return [b.tensor_class for b in plan] if class_groups and calib.lanes > 1 else None
 
 
-def _played(ref: ReferenceStep, model, calib: Calibration, ready, dur, overlap: bool, lat, groups, sent):
-    """The backward's collectives (ready and taking `dur` ms, of `sent` bytes) played on the reference step:
-    (timeline, exposed ms, ms the reference step's compute is slower for more collectives during backward)."""
-    tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, calib.lanes, lat, groups,
-                       model.link_efficiency)
+def _played(ref: ReferenceStep, model, calib: Calibration, ready, dur, overlap: bool, lat, groups, sent,
+            lanes: int | None = None):
+    """The backward's collectives (ready and taking `dur` ms, of `sent` bytes) played on the reference step, with
+    `lanes` per group (default: the calibration's): (timeline, exposed ms, ms the reference step's compute is slower
+    for more collectives during backward)."""
+    tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, lanes or calib.lanes, lat, groups,
+                       model.link_efficiency, ref.compute_end_ms, calib.lockstep)
     slower = host_ms(model, sent, tl) - calib.host_base_ms if calib.host_base_ms is not None else 0.0
     return tl, tl.exposed_ms + calib.post_ms, slower
+
+
+def _per_node(cfg, strategy: str, model) -> int | None:
+    """R, the ranks per node of `cfg`'s hierarchical plan (`sync.hierarchical`), where `strategy` runs it and the
+    cost model knows the world it costs; None for a flat all-reduce."""
+    sync = sync_for(cfg, strategy)
+    if not (sync.hierarchical and "hierarchical" in strategies.get(strategy).sync_keys):
+        return None
+    world = getattr(model, "ranks", None)
+    if not world or not sync.ranks_per_node:
+        raise UserError(f"{strategy} with 'sync.hierarchical': the simulator needs 'sync.ranks_per_node' and a cost "
+                        f"model of the job's world (a benchmark fit on the same shape)")
+    if world % sync.ranks_per_node or not 1 < sync.ranks_per_node < world:
+        raise UserError(f"'sync.ranks_per_node' {sync.ranks_per_node} does not split the cost model's {world} ranks "
+                        f"into nodes of several ranks")
+    return sync.ranks_per_node
+
+
+def hierarchical_ms(allreduce, latency, bucket, nbytes: int, per_node: int, world: int) -> float:
+    """One bucket of the hierarchical plan (`dtrain.collectives.hierarchy`) from the flat all-reduce's costs over
+    `world` ranks: the reduce-scatter and the all-gather inside the node, which do not cross the link between nodes
+    (their latency each), and the shard's all-reduce between the N nodes. That one is costed by what it puts on a
+    node's link: its R ranks each send 2(N-1)/N of their 1/R of the bucket at once, where a flat ring sends
+    2(NR-1)/NR of all of it, so it costs the flat all-reduce of (N-1)/N / ((NR-1)/NR) of the bytes."""
+    nodes = world // per_node
+    load = ((nodes - 1) / nodes) / ((world - 1) / world)
+    return 2 * latency(nbytes // per_node) + allreduce(bucket, int(nbytes * load))
 
 
 def _lossless(plan) -> bool:
@@ -221,10 +258,12 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
         compute += sum(gather)
     else:
         ready = [curve.at(x) for x in through(plan, ready_params(cfg, vocab))]
-        prefetch = [0.0, 0.0, *ready][:len(regather)]  # unit i's gather, as unit i - 1 starts its backward
+        prefetch = [curve.at(0)] * 2 + ready  # unit i's gather, as unit i - 1 starts its backward
+        prefetch = prefetch[:len(regather)]
         entries = sorted(zip(ready + prefetch, scatter + regather))
         tl = play_timeline([r for r, _ in entries], [d for _, d in entries], ref.sync_backward_ms, True,
-                           calib.slowdown, calib.lanes, None, None, model.link_efficiency)
+                           calib.slowdown, calib.lanes, None, None, model.link_efficiency, ref.compute_end_ms,
+                           calib.lockstep)
         exposed = tl.exposed_ms + calib.post_ms
         compute += gather_stall(plan, gather, ref.forward_ms / ref.accum_steps) + (regather[0] if regather else 0.0)
     return Prediction(strategy, None, len(plan), sum(scatter) + sum(gather) + sum(regather), exposed,
@@ -251,7 +290,7 @@ def _split_first(cfg, strategy: str, cap_mb: float | None, classes: dict | None,
     at, x = {}, 0
     for name, p in params:
         x += p.numel()
-        at[name] = 0.0 if class_of[name] in split else curve.at(x)
+        at[name] = curve.at(0) if class_of[name] in split else curve.at(x)
     first = [(n, p) for n, p in params if class_of[n] in split]
     plan = strategies.plan_for(sync, first + [(n, p) for n, p in params if class_of[n] not in split]).buckets
     return plan, [max(at[n] for n in b.names) for b in plan]

@@ -43,6 +43,20 @@ class ReferenceStep:
         return max(starts) if starts else self.backward_ms / self.accum_steps
 
     @property
+    def compute_start_ms(self) -> float:
+        """When the last rank's backward starts, on this rank's clock (`slowest_rank_records`; 0 where the run has
+        no other rank's records): a gradient ready "at the start of backward" is ready on every rank then."""
+        return max([0.0, *(r.get("last_backward_start_ms") or 0.0 for r in self.records)])
+
+    @property
+    def compute_end_ms(self) -> float:
+        """When the last rank's backward ends, on the same clock (`slowest_rank_records`; this rank's where the
+        run has no other rank's records): until then some rank computes, and on a machine whose ranks share cores
+        the collectives run slower."""
+        last = [r["last_wait_start_ms"] for r in self.records if r.get("last_wait_start_ms") is not None]
+        return max([self.sync_backward_ms, *last])
+
+    @property
     def compute_ms(self) -> float:
         return self.data_ms + self.forward_ms + self.backward_ms + self.optimizer_ms
 
@@ -136,6 +150,8 @@ def ready_curve(run: Run, ref: ReferenceStep) -> ReadyCurve:
             xs.append(acc)
         recs = sorted(recs, key=lambda r: r["ready_ms"])
         source = "profiled step, buckets taken as contiguous in ready order"
-    pts = [(0, 0.0)] + [(x, r["ready_ms"]) for x, r in zip(xs, recs)]
+    # Nothing is ready before the last rank's backward starts (its ready times are no earlier than that)
+    start = min(ref.compute_start_ms, min(r["ready_ms"] for r in recs))
+    pts = [(0, start)] + [(x, r["ready_ms"]) for x, r in zip(xs, recs)]
     pts.append((total, max(ref.sync_backward_ms, max(t for _, t in pts))))
     return ReadyCurve(pts, source)
