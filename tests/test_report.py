@@ -388,7 +388,8 @@ def test_runs_with_translations_get_a_bleu_significance_section(tmp_path, capsys
 
 def _simulation(path, world, rows):
     path.write_text(json.dumps({"modeled": True, "world": world, "notes": [], "rows": [
-        {"label": label, "step_ms": modeled, "exposed_ms": exposed, "measured_step_ms": measured,
+        {"label": label, "strategy": label.split("@")[0], "step_ms": modeled, "exposed_ms": exposed,
+         "measured_step_ms": measured,
          "measured_exposed_ms": exposed + 5.0, "run": f"2 runs: {label}"} for label, modeled, measured, exposed in rows]
         + [{"label": "per_tensor", "step_ms": 1.0, "exposed_ms": 0.0, "measured_step_ms": None}]}))
     return path
@@ -406,6 +407,9 @@ def test_the_scaling_section_sets_measured_beside_modeled_per_shape(tmp_path, ca
     t = report_scaling.scaling_table(specs)
     assert list(t["shape"]) == ["2x1", "2x1", "2x2", "4x1"] and list(t["ranks"]) == [2, 2, 4, 4]
     assert t.loc[t["shape"] == "4x1", "error_pct"].item() == pytest.approx(-10.0)
+    # DDP records no exposed time (it waits inside backward): not set beside the model's; noop's is
+    assert t.loc[t["configuration"] == "ddp@2M", "measured_exposed_ms"].isna().all()
+    assert t.loc[t["configuration"] == "noop", "measured_exposed_ms"].item() == pytest.approx(5.0)
     s = report_scaling.section_scaling(specs)
     gids = {line.get_gid() for ax in s.figure.axes for line in ax.get_lines()}
     assert {"measured:ddp@2M", "modeled:ddp@2M", "measured:noop", "modeled:noop"} <= gids
