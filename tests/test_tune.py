@@ -34,3 +34,16 @@ def test_bad_arguments_are_one_line(args, words, capsys):
         tune.main(args)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and words in err and "\n" not in err, err
+
+
+def test_the_space_of_a_profile_set_to_auto_on_the_command_line(tmp_path):
+    """A profile made `auto` by --set: the matrix leaves sync.strategy to each variant (a sweep refuses it set in two
+    places) and keeps the other overrides' types."""
+    out = tmp_path / "space.yaml"
+    profile = str(REPO / "dtrain" / "profiles" / "multi30k-cpu.yaml")
+    assert tune.main(["--profile", profile, "--set", "sync.strategy=auto", "--set", "train.amp=fp32", "--set",
+                      "data.max_tokens=1024", "--matrix-out", str(out), "--steps", "7"]) == 0
+    matrix = yaml.safe_load(out.read_text())
+    assert "sync.strategy" not in matrix["set"] and matrix["set"]["data.max_tokens"] == 1024
+    cells = dict(load_configs(str(out), []))
+    assert len(cells) > 10 and all(c.data.max_tokens == 1024 and c.train.amp == "fp32" for c in cells.values())

@@ -52,7 +52,8 @@ def space_matrix(profile: str, overrides: list[str], steps: int) -> dict:
              if getattr(cfg.sync.tune, f.name) != getattr(TuneConfig(), f.name)}
     variants = {c.name: {**{f"sync.{k}": v for k, v in c.keys.items()}, **copy.deepcopy(reset)}
                 for c in autotune.candidates(cfg)}  # copies: no YAML anchors in the file
-    extra = dict(o.split("=", 1) for o in overrides)
+    # The overrides as --set reads them (YAML values); each variant names its own strategy
+    extra = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides) if k != "sync.strategy"}
     return {"name": f"{cfg.name}-space", "launcher": "testbed", "nodes": 2, "nproc": 1, "profiles": [profile],
             "variants": variants, "set": {**extra, "train.max_steps": steps, "train.max_minutes": None,
                                           "train.val_every": 0, "eval.at_end": False, "train.average_last": 1}}
