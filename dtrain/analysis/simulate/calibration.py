@@ -79,6 +79,7 @@ def _calibrate(ref: ReferenceStep, model, lanes: int, class_groups: bool) -> Cal
     work = [model.allreduce_ms(r["bytes"]) for r in recs]
     lat = [model.allreduce_latency_ms(r["bytes"]) for r in recs]
     groups = record_groups(recs, class_groups and lanes > 1)
+    by_size = lockstep(model)
     ends = [r["complete_ms"] for r in recs]
     wait_start = recs[0].get("wait_start_ms")
     post = 0.0
@@ -87,7 +88,7 @@ def _calibrate(ref: ReferenceStep, model, lanes: int, class_groups: bool) -> Cal
 
     def played(k: float, scale: float = 1.0) -> Timeline:
         return play_timeline(launch, [scale * w for w in work], backward, True, k, lanes, [scale * a for a in lat],
-                             groups, computing_ms=ref.compute_end_ms, lockstep=lockstep(model))
+                             groups, computing_ms=ref.compute_end_ms, lockstep=by_size)
 
     lanes_note = f", {lanes} collectives at once per process group" if lanes > 1 else ""
     if any(s < ref.compute_end_ms for s in played(1.0).start):
