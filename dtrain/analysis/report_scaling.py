@@ -73,8 +73,9 @@ def section_scaling(specs: list[str]) -> Section:
     t = scaling_table(specs)
     worst = t.loc[t["error_pct"].abs().idxmax()]
     caption = (f"x: the job's shape, nodes x ranks per node, in order of ranks; left y: step time (ms), right y: "
-               f"communication exposed after backward (ms; DDP waits inside backward and records none: modeled only). Solid with "
-               f"dots: measured, the median over each configuration's steady steps and runs; dashed with open "
+               f"communication exposed after backward (ms; DDP waits inside backward and records none: modeled "
+               f"only). Solid with dots: measured, the median over each configuration's steady steps and runs; "
+               f"dashed with open "
                f"circles: MODELED by dtrain.analysis.simulate from a benchmark fit on the same shape, the median "
                f"prediction over the profiled steps. |error| mean {t['error_pct'].abs().mean():.1f}%, max "
                f"{abs(worst['error_pct']):.1f}% ({worst['configuration']} at {worst['shape']}).")
