@@ -34,7 +34,7 @@ def run(strategy: str, args) -> tuple[float, str]:
         env["GLIBC_TUNABLES"] = args.glibc_tunables
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLE),
            "--strategy", strategy, "--steps", str(args.steps), "--d-model", "256", "--layers", "6"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         sys.exit(f"auto_memory: {' '.join(cmd[4:])} failed: {r.stderr.strip().splitlines()[-1:]}")
     peak = re.search(r"peak RSS (\d+) MiB", r.stdout)
@@ -51,6 +51,8 @@ def main() -> None:
     for i in range(args.pairs):
         searched, out = run("auto", args)
         pick = re.search(r"auto picked (\S+) after (\d+)", out)
+        if pick is None:
+            sys.exit("auto_memory: the auto run printed no pick (no 'auto picked ...' line)")
         plain, _ = run(pick.group(1), args)
         ratios.append(searched / plain)
         print(f"pair {i + 1}: auto {searched:.0f} MiB (picked {pick.group(1)} after {pick.group(2)} steps), "

@@ -35,7 +35,7 @@ from dtrain.analysis.simulate.check import (
     recorded_steps,
     speed_probe,
 )
-from dtrain.analysis.simulate.costs import default_lanes, lockstep
+from dtrain.analysis.simulate.costs import default_lanes
 from dtrain.analysis.simulate.paper import PAPER_STEP_S, flop_timeline, paper_profile
 from dtrain.analysis.simulate.predict import Prediction, predict, sweep
 from dtrain.analysis.simulate.reference import ready_curve, reference_step
@@ -245,7 +245,7 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
             raise UserError("--step, --typical and --median replay one step of one run: give one --run")
         ref = reference_step(run, args.step, args.warmup, args.median)
         curve = ready_curve(run, ref)
-        calib = (Calibration(note="off", lanes=lanes, lockstep=lockstep(model)) if args.no_calibrate
+        calib = (Calibration(note="off", lanes=lanes) if args.no_calibrate
                  else calibrate(ref, model, host_cost, lanes, class_groups))
         calib.streams = not on_cpu
         rows = player(run)(ref, curve, calib)

@@ -30,7 +30,6 @@ class Calibration:
     # applied
     host_base_ms: float | None = None
     lanes: int = 1  # collectives at once per process group (`play_timeline`): 1 for NCCL's single stream, 2 for gloo
-    lockstep: bool = False  # a group's collectives share its link by size (`play_timeline`; `costs.lockstep`)
     # The device has streams on which a collective runs beside the computing thread (CUDA). On a CPU device FSDP2
     # issues each collective on the thread that computes and waits for it there (fsdp2's prediction adds them up).
     streams: bool = True
@@ -57,7 +56,6 @@ def calibrate(ref: ReferenceStep, model, host_cost: bool = False, lanes: int = 1
     collectives run at once per process group (see `play_timeline`); `class_groups`: the profiled run sent each
     tensor class through its own group."""
     calib = _calibrate(ref, model, lanes, class_groups)
-    calib.lockstep = lockstep(model)
     if host_cost and calib.timeline is not None:
         base = host_ms(model, [r["bytes"] for r in in_launch_order(ref.records)], calib.timeline)
         if base is not None:

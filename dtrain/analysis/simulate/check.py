@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from dtrain.analysis.plans import bucket_plan
 from dtrain.analysis.runs import Run
 from dtrain.analysis.simulate.calibration import Calibration, calibrate
-from dtrain.analysis.simulate.costs import lockstep
 from dtrain.analysis.simulate.predict import Prediction, predict
 from dtrain.analysis.simulate.reference import ReferenceStep, ready_curve, reference_step
 from dtrain.collectives import strategies
@@ -201,7 +200,7 @@ def each_step(run: Run, model, host_cost: bool, lanes: int, warmup: int | None,
     for s in steps:
         ref = reference_step(run, s["step"], warmup)
         calib = (calibrate(ref, model, host_cost, lanes, class_groups) if calibrated
-                 else Calibration(note="off", lanes=lanes, lockstep=lockstep(model)))
+                 else Calibration(note="off", lanes=lanes))
         calib.streams = not run.on_cpu
         out.append(play(ref, ready_curve(run, ref), calib))
     return out

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from dtrain.analysis.plans import bucket_plan, ready_params, sharded_exchanges, sync_for
 from dtrain.analysis.simulate.calibration import LOOKUP_GROUP, Calibration
-from dtrain.analysis.simulate.costs import host_ms
+from dtrain.analysis.simulate.costs import host_ms, lockstep
 from dtrain.analysis.simulate.reference import ReferenceStep
 from dtrain.collectives import nccl, strategies, tensor_classes
 from dtrain.collectives.strategies.fsdp2 import Fsdp2Units
@@ -183,7 +183,7 @@ def _played(ref: ReferenceStep, model, calib: Calibration, ready, dur, overlap: 
     `lanes` per group (default: the calibration's): (timeline, exposed ms, ms the reference step's compute is slower
     for more collectives during backward)."""
     tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, lanes or calib.lanes, lat, groups,
-                       model.link_efficiency, ref.compute_end_ms, calib.lockstep)
+                       model.link_efficiency, ref.compute_end_ms, lockstep(model))
     slower = host_ms(model, sent, tl) - calib.host_base_ms if calib.host_base_ms is not None else 0.0
     return tl, tl.exposed_ms + calib.post_ms, slower
 
@@ -263,7 +263,7 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
         entries = sorted(zip(ready + prefetch, scatter + regather))
         tl = play_timeline([r for r, _ in entries], [d for _, d in entries], ref.sync_backward_ms, True,
                            calib.slowdown, calib.lanes, None, None, model.link_efficiency, ref.compute_end_ms,
-                           calib.lockstep)
+                           lockstep(model))
         exposed = tl.exposed_ms + calib.post_ms
         compute += gather_stall(plan, gather, ref.forward_ms / ref.accum_steps) + (regather[0] if regather else 0.0)
     return Prediction(strategy, None, len(plan), sum(scatter) + sum(gather) + sum(regather), exposed,
