@@ -12,7 +12,7 @@ Python source, which every install ships, read as bytes (vocabulary 256): each r
 random positions with its own generator.
 
 The loop is the plain loop of `examples/plain_loop.py`: forward through `handle.module`, backward, `handle.wait()`,
-the optimizer's step, `handle.stepped()`. At the end rank 0 prints the loss, the pick, what the search spent of the
+the optimizer's step, `handle.stepped(optimizer)`. At the end rank 0 prints the loss, the pick, what the search spent of the
 loop's steps, and each candidate's step time against the pick's, paired over the rounds both ran (the race's own
 interleaved measurement): among them stock DDP's defaults, `ddp-25`.
 """
@@ -34,7 +34,7 @@ from dtrain import collectives
 from dtrain.collectives.dist import cleanup
 from dtrain.collectives.race import summary
 from dtrain.collectives.settings import SyncConfig, TuneConfig
-from dtrain.collectives.strategies.auto import REPLICATED_SPACE, candidate_sync
+from dtrain.collectives.strategies.auto import ONLINE_SPACE, candidate_sync
 
 
 class CausalSelfAttention(nn.Module):
@@ -123,8 +123,8 @@ def train(args) -> None:
     model = GPT(d_model=args.d_model, layers=args.layers, heads=4, context=args.context).to(device)
     tune = TuneConfig(candidates=yaml.safe_load(args.candidates) if args.candidates else {},
                       budget_steps=args.budget)
-    if args.strategy in REPLICATED_SPACE:
-        sync = candidate_sync(SyncConfig(), args.strategy, REPLICATED_SPACE[args.strategy])
+    if args.strategy in ONLINE_SPACE:
+        sync = candidate_sync(SyncConfig(), args.strategy, ONLINE_SPACE[args.strategy])
     else:
         sync = SyncConfig(strategy=args.strategy, bucket_cap_mb=args.bucket_cap_mb, tune=tune)
     handle = collectives.attach(model, sync)
@@ -141,7 +141,7 @@ def train(args) -> None:
         loss.backward()
         handle.wait()
         optimizer.step()
-        handle.stepped()
+        handle.stepped(optimizer)
         optimizer.zero_grad(set_to_none=True)
     handle.wait_params()
     state = handle.model_state()  # name -> whole tensor (a sharded strategy's state dict gathers its shards)

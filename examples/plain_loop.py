@@ -6,7 +6,8 @@
 
 `collectives.attach(model, SyncConfig(...))` returns a handle: build the optimizer over `handle.optimizer_params()`,
 run forward through `handle.module`, call `backward()` as usual, then `handle.wait()` before `optimizer.step()` and
-`handle.stepped()` after it (the strategy `sharded` then all-gathers the updated shards during the next forward). Any `nn.Module` works: its parameters fall into the
+`handle.stepped(optimizer)` after it (the strategy `sharded` then all-gathers the updated shards during the next
+forward; `auto` may switch candidates there, moving the optimizer's state). Any `nn.Module` works: its parameters fall into the
 catch-all tensor class unless `sync.classes` names others (here the biases fall into `norm_bias` by the default
 rule `*.bias`, the weights into `other`).
 
@@ -76,7 +77,7 @@ def train(args) -> None:
         forward, wait, label = handle.module, handle.wait, args.strategy + (f" + {args.hook}" if args.hook else "")
         # What this rank updates (a sharded strategy: its shards), the calls that publish the update, and the whole
         # model's state (fsdp2's parameters are shards: its state dict gathers them)
-        params, stepped = handle.optimizer_params(), handle.stepped
+        params, stepped = handle.optimizer_params(), (lambda: handle.stepped(optimizer))
         settle, whole = handle.wait_params, handle.model_state
     optimizer = torch.optim.SGD(params, lr=0.1)
     data = torch.Generator().manual_seed(rank)  # each rank its own batches

@@ -3,7 +3,7 @@
 A training loop calls `collectives.attach(model, sync_config)` once and gets a `GradSync`. It builds its optimizer
 over `handle.optimizer_params()`, runs forward through `handle.module`, wraps all but the last micro-batch of an
 accumulation in `handle.no_sync()`, calls `handle.wait()` before the update and clips by `handle.grad_norm()`; it may
-call `handle.stepped()` after `optimizer.step()`. Before reading the model's parameters outside training (validation, a
+call `handle.stepped(optimizer)` after `optimizer.step()`. Before reading the model's parameters outside training (validation, a
 checkpoint) it calls `handle.wait_params()`; it saves and loads the model through `handle.model_state()` and
 `handle.load_model_state()`, the optimizer through `handle.optimizer_state()` and `handle.load_optimizer_state()`,
 and the strategy's own state (PowerSGD's error feedback: this rank's, so gathered per
@@ -42,6 +42,9 @@ class StrategyFacts:
     # With `sync.gather_dtype` (where it reads it), the result is still the exact mean: `sharded` narrows only what
     # autocast rounds anyway; FSDP2's mixed precision rounds every parameter the forward reads
     gather_dtype_exact: ClassVar[bool] = True
+    # `attach`'s search can switch it in and out between steps on the one model (not fsdp2: `fully_shard` replaces
+    # the model's parameters and modules for good)
+    switchable: ClassVar[bool] = True
 
 
 class Front(nn.Module):
@@ -87,10 +90,11 @@ class GradSync(StrategyFacts):
         as clipping does)."""
         return total_norm([p.grad for p in self.optimizer_params() if p.grad is not None], exact=exact)
 
-    def stepped(self) -> None:
+    def stepped(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """The optimizer has updated `optimizer_params()`: a sharded strategy starts sending the updated shards now
-        rather than when the next forward starts (optional; the next forward waits, module by module, for what it
-        needs)."""
+        rather than when the next forward starts (the next forward waits, module by module, for what it needs).
+        `attach`'s search needs the call, with the loop's `optimizer` where a candidate shards the parameters: it
+        switches candidates here, and moves the optimizer's state when what the optimizer updates changes."""
 
     def suspend(self) -> None:
         """Another handle trains the model for now (`attach`'s search): free what `resume()` can rebuild."""

@@ -45,7 +45,7 @@ from tqdm import tqdm
 from dtrain.collectives import dist as ddist
 from dtrain.collectives import hooks, race, strategies
 from dtrain.collectives.race import Entrant
-from dtrain.collectives.strategies.auto import REPLICATED_SPACE, multi_rank_nodes
+from dtrain.collectives.strategies.auto import ONLINE_SPACE, multi_rank_nodes
 from dtrain.common.errors import UserError
 from dtrain.common.files import replace_atomically
 from dtrain.common.rundir import TUNED, TUNING, TUNING_COLUMNS
@@ -61,14 +61,7 @@ TUNE_DIR = "tune"  # <run>/tune/<candidate>/: each replica's records during the 
 # base model's tensors, a small first bucket, a per-class cap, the tied embedding's split, the sharded strategy's
 # forward overlap and stock FSDP2 with each reshard setting.
 DEFAULT_SPACE: dict[str, dict[str, Any]] = {
-    **REPLICATED_SPACE,  # ddp, bucketed and per_class caps, first and last buckets, the split, the hierarchical plan
-    "sharded-0.5": {"strategy": "sharded", "bucket_cap_mb": 0.5},
-    "sharded-2": {"strategy": "sharded", "bucket_cap_mb": 2},
-    "sharded-8": {"strategy": "sharded", "bucket_cap_mb": 8},
-    "sharded-1-split": {"strategy": "sharded", "bucket_cap_mb": 1, "classes.embedding.tied_split": True},
-    "sharded-2-split": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
-    "sharded-2-split-rows": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True,
-                             "shard_tied_split": True},
+    **ONLINE_SPACE,  # ddp, bucketed, per_class, first and last buckets, the split, the hierarchical plan, sharded
     # bf16 exchanges: exact only under bf16 autocast, so in the space only where the profile trains so
     "sharded-2-split-bf16": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True,
                              "gather_dtype": "bf16"},

@@ -144,7 +144,23 @@ class ShardedReducer(Reducer):
                                       exact_idx=self._exact_idx(st, ex)))
             self.shards[-1].reduced.set()
             self.shards[-1].gathered.set()
+        for i, t in self.tables.items():  # a layout again (`restore`): the split's rows view the new P
+            t.table, t.shard = self.shards[i].params.view(-1, t.table.shape[1]), self.shards[i].shard
         self.attach_grads()
+
+    def release(self) -> None:
+        """`Reducer.release`, and P too: each member's parameter gets storage of its own again, holding its current
+        value, so that another handle trains the model while this plan's flat buffers are freed (call after
+        `wait_params`: every rank's chunk must be in P). `restore` lays P out again from the parameters."""
+        if not self.buckets:
+            return
+        with torch.no_grad():
+            for st, sh in zip(self.buckets, self.shards):
+                if not sh.replicated:
+                    for p in st.params:
+                        p.data = p.data.clone()
+        self.shards = []
+        super().release()
 
     def _exact_idx(self, st: _BucketState, ex: Exchange) -> list[torch.Tensor]:
         """Per chunk (s,) of a bucket with narrowed members: the indices of its elements that stay exact. Empty when

@@ -54,6 +54,10 @@ class ShardedTiedSplit(TiedEmbeddingSplit):
         cut = torch.searchsorted(union, bounds).tolist()
         return [slice(cut[j], cut[j + 1]) for j in range(self.world)]
 
+    def whole(self) -> None:
+        """The matrix was all-gathered whole (`wait_params`): no lookup has rows to fetch until the next all-gather."""
+        self._current = self.table.launched
+
     def _fetch(self, module: nn.Embedding, args) -> None:
         """Before a lookup: make the rows it reads current. Every rank takes the same branch (no test of whether the
         all-gather happens to be done): the rows' exchange needs every rank."""

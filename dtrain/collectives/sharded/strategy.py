@@ -62,6 +62,7 @@ class ShardedSync(PlannedSync):
                 raise UserError(f"tied_split: '{split.name}' shares a bucket with other parameters under strategy "
                                 f"'{self.name}'; its plan must give it a bucket of its own")
         self._replanned = True  # the optimizer holds the shards of this plan
+        self._suspended = False  # another handle trains the model (`suspend`): the modules' waits do nothing
         # Each module with parameters of its own waits, just before it runs, for the buckets that hold them (a tied
         # parameter for every module that holds it), except that the lookups of a sharded matrix fetch their rows
         # themselves: where they stand for the whole matrix (`ShardedTiedSplit.readers`), they mark its place.
@@ -109,6 +110,8 @@ class ShardedSync(PlannedSync):
 
     def _waiter(self, indices: list[int], lookup: bool):
         def hook(module, args):
+            if self._suspended:
+                return
             if self._uses is not None and self.reducer.armed:
                 self._uses += [i for i in indices if i not in self._uses] + ([LOOKUP] if lookup else [])
             self.reducer.wait_gathered(indices)
@@ -173,8 +176,25 @@ class ShardedSync(PlannedSync):
                  if sh.shard.grad is not None and (not sh.replicated or self.reducer.rank == 0)]
         return total_norm(grads, exact=exact, group=self.reducer.group, sharded=True)
 
-    def stepped(self) -> None:
+    def stepped(self, optimizer=None) -> None:
         self.reducer.gather()
+
+    def suspend(self) -> None:
+        """Every rank's updated shard all-gathered (exact) into the model's parameters, which get storage of their
+        own again, and the flat buffers freed (a collective). The optimizer still holds this plan's shards: `attach`'s
+        search moves its state through the whole-model form (`optimizer_state`) before this."""
+        self.wait_params()
+        for split in self.splits:
+            if isinstance(split, ShardedTiedSplit):
+                split.whole()  # while another handle trains, its lookups read the model's matrix as it is
+        super().suspend()
+        self._suspended = True
+
+    def resume(self) -> None:
+        """The plan laid out again from the model's current parameters: new shards for the optimizer
+        (`optimizer_params()`), which `load_optimizer_state` fills."""
+        super().resume()
+        self._suspended = False
 
     def wait_params(self) -> None:
         self.reducer.wait_params()

@@ -1,22 +1,26 @@
 """`sync.strategy: auto`: the configuration is chosen by measurement while the job trains.
 
-Two searches stand behind the name. The engine's tuner (`dtrain.engine.autotune`) ranks a wider space with the cost
-model and races replicas of dtrain's trainer. `attach(model, SyncConfig(strategy="auto"))` gives `OnlineSearch`, which
-needs no trainer and no replica: it holds one handle per candidate on the one model and lets each run the loop's own
-next training steps in turn. Every search step is a training step of the run, and with lossless candidates the run
-is an untuned run that used that sequence of configurations.
+`attach(model, SyncConfig(strategy="auto"))` gives `OnlineSearch`, which needs no trainer and no replica: it holds
+one handle per candidate on the one model and lets each run the loop's own next training steps in turn (dtrain's
+trainer searches through it too, `dtrain.engine.autotune`). Every search step is a training step of the run, and
+with lossless candidates the run is an untuned run that used that sequence of configurations.
 
-Only the handle whose forward runs is armed: a planned strategy's hooks do nothing while its reducer is not armed,
-and DDP's reducer ignores its autograd hooks unless its own forward prepared the backward. So the candidates can
-all stay attached while the race runs, and each step is the candidate's own. Candidates switch between steps (at
+Only the current handle is armed: a planned strategy's hooks do nothing while its reducer is not armed, and DDP's
+reducer ignores its autograd hooks unless its own forward prepared the backward. So the candidates can all stay
+attached while the race runs, and each step is the candidate's own. Candidates switch between steps (in
 `stepped()`), never inside an accumulation. A planned candidate frees its bucket buffers (a copy of the gradients
-each) while another one trains and lays them out again before its next step's timer starts, so the search holds one
-planned candidate's buffers at a time; each DDP candidate keeps its own buckets.
+each; `sharded`'s flat parameters too) while another one trains and lays them out again when its turn comes, so the
+search holds one planned candidate's buffers at a time; each DDP candidate keeps its own buckets.
 
-The candidates here keep the parameters whole (ddp, per_tensor, flat, bucketed, per_class, the split, the
-hierarchical plan): the loop's optimizer, built over `optimizer_params()` once, updates the same tensors under every
-one of them. A sharding candidate (`sharded`, `fsdp2`) would change what the optimizer holds, and a lossy one would
-need the loss, which the seam does not see: both are refused with a one-line error naming the candidate.
+A sharding candidate (`sharded`) changes what the optimizer updates: its shards instead of the model's parameters.
+Switching to or from one moves the optimizer's state through the whole-model form that checkpoints hold
+(`optimizer_state`, `load_optimizer_state`: each shard's state all-gathered, or the whole state cut into shards)
+and points the optimizer's one parameter group at the new handle's `optimizer_params()`; so the loop passes its
+optimizer: `handle.stepped(optimizer)`. Such a candidate's first step after a switch is a lead-in, a training step
+that is not timed: its parameters were whole when it started, so it did not wait for the all-gathers that every
+later step of a run of it overlaps with its forward; its second step, timed, does. `fsdp2` cannot be switched
+(`fully_shard` replaces the model's parameters and modules for good), and a lossy candidate would need the loss,
+which the seam does not see: both are refused with a one-line error naming the candidate.
 
 The loop must call `stepped()` after `optimizer.step()`: a candidate's step is timed from its first forward to there.
 """
@@ -35,15 +39,14 @@ from torch import nn
 
 from dtrain.collectives import race, tensor_classes
 from dtrain.collectives.settings import ClassSettings, SyncConfig
-from dtrain.collectives.strategies import CLASS_RULE_KEYS, build, planner, register, unused_keys
+from dtrain.collectives.strategies import CLASS_RULE_KEYS, attachable, build, get, planner, register, unused_keys
 from dtrain.collectives.sync import Front, GradSync
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
 from dtrain.common.schema import Source, build as build_section, set_dotted
 
-# The configurations that keep the parameters whole, at caps around the sizes of the base model's tensors: the search
-# space of `OnlineSearch` when `sync.tune.candidates` names none, and the first part of the engine's default space.
-# The hierarchical plan joins only where the job's nodes hold several ranks (`multi_rank_nodes`).
+# The configurations that keep the parameters whole, at caps around the sizes of the base model's tensors. The
+# hierarchical plan joins only where the job's nodes hold several ranks (`multi_rank_nodes`).
 REPLICATED_SPACE: dict[str, dict[str, Any]] = {
     "ddp-25": {"strategy": "ddp", "bucket_cap_mb": 25},  # stock DDP's defaults
     "ddp-2": {"strategy": "ddp", "bucket_cap_mb": 2},
@@ -58,6 +61,21 @@ REPLICATED_SPACE: dict[str, dict[str, Any]] = {
     "bucketed-2-hierarchical": {"strategy": "bucketed", "bucket_cap_mb": 2, "hierarchical": True},
     "bucketed-8-hierarchical": {"strategy": "bucketed", "bucket_cap_mb": 8, "hierarchical": True},
 }
+# `sharded` at the same caps, with and without the split (and the split sharded by rows): the optimizer updates
+# shards, so switching to or from one moves its state (the module's docstring).
+SHARDED_SPACE: dict[str, dict[str, Any]] = {
+    "sharded-0.5": {"strategy": "sharded", "bucket_cap_mb": 0.5},
+    "sharded-2": {"strategy": "sharded", "bucket_cap_mb": 2},
+    "sharded-8": {"strategy": "sharded", "bucket_cap_mb": 8},
+    "sharded-1-split": {"strategy": "sharded", "bucket_cap_mb": 1, "classes.embedding.tied_split": True},
+    "sharded-2-split": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
+    "sharded-2-split-rows": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True,
+                             "shard_tied_split": True},
+}
+# The default space of `OnlineSearch` (the hierarchical plan only on nodes of several ranks, the split only where
+# the model has one tied embedding): every lossless family that can be switched on the one model without knowing
+# the loop's autocast (bf16 exchanges are exact only under bf16 autocast: the engine's space adds them).
+ONLINE_SPACE: dict[str, dict[str, Any]] = {**REPLICATED_SPACE, **SHARDED_SPACE}
 
 
 def multi_rank_nodes(world: int) -> bool:
@@ -127,16 +145,16 @@ class OnlineSearch(GradSync):
             raise UserError("'sync.tune.lossy': attach's search measures lossless candidates only (a lossy one is "
                             "judged by its loss, which the seam does not see)")
         world = dist.get_world_size(process_group)
-        space = t.candidates or {n: k for n, k in REPLICATED_SPACE.items()
+        space = t.candidates or {n: k for n, k in ONLINE_SPACE.items()
                                  if not k.get("hierarchical") or multi_rank_nodes(world)}
         syncs = {name: candidate_sync(cfg, name, keys) for name, keys in space.items()}
         if not t.candidates:  # the default space: the split only where the model has one tied embedding to split
             syncs = {name: sync for name, sync in syncs.items() if _splits_apply(sync, model)}
         for name, sync in syncs.items():
-            if _shards(sync.strategy):
-                raise UserError(f"'sync.tune.candidates.{name}': {sync.strategy} shards the parameters the "
-                                "optimizer holds; attach's search takes candidates that keep them whole (ddp, "
-                                "per_tensor, flat, bucketed, per_class); python -m dtrain.engine.train searches it")
+            if not get(sync.strategy).switchable:
+                raise UserError(f"'sync.tune.candidates.{name}': {sync.strategy} replaces the model's parameters "
+                                "for good and cannot be switched between steps; attach's search takes the other "
+                                f"strategies ({', '.join(n for n in attachable() if get(n).switchable)})")
         # Every rank builds the same handles in the same order (some make process groups: a collective).
         self.handles: dict[str, GradSync] = {}
         for name, sync in syncs.items():
@@ -146,7 +164,8 @@ class OnlineSearch(GradSync):
                 self.close()
                 raise UserError(f"'sync.tune.candidates.{name}' is lossy; attach's search measures lossless "
                                 "candidates only")
-            handle.suspend()  # one candidate's buffers at a time: each resumes before its own steps
+            handle.suspend()  # one candidate's buffers at a time: each resumes when its turn comes
+        self.sharding = {name: _shards(sync.strategy) for name, sync in syncs.items()}
         self.entrants = [race.Entrant(name) for name in self.handles]
         self.alive = list(self.entrants)
         self.budget, self.spent, self.rounds = t.budget_steps, 0, 0
@@ -155,6 +174,10 @@ class OnlineSearch(GradSync):
         self.round_ms: dict[str, float] = {}  # this round's steps so far, this rank's
         self.winner: str | None = None
         self.current = self.handles[self.queue[0].name]
+        self.current.resume()  # before the loop builds its optimizer over `optimizer_params()`
+        self.optimizer: torch.optim.Optimizer | None = None  # the loop's, from `stepped(optimizer)`
+        self.lead_in = False  # the current step is a sharding candidate's first after a switch: not timed
+        self.switch_s = 0.0  # this rank's time spent switching layouts (moving the optimizer's state)
         self.module = Front(model, self)  # the current candidate's module (the loop may keep this one object)
         self.device = next(model.parameters()).device
         self._t0: float | None = None
@@ -164,29 +187,78 @@ class OnlineSearch(GradSync):
     def forward(self, model: nn.Module, *args, **kwargs):
         """`handle.module`'s forward: the current candidate's, its step timed from the first micro-batch."""
         if self._t0 is None:
-            self.current.resume()  # its buffers again, outside its timed step
             self._t0 = time.perf_counter()
         return self.current.module(*args, **kwargs)
 
-    def stepped(self) -> None:
-        self.current.stepped()
+    def stepped(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        if optimizer is not None and self.optimizer is None:
+            self._check_optimizer(optimizer)
+        self.optimizer = optimizer or self.optimizer
+        self.current.stepped(optimizer)
         if self.winner is not None or self._t0 is None:
             self._t0 = None
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's kernels are part of its time
-        entrant = self.queue.pop(0)
-        self.round_ms[entrant.name] = (time.perf_counter() - self._t0) * 1000
+        elapsed_ms = (time.perf_counter() - self._t0) * 1000
+        self._t0 = None
+        entrant = self.queue[0]
         entrant.steps += 1
         self.spent += 1
-        self._t0 = None
+        if self.lead_in:  # the same candidate's next step is the one timed
+            self.lead_in = False
+            return
+        self.queue.pop(0)
+        self.round_ms[entrant.name] = elapsed_ms
         if not self.queue:
             self._end_round()
         previous = self.current
-        if self.winner is None:
-            self.current = self.handles[self.queue[0].name]
-        if self.current is not previous and previous in self.handles.values():
+        name = self.winner or self.queue[0].name
+        if self.handles[name] is not previous:
+            self._switch(previous, self.handles[name])
+            # a lead-in only where its time would be counted (the warm-up rounds' are not)
+            self.lead_in = self.winner is None and self.sharding[name] and self.rounds >= self.cfg.tune.warmup_rounds
+        if self.winner is not None:  # the others' hooks, threads and groups go now (in name order on every rank)
+            for loser in sorted(set(self.handles) - {self.winner}):
+                self.handles.pop(loser).close()
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Where a candidate shards, the optimizer must be the loop's one group over `optimizer_params()`: the
+        switch points that group at the next candidate's tensors."""
+        if not any(self.sharding.values()):
+            return
+        held = [p for g in optimizer.param_groups for p in g["params"]]
+        mine = self.current.optimizer_params()
+        if len(optimizer.param_groups) != 1 or len(held) != len(mine) or any(a is not b for a, b in zip(held, mine)):
+            raise UserError("sync.strategy 'auto' with a sharding candidate: build the optimizer with one parameter "
+                            "group over handle.optimizer_params(), and pass it to handle.stepped(optimizer)")
+
+    def _switch(self, previous: GradSync, current: GradSync) -> None:
+        """The model from `previous` to `current` between steps (a collective: every rank switches alike). Where
+        either shards, the optimizer's state moves through its whole-model form into what `current` updates."""
+        self.current = current
+        if not (self.sharding[self._name(previous)] or self.sharding[self._name(current)]):
             previous.suspend()
+            current.resume()
+            return
+        if self.optimizer is None:
+            raise UserError("sync.strategy 'auto' switches to or from a sharding candidate after this step: pass the "
+                            "loop's optimizer to handle.stepped(optimizer)")
+        t0 = time.perf_counter()
+        # The step's gradients are spent: the loop's zero_grad after this call reaches only the new tensors
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.model.parameters():
+            p.grad = None
+        whole = previous.optimizer_state(self.optimizer)  # a collective for a sharded handle
+        previous.suspend()  # a sharded one: the updated shards all-gathered into the model first
+        current.resume()
+        self.optimizer.state.clear()
+        self.optimizer.param_groups[0]["params"] = current.optimizer_params()
+        current.load_optimizer_state(self.optimizer, whole)
+        self.switch_s += time.perf_counter() - t0
+
+    def _name(self, handle: GradSync) -> str:
+        return next(n for n, h in self.handles.items() if h is handle)
 
     def _end_round(self) -> None:
         names = [c.name for c in self.alive]
@@ -199,17 +271,15 @@ class OnlineSearch(GradSync):
         self.rounds += 1
         self.round_ms = {}
         self.alive = race.drop(self.alive, self.cfg.tune.min_rounds, self.cfg.tune.loss_tolerance)
-        if len(self.alive) == 1 or self.spent + len(self.alive) > self.budget:
-            self._finish(race.pick(self.alive, self.budget))
+        if len(self.alive) == 1 or self.spent + self._round_steps() > self.budget:
+            self.winner = race.pick(self.alive, self.budget).name
         else:
             self.queue = self.order.sample(self.alive, len(self.alive))
 
-    def _finish(self, winner: race.Entrant) -> None:
-        """The winner trains on; the others' hooks, threads and groups go now (in name order on every rank)."""
-        self.winner = winner.name
-        self.current = self.handles[winner.name]
-        for name in sorted(set(self.handles) - {winner.name}):
-            self.handles.pop(name).close()
+    def _round_steps(self) -> int:
+        """The training steps the next round may take: one per candidate, and a lead-in per sharding one."""
+        counted = self.rounds >= self.cfg.tune.warmup_rounds
+        return sum(1 + (counted and self.sharding[c.name]) for c in self.alive)
 
     # -- the seam: the current candidate's ------------------------------------------------------------------------
 
@@ -238,6 +308,12 @@ class OnlineSearch(GradSync):
 
     def load_model_state(self, state: dict) -> None:
         self.current.load_model_state(state)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return self.current.optimizer_state(optimizer)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        self.current.load_optimizer_state(optimizer, state)
 
     def step_records(self) -> list[BucketRecord]:
         return self.current.step_records()

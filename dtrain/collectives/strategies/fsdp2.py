@@ -92,6 +92,7 @@ class Fsdp2Units(BucketingStrategy):
 class Fsdp2Sync(GradSync):
     sync_keys = ("reshard_after_forward", "gather_dtype")
     plans_like = Fsdp2Units
+    switchable = False
     gather_dtype_exact = False
 
     def __init__(self, model: nn.Module, cfg, process_group: dist.ProcessGroup | None = None):
