@@ -10,7 +10,9 @@ from dtrain.collectives.costmodel.fit import FittedModel, Regime
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import TUNING_COLUMNS
 from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun, train_ranks
-from dtrain.engine import autotune, tune_model
+from dtrain.collectives import tune_model
+from dtrain.collectives.race import Entrant
+from dtrain.engine import autotune
 from dtrain.engine import config as config_mod
 from dtrain.engine.model import Transformer
 
@@ -27,7 +29,7 @@ def test_the_default_space_builds_and_only_lossless_candidates_are_searched_by_d
     cands = autotune.candidates(auto_cfg("train.amp=bf16"))
     assert [c.name for c in cands] == [n for n in flat if n != "fsdp2-bf16"]  # lossy: bf16 params
     assert all(c.lossless for c in cands)
-    assert {autotune.family(c.cfg.sync) for c in cands} >= {"ddp", "bucketed+split", "sharded+split+rows",
+    assert {tune_model.family(c.cfg.sync) for c in cands} >= {"ddp", "bucketed+split", "sharded+split+rows",
                                                              "sharded+split+bf16", "fsdp2"}
     # bf16 exchanges are exact only under bf16 autocast: without it they are not in the space
     fp32 = autotune.candidates(auto_cfg("train.amp=fp32"))
@@ -44,7 +46,7 @@ def test_the_default_space_builds_and_only_lossless_candidates_are_searched_by_d
     nodes = autotune.candidates(auto_cfg("train.amp=fp32"))
     hierarchical = [c for c in nodes if c.cfg.sync.hierarchical]
     assert [c.name for c in hierarchical] == ["bucketed-2-hierarchical", "bucketed-8-hierarchical"]
-    assert {autotune.family(c.cfg.sync) for c in hierarchical} == {"bucketed+hierarchical"}
+    assert {tune_model.family(c.cfg.sync) for c in hierarchical} == {"bucketed+hierarchical"}
     monkeypatch.setattr(autotune.ddist, "world_size", lambda: 2)  # one node of 2 ranks: out again
     assert not any(c.cfg.sync.hierarchical for c in autotune.candidates(auto_cfg("train.amp=fp32")))
 
@@ -92,11 +94,15 @@ def test_the_prediction_charges_the_exposed_tail_on_a_slow_network():
     assert tune_model.predict_ms(hierarchical.sync, model, probe, slow, 4, "gloo") is None  # measured, not predicted
 
 
+def entrants(cands, predictions):
+    """The race's entrants of `cands` with those predictions, and their sync sections by name."""
+    return ([Entrant(c.name, c.lossless, predicted_ms=ms) for c, ms in zip(cands, predictions)],
+            {c.name: c.cfg.sync for c in cands})
+
+
 def test_pruning_keeps_the_best_predicted_and_every_unpredicted_candidate():
-    cands = autotune.candidates(auto_cfg())[:5]
-    for c, ms in zip(cands, (300.0, None, 100.0, 200.0, 400.0)):
-        c.predicted_ms = ms
-    racing = autotune.prune(cands, top_k=2)
+    cands, syncs = entrants(autotune.candidates(auto_cfg())[:5], (300.0, None, 100.0, 200.0, 400.0))
+    racing = tune_model.prune(cands, syncs, top_k=2)
     assert [c.name for c in racing] == [cands[2].name, cands[3].name, cands[1].name]
     assert [c.predicted_rank for c in cands] == [3, None, 1, 2, 4]
     dropped = [c for c in cands if c.status == "dropped: predicted"]
@@ -112,10 +118,8 @@ def test_pruning_measures_each_familys_best_first_within_the_slack():
     predictions = (100.0, 101.0, 102.0, 120.0, 121.0, 140.0)
 
     def prune(top_k):
-        cands = [by_name[n] for n in names]
-        for c, ms in zip(cands, predictions):
-            c.predicted_ms, c.status = ms, ""
-        return [c.name for c in autotune.prune(cands, top_k)], {c.name for c in cands if c.status}
+        cands, syncs = entrants([by_name[n] for n in names], predictions)
+        return [c.name for c in tune_model.prune(cands, syncs, top_k)], {c.name for c in cands if c.status}
 
     assert prune(2) == (["bucketed-0.5", "ddp-2"], {"bucketed-2", "bucketed-8", "ddp-25", "sharded-2"})
     assert prune(3) == (["bucketed-0.5", "bucketed-2", "ddp-2"], {"bucketed-8", "ddp-25", "sharded-2"})
@@ -161,20 +165,21 @@ def test_an_auto_job_survives_a_crash_equals_its_winner_untuned_and_resumes_with
 
 @pytest.mark.slow
 def test_a_drifting_step_time_starts_a_new_search_from_a_checkpoint(tmp_path):
-    """Rank 0 turns slow from step 12 (+900 ms a step): the window of steps 11-13 drifts past 200% of the baseline,
-    the run checkpoints step 13 and searches again from it, and the records stay one step per line, 1 to 20. (The
-    margin is wide so that CI's own load, which can slow steps by half, does not start a search first.)"""
+    """The search takes steps 1-10 (its budget); steps 11-13 are the baseline window. Rank 0 turns slow from step 15
+    (+900 ms a step): the window of steps 14-16 drifts past 200% of it, the run checkpoints step 16 and searches
+    again from it on the same model, which the run's last step (24) ends; the records stay one step per line, 1 to
+    24. (The margin is wide so that CI's own load, which can slow steps by half, does not start a search first.)"""
     space = "{ddp-25: {strategy: ddp, bucket_cap_mb: 25}, bucketed-1: {strategy: bucketed, bucket_cap_mb: 1}}"
     run = tmp_path / "auto"
-    r = train_ranks("--run-dir", str(run), "--set", "train.max_steps=20", "--set", "train.ckpt_every=100",
+    r = train_ranks("--run-dir", str(run), "--set", "train.max_steps=24", "--set", "train.ckpt_every=100",
                     "--set", "sync.strategy=auto", "--set", f"sync.tune.candidates={space}",
                     "--set", "sync.tune.budget_steps=10", "--set", "sync.tune.warmup_rounds=1",
-                    "--set", "sync.tune.min_rounds=3", "--set", "sync.tune.probe_steps=2",
+                    "--set", "sync.tune.min_rounds=10",  # nothing dropped: the search spends its budget
                     "--set", "sync.tune.retune_drift=2.0", "--set", "sync.tune.retune_window=3",
-                    "--set", "train.val_every=0", *NO_EVAL, "--fault", "slow@rank=0,ms=900,from=12")
-    assert "step 13: the median step moved" in r.stdout and r.stdout.count("wins after") == 2, r.stdout[-3000:]
+                    "--set", "train.val_every=0", *NO_EVAL, "--fault", "slow@rank=0,ms=900,from=15")
+    assert "step 16: the median step moved" in r.stdout and r.stdout.count("wins after") == 2, r.stdout[-3000:]
     tuned = json.loads((run / "tuned.json").read_text())
-    assert tuned["search"] == 1 and tuned["from_step"] == 13
-    assert (run / "tuning.0.csv").exists() and (run / "tuning.csv").exists() and (run / "tune-1").is_dir()
-    assert [s["step"] for s in records(run / "steps.jsonl")] == list(range(1, 21))
-    assert (run / "checkpoints" / "step-0000013.pt").exists()
+    assert tuned["search"] == 1 and tuned["from_step"] == 16
+    assert (run / "tuning.0.csv").exists() and (run / "tuning.csv").exists()
+    assert [s["step"] for s in records(run / "steps.jsonl")] == list(range(1, 25))
+    assert (run / "checkpoints" / "step-0000016.pt").exists()

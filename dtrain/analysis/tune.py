@@ -8,7 +8,7 @@ on. Also the exhaustive sweep of the same space as an interleaved matrix, to che
     python -m dtrain.analysis.testbed run --nodes 2 --nproc-per-node 1 -- -m dtrain.analysis.interleave \\
         --matrix runs/tune/space.yaml --out runs/tune/sweep1 --seed 1
 
-The search writes <out>/tuning.csv and <out>/tuned.json, and each measured candidate's records under <out>/tune/.
+The search writes <out>/tuning.csv and <out>/tuned.json, and its steps' records (steps.jsonl, buckets.jsonl).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
                     raise UserError(f"--out {out}: not empty; a search starts in a new folder")
 
             ddist.main_decides(prepare)
-            autotune.Tuner(cfg, out, device, backend, train_after=False).run()
+            autotune.search_only(cfg, out, device, backend)
         finally:
             ddist.cleanup()
     return 0

@@ -1,8 +1,8 @@
 """The race behind `sync.strategy: auto`: candidates measured on the same training steps, round by round, and
 dropped once the paired differences say they are slower.
 
-Both searches use it: the engine's (`dtrain.engine.autotune`, whose candidates may shard the optimizer or trade
-exactness for bytes) and the one behind `attach` (`dtrain.collectives.strategies.auto`, inside any training loop).
+The search behind `attach` (`dtrain.collectives.strategies.auto`) runs it inside any training loop, dtrain's trainer's
+too (`dtrain.engine.autotune`).
 Each round runs every candidate still in the race once, in an order shuffled per round and equal on every rank. A
 candidate's time in a round is the mean over the ranks, so every rank decides alike.
 """
@@ -25,6 +25,8 @@ class Entrant:
     diff: tuple[float, float, float] | None = None  # paired (median, low, high) ms against the winner / leader
     status: str = ""
     reason: str = ""
+    predicted_ms: float | None = None  # MODELED (`dtrain.collectives.tune_model`), where the search pruned
+    predicted_rank: int | None = None
 
     @property
     def measured_ms(self) -> float | None:

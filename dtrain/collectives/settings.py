@@ -59,16 +59,16 @@ class HookConfig:
 
 @dataclass(frozen=True)
 class TuneConfig:
-    """`sync.tune`: how `sync.strategy: auto` searches (in dtrain's trainer `dtrain.engine.autotune`, through `attach`
-    `dtrain.collectives.strategies.auto`). Budgets count training steps: each measured round runs one step of every
-    candidate still in the race."""
+    """`sync.tune`: how `sync.strategy: auto` searches (`dtrain.collectives.strategies.auto`, through `attach` or in
+    dtrain's trainer, `dtrain.engine.autotune`). Budgets count training steps: each measured round runs one step of
+    every candidate still in the race (and a lead-in step of each sharding one)."""
 
     # name -> the candidate's `sync` keys (dotted below `sync`, e.g. {strategy: bucketed, bucket_cap_mb: 0.5,
     # classes.embedding.tied_split: true}); empty: the default space (dtrain.engine.autotune.DEFAULT_SPACE)
     candidates: dict[str, dict[str, Any]] = field(default_factory=dict)
     budget_steps: int = 60  # training steps the search may spend, the probe's included
     top_k: int = 4  # candidates measured: the best by the prediction (the others are dropped unmeasured)
-    probe_steps: int = 3  # steps of the no-communication probe whose compute times feed the prediction
+    probe_steps: int = 3  # the run's first steps (stock DDP's), timed phase by phase for the prediction
     warmup_rounds: int = 2  # first rounds not counted (DDP rebuilds its buckets after its first step)
     # counted rounds before a candidate may be dropped: from 6 on, the interval of a paired median (the smallest to
     # the largest difference at 6) covers the true one with >= 95% probability

@@ -90,11 +90,12 @@ class GradSync(StrategyFacts):
         as clipping does)."""
         return total_norm([p.grad for p in self.optimizer_params() if p.grad is not None], exact=exact)
 
-    def stepped(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def stepped(self, optimizer: torch.optim.Optimizer | None = None, loss: float | None = None) -> None:
         """The optimizer has updated `optimizer_params()`: a sharded strategy starts sending the updated shards now
         rather than when the next forward starts (the next forward waits, module by module, for what it needs).
         `attach`'s search needs the call, with the loop's `optimizer` where a candidate shards the parameters: it
-        switches candidates here, and moves the optimizer's state when what the optimizer updates changes."""
+        switches candidates here, and moves the optimizer's state when what the optimizer updates changes; with
+        lossy candidates (`sync.tune.lossy`) it judges them by the step's mean `loss`."""
 
     def suspend(self) -> None:
         """Another handle trains the model for now (`attach`'s search): free what `resume()` can rebuild."""
@@ -139,6 +140,15 @@ class GradSync(StrategyFacts):
     def stats(self) -> dict:
         """Per-strategy facts for the run header (bucket count, sizes ...)."""
         return {"strategy": self.name, "lossless": self.lossless, "communicates": self.communicates}
+
+
+def move_optimizer(optimizer: torch.optim.Optimizer, state: dict, handle: GradSync) -> None:
+    """Point `optimizer`'s one parameter group at `handle.optimizer_params()` and load `state` (the whole-model form
+    of `optimizer_state`, from any handle) into it: the optimizer follows the model to another strategy between
+    steps, as a checkpoint would carry it."""
+    optimizer.state.clear()
+    optimizer.param_groups[0]["params"] = handle.optimizer_params()
+    handle.load_optimizer_state(optimizer, state)
 
 
 def total_norm(grads: list[torch.Tensor], exact: bool = False, group: dist.ProcessGroup | None = None,

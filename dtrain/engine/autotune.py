@@ -1,27 +1,24 @@
-"""`sync.strategy: auto`: the job picks its gradient-communication configuration by measuring candidates on its own
-first training steps, then trains on with the winner.
+"""`sync.strategy: auto` in dtrain's trainer: the job picks its gradient-communication configuration by measuring
+candidates on its own first training steps, then trains on with the winner.
 
+The search is `attach`'s (`dtrain.collectives.strategies.auto.OnlineSearch`): one model, no replica. The trainer
+attaches it like any strategy, over this module's space, and every search step is a training step of the run, in its
+records:
 1. **Candidates**: `sync.tune.candidates` (name -> `sync` keys), or DEFAULT_SPACE. Lossy ones (a bf16/fp16 wire,
-   PowerSGD, a compressing hook) only with `sync.tune.lossy`.
-2. **Pruning**: `dtrain.engine.tune_model` predicts each candidate's step (MODELED) from a short no-communication probe
-   and a timing of the job's own process group; `top_k` go on, each family's best predicted first (a family: a
-   strategy with or without the split, rows, bf16 exchanges; within FAMILY_SLACK of the best prediction, since a
-   prediction can be 20-25% off), then the best predicted of the rest; the others are dropped unmeasured. bf16 exchanges are in the default space only
-   where the profile trains under bf16 autocast, where they are exact; the hierarchical plan only where the job's
-   nodes hold several ranks each, and it is measured without a prediction (the job times only the world's
-   all-reduce).
-3. **Measurement**: each remaining candidate is a replica of the job's trainer, built with the same seed, so all
-   start from the same model and train on the same batches. Every round runs one training step of each, in an
-   order shuffled per round and equal on every rank (the collectives must be issued in the same order), as
-   `dtrain.analysis.interleave` does, so that the machine's drift hits all alike. After `warmup_rounds`, each
-   candidate's step times are compared round by round with the leader's (the median of the paired differences and
-   its order-statistics interval, `dtrain.common.stats.paired_median`); one slower than the leader at ~95% is dropped,
-   and a lossy one whose loss is `loss_tolerance` above the best lossless one's. The search ends when one is left
-   or the next round would pass `budget_steps`; the fastest by median then wins.
-4. **The rest of the run**: the winner's replica moves into the run directory and trains on. Its steps so far are
-   the run's first steps, so with lossless candidates the run is an untuned run of the winner. `<run>/tuning.csv`
-   holds the search, `<run>/tuned.json` the choice: a resumed run takes it without searching again. A crash
-   during the search leaves no checkpoint; the restarted job searches again from step 0.
+   PowerSGD, a compressing hook) only with `sync.tune.lossy`, judged by the loss the trainer passes to `stepped`.
+   bf16 exchanges are in the default space only where the profile trains under bf16 autocast, where they are exact;
+   the hierarchical plan only where the job's nodes hold several ranks each.
+2. **Probe and pruning**: the run's first `probe_steps` steps under stock DDP's defaults, and a timing of the
+   job's own process group, predict each candidate's step (`dtrain.collectives.tune_model`, MODELED); `top_k` go
+   on, each family's best predicted first. FSDP2 (`fully_shard` replaces the model's parameters for good, so it
+   cannot be switched in and out) is predicted and listed, never measured.
+3. **The race**: rounds of one training step per candidate, in an order shuffled per round and equal on every rank;
+   switching to or from `sharded` moves the optimizer's state; paired differences drop the slower ones.
+4. **The rest of the run**: the winner's handle takes the trainer's place. `<run>/tuning.csv` holds the search (after
+   every step of it: a search cut short leaves what it had measured), `<run>/tuned.json` the choice: a resumed run
+   takes it without searching again. A job that stops during the search resumes from its last checkpoint, if any,
+   and searches again from there. With `sync.tune.retune_drift`, a drifting step time searches again from a
+   checkpoint, on the same model.
 
 Step times are averaged over the ranks before any decision, so every rank decides alike.
 """
@@ -31,31 +28,22 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import os
-import random
-import shutil
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from dtrain.collectives import dist as ddist
-from dtrain.collectives import hooks, race, strategies
+from dtrain.collectives import hooks, race, strategies, tune_model
 from dtrain.collectives.race import Entrant
-from dtrain.collectives.strategies.auto import ONLINE_SPACE, multi_rank_nodes
+from dtrain.collectives.strategies.auto import ONLINE_SPACE, OnlineSearch, multi_rank_nodes
 from dtrain.common.errors import UserError
 from dtrain.common.files import replace_atomically
 from dtrain.common.rundir import TUNED, TUNING, TUNING_COLUMNS
-from dtrain.engine import tune_model
-from dtrain.engine.config import RunConfig, candidate_config
-from dtrain.engine.log import prepare_run_dir
+from dtrain.engine.config import RunConfig, candidate_config, from_dict
 from dtrain.engine.model import sdpa_backend
-from dtrain.engine.trainer import Trainer, rng_state, set_rng_state
-
-TUNE_DIR = "tune"  # <run>/tune/<candidate>/: each replica's records during the search
+from dtrain.engine.trainer import Trainer
 
 # The search space when a profile names none: the strategies that send buckets, at caps around the sizes of the
 # base model's tensors, a small first bucket, a per-class cap, the tied embedding's split, the sharded strategy's
@@ -71,27 +59,21 @@ DEFAULT_SPACE: dict[str, dict[str, Any]] = {
     "fsdp2-keep": {"strategy": "fsdp2", "reshard_after_forward": False},
     "fsdp2-bf16": {"strategy": "fsdp2", "gather_dtype": "bf16"},  # FSDP2's mixed precision: lossy, with tune.lossy
 }
-# Of the `top_k` measured, each family's best predicted member goes first where its prediction is within this factor
-# of the best one: a prediction can be 20-25% off (docs/results.md), and a family measurement would pick must not be
-# lost to another family's near copies.
-FAMILY_SLACK = 1.30
 
 
 @dataclass
-class Candidate(Entrant):
-    keys: dict[str, Any] = field(default_factory=dict)  # its `sync` keys, dotted below `sync`
-    cfg: RunConfig | None = None
-    predicted_ms: float | None = None
-    predicted_rank: int | None = None
+class Candidate:
+    """One configuration of the space: its name, `sync` keys (dotted below `sync`) and profile."""
 
-    def row(self) -> dict:
-        r = lambda v: "" if v is None else round(v, 2)  # noqa: E731
-        d = self.diff or (None, None, None)
-        return {"candidate": self.name, "sync": "; ".join(f"{k}={_text(v)}" for k, v in self.keys.items()),
-                "lossless": str(self.lossless).lower(), "predicted_ms": r(self.predicted_ms),
-                "predicted_rank": self.predicted_rank or "", "measured_ms": r(self.measured_ms),
-                "diff_ms": r(d[0]), "diff_low": r(d[1]), "diff_high": r(d[2]), "rounds": len(self.times),
-                "steps": self.steps, "status": self.status, "reason": self.reason}
+    name: str
+    lossless: bool
+    keys: dict[str, Any] = field(default_factory=dict)
+    cfg: RunConfig | None = None
+
+    @property
+    def searchable(self) -> bool:
+        """Whether the search can switch it in and out on the one model (not fsdp2)."""
+        return strategies.get(self.cfg.sync.strategy).switchable
 
 
 def _text(v) -> str:
@@ -111,6 +93,8 @@ def is_lossless(sync) -> bool:
 
 
 def candidates(cfg: RunConfig) -> list[Candidate]:
+    """The space of the profile's search (the sweep of `dtrain.analysis.tune --matrix-out` too): lossless ones,
+    and lossy ones with `sync.tune.lossy`."""
     t = cfg.sync.tune
     space = t.candidates or DEFAULT_SPACE
     out = []
@@ -125,183 +109,117 @@ def candidates(cfg: RunConfig) -> list[Candidate]:
         out = [c for c in out if c.lossless]
     if not out:
         raise UserError("sync.tune.candidates: no lossless candidate (set sync.tune.lossy: true to search lossy ones)")
+    if not any(c.searchable for c in out):
+        raise UserError("sync.tune.candidates: only fsdp2 candidates, which the search cannot switch on the one model; "
+                        "name fsdp2 as sync.strategy instead")
     return out
 
 
-def family(sync) -> str:
-    """A candidate's family: its strategy and the project's own ideas it uses (the split, rows, bf16 exchanges)."""
-    split = any(c.tied_split for c in sync.classes.values()) and "classes.tied_split" in strategies.get(
-        sync.strategy).sync_keys
-    rows = split and sync.shard_tied_split
-    return sync.strategy + ("+split" if split else "") + ("+rows" if rows else "") + (
-        f"+{sync.gather_dtype}" if sync.gather_dtype else "") + ("+hierarchical" if sync.hierarchical else "")
+def search_config(cfg: RunConfig, cands: list[Candidate]) -> RunConfig:
+    """The profile with `sync` set to the search over `cands`' searchable ones (the trainer attaches it)."""
+    raw = cfg.to_dict()
+    raw["sync"]["tune"]["candidates"] = {c.name: c.keys for c in cands if c.searchable}
+    return from_dict(raw, "sync.tune.candidates")
 
 
-def prune(cands: list[Candidate], top_k: int) -> list[Candidate]:
-    """The `top_k` candidates to measure, and every one without a prediction (PowerSGD: no bucket plan to play).
-    The `top_k` go first to the best predicted member of each family whose prediction is within FAMILY_SLACK of the
-    best one, families in predicted order; the places left, to the best predicted of the rest. The others are
-    marked dropped. Ranks are given in predicted order."""
-    predicted = sorted((c for c in cands if c.predicted_ms is not None), key=lambda c: c.predicted_ms)
-    for i, c in enumerate(predicted):
-        c.predicted_rank = i + 1
-    kept: list[Candidate] = []
-    families: set[str] = set()
-    for c in predicted:
-        if (len(kept) < top_k and family(c.cfg.sync) not in families
-                and c.predicted_ms <= FAMILY_SLACK * predicted[0].predicted_ms):
-            kept.append(c)
-            families.add(family(c.cfg.sync))
-    kept += [c for c in predicted if c not in kept][:top_k - len(kept)]
-    kept.sort(key=lambda c: c.predicted_ms)
-    for c in predicted:
-        if c not in kept:
-            c.status = "dropped: predicted"
-            c.reason = (f"predicted {c.predicted_ms:.0f} ms, rank {c.predicted_rank} of {len(predicted)}; "
-                        f"{top_k} are measured, each family's best first")
-    return kept + [c for c in cands if c.predicted_ms is None]
+class SearchRecord:
+    """`Trainer.watch` of an `auto` run (called after each step): while the search runs, `tuning.csv` as it stands;
+    when it ends, the winner's handle in the trainer's place, `tuned.json`, run.json's `tuning` and the table; after
+    it, the drift watch if `sync.tune.retune_drift` asks for one (True: search again from a checkpoint)."""
 
-
-class Tuner:
-    """The search of one job (see the module's docstring). `run()` returns the winner's trainer, in `run_dir`."""
-
-    def __init__(self, cfg: RunConfig, run_dir: Path, device, backend: str, faults=(), stop=None,
-                 train_after: bool = True, search: int = 0):
-        """`search` > 0: a search again in the middle of the run (`sync.tune.retune_drift`); every candidate starts
-        from the run's latest checkpoint, and the winner's steps are appended to the run's records."""
-        self.cfg, self.run_dir, self.device, self.backend = cfg, Path(run_dir), device, backend
-        self.faults, self.stop, self.train_after, self.search = list(faults), stop, train_after, search
-        self.t = cfg.sync.tune
-        self.cands = candidates(cfg)
-        self.spent, self.rounds = 0, 0
-        self.rng: dict[str, dict] = {}  # candidate -> its replica's RNG state between its steps
+    def __init__(self, tr: Trainer, cfg: RunConfig, cands: list[Candidate], search: int = 0,
+                 from_step: int = 0):
+        self.tr, self.cfg, self.cands, self.search, self.from_step = tr, cfg, cands, search, from_step
+        self.online: OnlineSearch = tr.sync
         self.main = ddist.is_main()
+        self.unsearched = [Entrant(c.name, c.lossless, status="not measured",
+                                   reason=f"{c.cfg.sync.strategy} cannot be switched on the one model; predicted only")
+                           for c in cands if not c.searchable]
+        self.drift: DriftWatch | None = None
+        self.done = False
 
-    # -- the search ---------------------------------------------------------------------------------------------
+    def __call__(self, rec) -> bool:
+        if self.done:
+            return self.drift(rec) if self.drift is not None else False
+        self._predict_unsearched()
+        if self.online.winner is None and self.tr.step >= self.cfg.train.max_steps:
+            self.online.conclude()  # the run's last step before the search's end
+        self._write()
+        if self.online.winner is not None:
+            self._finish()
+        return False
 
-    def run(self) -> Trainer:
-        with sdpa_backend(self.cfg.train.sdpa_backend, self.device):  # the attention kernel training uses
-            return self._run()
-
-    def _run(self) -> Trainer:
-        tune_dir = self.run_dir / (TUNE_DIR if not self.search else f"{TUNE_DIR}-{self.search}")
-
-        def prepare() -> None:  # rank 0; a restarted search begins afresh
-            shutil.rmtree(tune_dir, ignore_errors=True)
-            if self.search and (self.run_dir / TUNING).exists():  # the earlier search's table is kept
-                os.replace(self.run_dir / TUNING, self.run_dir / f"tuning.{self.search - 1}.csv")
-            for name in ["probe"] + [c.name for c in self.cands]:
-                prepare_run_dir(tune_dir / name, resume=False)
-
-        ddist.main_decides(prepare)
-        self._predict(tune_dir / "probe")
-        racing = prune(self.cands, self.t.top_k)
-        trainers = {}
-        for c in tqdm(racing, desc="tune: building", unit="candidate", disable=not self.main):
-            trainers[c.name] = Trainer(c.cfg, tune_dir / c.name, self.device, self.backend, self.faults, self.stop)
-            trainers[c.name].write_header()
-            if self.search:
-                trainers[c.name].resume(source=self.run_dir)
-            self.rng[c.name] = rng_state()  # as an untuned run of it has before its first step
-        winner = self._race(racing, trainers)
-        set_rng_state(self.rng[winner.name])  # the rest of the run draws on as the winner alone would
-        tr = trainers.pop(winner.name)
-        for name in sorted(trainers):  # the others' replicas go: their memory, hooks, threads and process groups
-            trainers.pop(name).close()
-        self._finish(winner, tr)
-        return tr
-
-    def _predict(self, probe_dir: Path) -> None:
-        """The probe (noop steps, compute only) and the network timing, averaged over ranks; then predictions."""
-        probe_cfg = candidate_config(self.cfg, "probe", {"strategy": "noop"})
-        tr = Trainer(probe_cfg, probe_dir, self.device, self.backend)
-        tr.write_header()
-        recs = [tr.recorded_step() for _ in range(self.t.probe_steps)]
-        self.spent += self.t.probe_steps
-        mine = tune_model.probe_of(recs, self.cfg.train.accum_steps) + tune_model.time_allreduce(self.device)
+    def _predict_unsearched(self) -> None:
+        s = self.online
+        if s.probe is None or any(e.predicted_ms is not None for e in self.unsearched):
+            return
         world = ddist.world_size()
-        avg = [v / world for v in ddist.all_reduce_sum(mine, self.device)]
-        probe = tune_model.Probe(*avg[:4], accum_steps=self.cfg.train.accum_steps)
-        net = tune_model.network_model(avg[5:], world)
-        for c in self.cands:
-            c.predicted_ms = tune_model.predict_ms(c.cfg.sync, tr.model, probe, net, world, self.backend)
+        for e in self.unsearched:
+            sync = next(c for c in self.cands if c.name == e.name).cfg.sync
+            e.predicted_ms = tune_model.predict_ms(sync, self.tr.model, s.probe, s.net, world, self.tr.backend)
 
-    def _race(self, racing: list[Candidate], trainers: dict[str, Trainer]) -> Candidate:
-        alive = list(racing)
-        order = random.Random(self.cfg.seed)
-        bar = tqdm(total=self.t.budget_steps, initial=self.spent, desc="tune", unit="step", disable=not self.main)
-        def more() -> bool:  # another round fits the budget, and the run's steps (a search late in the run)
-            return (len(alive) > 1 and self.spent + len(alive) <= self.t.budget_steps
-                    and trainers[alive[0].name].step < self.cfg.train.max_steps)
+    def entrants(self) -> list[Entrant]:
+        return self.online.entrants + self.unsearched
 
-        while more():
-            mine = {}
-            for c in order.sample(alive, len(alive)):  # the same order on every rank: the same seed
-                # Each replica draws its dropout masks from its own RNG state, as it would alone.
-                set_rng_state(self.rng[c.name])
-                rec = trainers[c.name].turn_step()
-                self.rng[c.name] = rng_state()
-                mine[c.name] = (rec.step_ms, rec.loss)
-                c.steps += 1
-                bar.update(1)
-            sums = ddist.all_reduce_sum([v for c in alive for v in mine[c.name]], self.device)
-            world = ddist.world_size()
-            self.spent += len(alive)
-            if self.rounds >= self.t.warmup_rounds:
-                for i, c in enumerate(alive):
-                    c.times[self.rounds], c.losses[self.rounds] = sums[2 * i] / world, sums[2 * i + 1] / world
-            self.rounds += 1
-            alive = race.drop(alive, self.t.min_rounds, self.t.loss_tolerance)
-            for name in sorted(set(trainers) - {c.name for c in alive}):
-                trainers.pop(name).close()  # a dropped replica's memory goes now, not at the end of the search
-            if alive[0].times:  # past the warm-up rounds
-                leader = min(alive, key=lambda c: c.measured_ms)
-                bar.set_postfix_str(f"{len(alive)} left, leader {leader.name}")
-                self._write(leader)
-        bar.close()
-        # The fastest median; where nothing was measured (a search cut short by the run's last step), the prediction.
-        if not any(c.times for c in alive):
-            alive.sort(key=lambda c: c.predicted_ms if c.predicted_ms is not None else math.inf)
-        winner = race.pick(alive, self.t.budget_steps)
-        winner.reason = (f"fastest median over {len(winner.times)} rounds" if winner.times else
-                         "best prediction: the run's last step came before any counted round")
-        for c in racing:  # the dropped ones against the winner too
+    def _finish(self) -> None:
+        s, tr = self.online, self.tr
+        winner = next(c for c in self.cands if c.name == s.winner)
+        e = next(e for e in s.entrants if e.name == s.winner)
+        e.reason = (f"fastest median over {len(e.times)} rounds" if e.times else
+                    "best prediction: the run's last step came before any counted round")
+        for c in s.entrants:  # the dropped ones against the winner too
             if c.status.startswith("dropped: measured"):
-                c.diff = race.paired(c, winner) or c.diff
-        return winner
-
-    # -- the record ---------------------------------------------------------------------------------------------
-
-    def _finish(self, winner: Candidate, tr: Trainer) -> None:
-        tuning = {"winner": winner.name, "sync": winner.keys, "steps_spent": self.spent, "rounds": self.rounds,
-                  "budget_steps": self.t.budget_steps, "search": self.search, "from_step": tr.step - winner.steps}
+                c.diff = race.paired(c, e) or c.diff
+        tuning = {"winner": winner.name, "sync": winner.keys, "steps_spent": s.spent, "rounds": s.rounds,
+                  "budget_steps": s.budget, "search": self.search, "from_step": self.from_step,
+                  "switch_s": round(s.switch_s, 2)}
+        tr.sync = s.current  # the winner's own handle trains on
+        tr.cfg = winner.cfg
         tr.facts["tuning"] = run_facts(tuning)
-        if self.train_after:
-            tr.relocate(self.run_dir)
+        tr.write_header()  # config.yaml: the winner's profile; run.json: the search's record
         if self.main:
-            self._write(winner)
-            replace_atomically(self.run_dir / TUNED, json.dumps(tuning, indent=2) + "\n")
-            print(table_text(self.cands, winner, self.spent), flush=True)
+            self._write()
+            replace_atomically(tr.run_dir / TUNED, json.dumps(tuning, indent=2) + "\n")
+            print(table_text(self.entrants(), e, s.spent), flush=True)
+        self.done = True
+        if self.cfg.sync.tune.retune_drift is not None:
+            t = self.cfg.sync.tune
+            self.drift = DriftWatch(t.retune_drift, t.retune_window, tr.device)
 
-    def _write(self, leader: Candidate) -> None:
-        """tuning.csv as it stands (after every round: a search cut short leaves what it had measured)."""
+    def _write(self) -> None:
+        """tuning.csv as it stands."""
         if not self.main:
             return
-        for c in self.cands:
-            if not c.status and c.times:
+        s = self.online
+        alive = [c for c in s.alive if c.times]
+        leader = min(alive, key=lambda c: c.measured_ms) if alive else None
+        for c in s.entrants:
+            if not c.status and c.times and leader is not None:
                 c.diff = race.paired(c, leader) if c is not leader else None
+        keys = {c.name: c.keys for c in self.cands}
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=TUNING_COLUMNS, lineterminator="\n")
         w.writeheader()
-        w.writerows(c.row() for c in sorted(self.cands, key=_order))
-        replace_atomically(self.run_dir / TUNING, buf.getvalue())
+        w.writerows(row(c, keys[c.name]) for c in sorted(self.entrants(), key=_order))
+        replace_atomically(self.tr.run_dir / TUNING, buf.getvalue())
 
 
-def _order(c: Candidate):
+def row(c: Entrant, keys: dict) -> dict:
+    """A candidate's line of tuning.csv."""
+    r = lambda v: "" if v is None else round(v, 2)  # noqa: E731
+    d = c.diff or (None, None, None)
+    return {"candidate": c.name, "sync": "; ".join(f"{k}={_text(v)}" for k, v in keys.items()),
+            "lossless": str(c.lossless).lower(), "predicted_ms": r(c.predicted_ms),
+            "predicted_rank": c.predicted_rank or "", "measured_ms": r(c.measured_ms),
+            "diff_ms": r(d[0]), "diff_low": r(d[1]), "diff_high": r(d[2]), "rounds": len(c.times),
+            "steps": c.steps, "status": c.status, "reason": c.reason}
+
+
+def _order(c: Entrant):
     return (c.measured_ms is None, c.measured_ms or 0.0, c.predicted_ms is None, c.predicted_ms or 0.0)
 
 
-def table_text(cands: list[Candidate], winner: Candidate, spent: int) -> str:
+def table_text(cands: list[Entrant], winner: Entrant, spent: int) -> str:
     """The search as a text table (printed at its end, and by `dtrain.analysis.tune`)."""
     lines = [f"tuning: {winner.name} wins after {spent} steps; predicted = MODELED, measured = median of its "
              "counted rounds, diff = paired median against the winner [~95% interval]",
@@ -357,35 +275,62 @@ class DriftWatch:
         return abs(self.last / self.base - 1) > self.drift
 
 
+def searching(cfg: RunConfig, run_dir: Path, device, backend: str, faults=(), stop=None, resume: bool = False,
+              search: int = 0, tr: Trainer | None = None) -> Trainer:
+    """A trainer whose synchronization is the search (a new one, resumed from the run's last checkpoint if
+    `resume`; or `tr`, whose model and optimizer move to the search: a search again in the middle of the run)."""
+    cands = candidates(cfg)
+    scfg = search_config(cfg, cands)
+    if search and ddist.is_main() and (run_dir / TUNING).exists():  # the earlier search's table is kept
+        os.replace(run_dir / TUNING, run_dir / f"tuning.{search - 1}.csv")
+    if tr is None:
+        tr = Trainer(scfg, run_dir, device, backend, faults, stop)
+        if resume:
+            tr.resume()
+    else:
+        tr.resync(scfg)
+    tr.watch = SearchRecord(tr, cfg, cands, search, from_step=tr.step)
+    return tr
+
+
 def trainer_for(cfg: RunConfig, run_dir: Path, device, backend: str, faults=(), stop=None,
                 resume: bool = False) -> Trainer:
-    """The trainer of an `auto` run: on resume, the recorded winner's (no search again); else the search's winner."""
+    """The trainer of an `auto` run: on resume, the recorded winner's (no search again); else the search's."""
     choice = tuned(run_dir) if resume else None
-    if choice is not None:
-        tr = Trainer(candidate_config(cfg, choice["winner"], choice["sync"]), run_dir, device, backend, faults, stop)
-        tr.facts["tuning"] = run_facts(choice)
-        tr.resume()
-        return tr
-    return Tuner(cfg, run_dir, device, backend, faults, stop).run()
+    if choice is None:
+        return searching(cfg, run_dir, device, backend, faults, stop, resume)
+    tr = Trainer(candidate_config(cfg, choice["winner"], choice["sync"]), run_dir, device, backend, faults, stop)
+    tr.facts["tuning"] = run_facts(choice)
+    tr.resume()
+    t = cfg.sync.tune
+    if t.retune_drift is not None:
+        tr.watch = DriftWatch(t.retune_drift, t.retune_window, device)
+    return tr
 
 
 def fit(cfg: RunConfig, run_dir: Path, device, backend: str, faults=(), stop=None, resume: bool = False) -> dict:
     """An `auto` run from start to end: the search, the winner's training, and with `sync.tune.retune_drift` a new
-    search from a checkpoint whenever the step time drifts; returns the last trainer's `fit()` summary."""
+    search from a checkpoint whenever the step time drifts; returns the last `fit()` summary."""
     tr = trainer_for(cfg, run_dir, device, backend, faults, stop, resume)
-    search = tr.facts["tuning"].get("search", 0)  # the search that chose it (recorded in tuned.json)
+    search = tr.facts.get("tuning", {}).get("search", 0)  # the search that chose it (recorded in tuned.json)
     while True:
-        watch = None
-        if cfg.sync.tune.retune_drift is not None:
-            watch = tr.watch = DriftWatch(cfg.sync.tune.retune_drift, cfg.sync.tune.retune_window, device)
         summary = tr.fit()
         if not summary.get("retune"):
             return summary
+        watch = tr.watch.drift if isinstance(tr.watch, SearchRecord) else tr.watch
         search += 1
         if ddist.is_main():
             print(f"step {tr.step}: the median step moved from {watch.base:.1f} to {watch.last:.1f} ms (more than "
                   f"sync.tune.retune_drift = {cfg.sync.tune.retune_drift:g}); searching again from this checkpoint",
                   flush=True)
-        tr.close()  # its replica's memory, before the new search builds its own
-        del tr
-        tr = Tuner(cfg, run_dir, device, backend, faults, stop, search=search).run()
+        tr = searching(cfg, run_dir, device, backend, faults, stop, search=search, tr=tr)
+
+
+def search_only(cfg: RunConfig, out: Path, device, backend: str) -> None:
+    """The search alone (`dtrain.analysis.tune`): steps until it has a winner (or the run's last), its records in
+    `out`, no checkpoint and no training on."""
+    with sdpa_backend(cfg.train.sdpa_backend, device):  # the attention kernel training uses
+        tr = searching(cfg, out, device, backend)
+        tr.write_header()
+        while tr.step < cfg.train.max_steps and not tr.watch.done:
+            tr.watch(tr.recorded_step())

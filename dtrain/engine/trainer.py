@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.collectives import attach, nccl
+from dtrain.collectives.sync import move_optimizer
 from dtrain.collectives import dist as ddist
 from dtrain.collectives.timing import ms_between, stamp
 from dtrain.common.errors import JobFailure, UserError
@@ -145,6 +146,10 @@ class Trainer:
         # returns {"retune": True} (the tuner's drift check: every rank must answer alike).
         self.watch: Callable[[StepRecord], bool] | None = None
         self.recomputed = 0  # steps recorded by an interrupted attempt and computed again after resuming
+        # Tell the strategy after each update that the optimizer stepped (`stepped`), as a run alone does; not in
+        # turns (`turn_step`), where a sharded strategy's all-gather launched then would run behind the other
+        # configurations' turns instead of inside its own next step.
+        self.publish = True
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
@@ -187,9 +192,12 @@ class Trainer:
         rank 0 chooses and reads it, and sends every rank the state (with its own entries of the per-rank lists),
         so no other rank needs the file on its disk."""
         path, state = resume_state(source or self.run_dir)
-        if path is None:
+        if path is None:  # an attempt that stopped before its first checkpoint: its records are computed again
+            self.recomputed = self.writer.truncate_after(0)
+            self._truncate_samples()
             if self.main:
-                print(f"no complete checkpoint in {self.run_dir}; starting from step 0", flush=True)
+                print(f"no complete checkpoint in {self.run_dir}; starting from step 0 ({self.recomputed} recorded "
+                      "steps will be computed again)", flush=True)
             return
         # A checkpoint whose checksum matches but whose contents are not a training state (another object saved
         # under its name) is an error naming the file, like an unreadable one, not skipped like a torn write: the
@@ -257,6 +265,8 @@ class Trainer:
         o0 = stamp(self.device)
         grad_norm, finite, loss_sum = self._optimizer_step(loss_sum)
         o1 = stamp(self.device)
+        if self.publish:  # a sharded strategy sends the updated shards now; `auto` may switch candidates here
+            self.sync.stepped(self.optimizer, loss_sum / max(ntokens, 1))
         # The end of the step: on CUDA the first read of an event waits for the optimizer's kernels, then every
         # interval comes from the events without further synchronization.
         optimizer_ms = ms_between(o0, o1)
@@ -324,9 +334,6 @@ class Trainer:
                                                      grad_norm)
             self.optimizer.step()
             self.scheduler.step()
-        # No `self.sync.stepped()`: a sharded strategy then all-gathers the updated shards when the next forward
-        # starts, which costs this loop only the records and the next batch, and under dtrain.analysis.interleave keeps the
-        # all-gather inside this configuration's own step instead of hiding it behind the others'.
         self.optimizer.zero_grad(set_to_none=True)
         return norm, finite, loss_sum
 
@@ -378,8 +385,20 @@ class Trainer:
 
     def close(self) -> None:
         """Release the synchronization's hooks, threads and process groups (`GradSync.close`); the trainer is not
-        used again (a replica the tuner dropped)."""
+        used again."""
         self.sync.close()
+
+    def resync(self, sync_cfg: RunConfig) -> None:
+        """Train on under another `sync` section (`auto`'s search again, in the middle of the run): the current
+        handle closed after its parameters are current, the new one attached to the same model, the optimizer's
+        state moved through its whole-model form (`move_optimizer`)."""
+        self.sync.wait_params()
+        state = self.sync.optimizer_state(self.optimizer)  # a collective for a sharded strategy
+        self.optimizer.zero_grad(set_to_none=True)
+        self.sync.close()
+        self.cfg = sync_cfg
+        self.sync = attach(self.model, sync_cfg.sync)
+        move_optimizer(self.optimizer, state, self.sync)
 
     def turn_step(self) -> StepRecord:
         """`recorded_step` of one configuration among several trained in turn (`dtrain.analysis.interleave`, the tuner's
@@ -388,6 +407,7 @@ class Trainer:
         the ranks (after `noop`, whose ranks never wait for each other, that is a whole step's difference)."""
         self.phase = "the ranks' meeting before a configuration's turn"
         self._guarded(ddist.barrier)
+        self.publish = False
         return self.recorded_step()
 
     def stop_agreed(self) -> str | None:

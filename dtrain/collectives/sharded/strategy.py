@@ -176,7 +176,7 @@ class ShardedSync(PlannedSync):
                  if sh.shard.grad is not None and (not sh.replicated or self.reducer.rank == 0)]
         return total_norm(grads, exact=exact, group=self.reducer.group, sharded=True)
 
-    def stepped(self, optimizer=None) -> None:
+    def stepped(self, optimizer=None, loss=None) -> None:
         self.reducer.gather()
 
     def suspend(self) -> None:

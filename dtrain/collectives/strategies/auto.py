@@ -27,6 +27,7 @@ The loop must call `stepped()` after `optimizer.step()`: a candidate's step is t
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -37,10 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.collectives import race, tensor_classes
+from dtrain.collectives import race, tensor_classes, tune_model
 from dtrain.collectives.settings import ClassSettings, SyncConfig
 from dtrain.collectives.strategies import CLASS_RULE_KEYS, attachable, build, get, planner, register, unused_keys
-from dtrain.collectives.sync import Front, GradSync
+from dtrain.collectives.sync import Front, GradSync, move_optimizer
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
 from dtrain.common.schema import Source, build as build_section, set_dotted
@@ -76,6 +77,9 @@ SHARDED_SPACE: dict[str, dict[str, Any]] = {
 # the model has one tied embedding): every lossless family that can be switched on the one model without knowing
 # the loop's autocast (bf16 exchanges are exact only under bf16 autocast: the engine's space adds them).
 ONLINE_SPACE: dict[str, dict[str, Any]] = {**REPLICATED_SPACE, **SHARDED_SPACE}
+
+
+PROBE = "ddp-25"  # the probe's candidate where the space holds it: stock DDP's defaults, the step users start from
 
 
 def multi_rank_nodes(world: int) -> bool:
@@ -136,14 +140,11 @@ class OnlineSearch(GradSync):
     other (its keys are `sync.tune` and the class rules, which hold for every candidate)."""
 
     sync_keys = ("tune", *CLASS_RULE_KEYS)
-    lossless = True  # lossless candidates only
+    lossless = True  # lossless candidates only, unless sync.tune.lossy
 
     def __init__(self, model: nn.Module, cfg: SyncConfig, process_group=None):
         super().__init__(model, cfg, process_group)
         t = cfg.tune
-        if t.lossy:
-            raise UserError("'sync.tune.lossy': attach's search measures lossless candidates only (a lossy one is "
-                            "judged by its loss, which the seam does not see)")
         world = dist.get_world_size(process_group)
         space = t.candidates or {n: k for n, k in ONLINE_SPACE.items()
                                  if not k.get("hierarchical") or multi_rank_nodes(world)}
@@ -160,20 +161,30 @@ class OnlineSearch(GradSync):
         for name, sync in syncs.items():
             handle = build(sync.strategy, model, sync, process_group)
             self.handles[name] = handle
-            if not handle.lossless:
+            if not handle.lossless and not t.lossy:
                 self.close()
-                raise UserError(f"'sync.tune.candidates.{name}' is lossy; attach's search measures lossless "
-                                "candidates only")
+                raise UserError(f"'sync.tune.candidates.{name}' is lossy; set sync.tune.lossy: true to search it "
+                                "(the loop then passes each step's loss: handle.stepped(optimizer, loss))")
             handle.suspend()  # one candidate's buffers at a time: each resumes when its turn comes
+        self.syncs = syncs
+        self.lossless = all(h.lossless for h in self.handles.values())
         self.sharding = {name: _shards(sync.strategy) for name, sync in syncs.items()}
-        self.entrants = [race.Entrant(name) for name in self.handles]
+        self.entrants = [race.Entrant(name, self.handles[name].lossless) for name in self.handles]
         self.alive = list(self.entrants)
         self.budget, self.spent, self.rounds = t.budget_steps, 0, 0
         self.order = random.Random(0)  # the same order on every rank
         self.queue: list[race.Entrant] = self.order.sample(self.alive, len(self.alive))
         self.round_ms: dict[str, float] = {}  # this round's steps so far, this rank's
+        self.round_loss: dict[str, float] = {}
         self.winner: str | None = None
-        self.current = self.handles[self.queue[0].name]
+        # The probe (pruning to `top_k` by prediction) where more candidates than that race: the run's first
+        # `probe_steps` steps under stock DDP's defaults if the space holds them, timed phase by phase.
+        self.probing = t.probe_steps if len(self.entrants) > t.top_k else 0
+        self.probe_steps: list[tuple[float, float, float, float]] = []  # (forward, backward, optimizer, compute)
+        self.probe: tune_model.Probe | None = None
+        self.net = None  # the fitted all-reduce cost of the job's group, after the probe
+        first = (PROBE if PROBE in self.handles else self.queue[0].name) if self.probing else self.queue[0].name
+        self.current = self.handles[first]
         self.current.resume()  # before the loop builds its optimizer over `optimizer_params()`
         self.optimizer: torch.optim.Optimizer | None = None  # the loop's, from `stepped(optimizer)`
         self.lead_in = False  # the current step is a sharding candidate's first after a switch: not timed
@@ -181,16 +192,28 @@ class OnlineSearch(GradSync):
         self.module = Front(model, self)  # the current candidate's module (the loop may keep this one object)
         self.device = next(model.parameters()).device
         self._t0: float | None = None
+        self._phases = [0.0, 0.0]  # this step's forward time, and the time wait() blocked (s)
+        self._waited = 0.0  # when wait() returned
+        self.timing_steps = 0  # the steps the probe's network timing counts as
 
     # -- the race, one training step at a time -------------------------------------------------------------------
 
     def forward(self, model: nn.Module, *args, **kwargs):
         """`handle.module`'s forward: the current candidate's, its step timed from the first micro-batch."""
+        t = time.perf_counter()
         if self._t0 is None:
-            self._t0 = time.perf_counter()
-        return self.current.module(*args, **kwargs)
+            self._t0, self._phases = t, [0.0, 0.0]
+        out = self.current.module(*args, **kwargs)
+        self._phases[0] += time.perf_counter() - t
+        return out
 
-    def stepped(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def wait(self) -> None:
+        t = time.perf_counter()
+        self.current.wait()
+        self._phases[1] += time.perf_counter() - t
+        self._waited = time.perf_counter()
+
+    def stepped(self, optimizer: torch.optim.Optimizer | None = None, loss: float | None = None) -> None:
         if optimizer is not None and self.optimizer is None:
             self._check_optimizer(optimizer)
         self.optimizer = optimizer or self.optimizer
@@ -200,27 +223,69 @@ class OnlineSearch(GradSync):
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's kernels are part of its time
-        elapsed_ms = (time.perf_counter() - self._t0) * 1000
+        now = time.perf_counter()
+        elapsed_ms = (now - self._t0) * 1000
         self._t0 = None
+        self.spent += 1
+        if self.probing:
+            self._probe_step(elapsed_ms, now)
+            return
         entrant = self.queue[0]
         entrant.steps += 1
-        self.spent += 1
         if self.lead_in:  # the same candidate's next step is the one timed
             self.lead_in = False
             return
+        if not entrant.lossless or not self.lossless:
+            if loss is None:
+                raise UserError("sync.tune.lossy: the search judges lossy candidates by the loss; pass each "
+                                "step's loss to handle.stepped(optimizer, loss)")
+            self.round_loss[entrant.name] = float(loss)
         self.queue.pop(0)
         self.round_ms[entrant.name] = elapsed_ms
         if not self.queue:
             self._end_round()
-        previous = self.current
+        self._next()
+
+    def _next(self) -> None:
+        """Switch to the next step's candidate (the winner's once there is one); the losers' handles go."""
         name = self.winner or self.queue[0].name
-        if self.handles[name] is not previous:
-            self._switch(previous, self.handles[name])
+        if self.handles[name] is not self.current:
+            self._switch(self.current, self.handles[name])
             # a lead-in only where its time would be counted (the warm-up rounds' are not)
             self.lead_in = self.winner is None and self.sharding[name] and self.rounds >= self.cfg.tune.warmup_rounds
-        if self.winner is not None:  # the others' hooks, threads and groups go now (in name order on every rank)
-            for loser in sorted(set(self.handles) - {self.winner}):
-                self.handles.pop(loser).close()
+        keep = {self.winner} if self.winner else {c.name for c in self.alive}
+        for loser in sorted(set(self.handles) - keep):  # hooks, threads and groups (name order on every rank)
+            self.handles.pop(loser).close()
+
+    def _probe_step(self, elapsed_ms: float, now: float) -> None:
+        forward_ms, exposed_ms = (x * 1000 for x in self._phases)
+        optimizer_ms = (now - self._waited) * 1000
+        backward_ms = elapsed_ms - forward_ms - exposed_ms - optimizer_ms
+        self.probe_steps.append((forward_ms, backward_ms, optimizer_ms, elapsed_ms - exposed_ms))
+        next(c for c in self.entrants if c.name == self._name(self.current)).steps += 1
+        self.probing -= 1
+        if self.probing:
+            return
+        # Averaged over the ranks, so every rank predicts and prunes alike.
+        t0 = time.perf_counter()
+        mine = tune_model.probe_of(self.probe_steps) + tune_model.time_allreduce(self.device, self.process_group)
+        timing_ms = (time.perf_counter() - t0) * 1000
+        world = dist.get_world_size(self.process_group)
+        total = torch.tensor(mine + [timing_ms], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=self.process_group)
+        avg = [v / world for v in total.tolist()]
+        self.probe = tune_model.Probe(*avg[:4])
+        self.net = tune_model.network_model(avg[4:-1], world)
+        # the network timing counts as the steps its time would have held
+        self.timing_steps = math.ceil(avg[-1] / max(self.probe.step_ms, 1e-3))
+        self.spent += self.timing_steps
+        backend = dist.get_backend(self.process_group)
+        for c in self.entrants:
+            c.predicted_ms = tune_model.predict_ms(self.syncs[c.name], self.model, self.probe, self.net, world,
+                                                   backend)
+        self.alive = tune_model.prune(self.entrants, self.syncs, self.cfg.tune.top_k)
+        self.queue = self.order.sample(self.alive, len(self.alive))
+        self._next()
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Where a candidate shards, the optimizer must be the loop's one group over `optimizer_params()`: the
@@ -252,9 +317,7 @@ class OnlineSearch(GradSync):
         whole = previous.optimizer_state(self.optimizer)  # a collective for a sharded handle
         previous.suspend()  # a sharded one: the updated shards all-gathered into the model first
         current.resume()
-        self.optimizer.state.clear()
-        self.optimizer.param_groups[0]["params"] = current.optimizer_params()
-        current.load_optimizer_state(self.optimizer, whole)
+        move_optimizer(self.optimizer, whole, current)
         self.switch_s += time.perf_counter() - t0
 
     def _name(self, handle: GradSync) -> str:
@@ -262,19 +325,36 @@ class OnlineSearch(GradSync):
 
     def _end_round(self) -> None:
         names = [c.name for c in self.alive]
-        mine = torch.tensor([self.round_ms[n] for n in names], dtype=torch.float64, device=self.device)
-        dist.all_reduce(mine, group=self.process_group)  # every rank decides on the same means
+        mine = [self.round_ms[n] for n in names] + [self.round_loss.get(n, 0.0) for n in names]
+        total = torch.tensor(mine, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=self.process_group)  # every rank decides on the same means
         world = dist.get_world_size(self.process_group)
         if self.rounds >= self.cfg.tune.warmup_rounds:
-            for c, total in zip(self.alive, mine.tolist()):
-                c.times[self.rounds] = total / world
+            for i, c in enumerate(self.alive):
+                c.times[self.rounds] = total[i].item() / world
+                if c.name in self.round_loss:
+                    c.losses[self.rounds] = total[len(names) + i].item() / world
         self.rounds += 1
-        self.round_ms = {}
+        self.round_ms, self.round_loss = {}, {}
         self.alive = race.drop(self.alive, self.cfg.tune.min_rounds, self.cfg.tune.loss_tolerance)
         if len(self.alive) == 1 or self.spent + self._round_steps() > self.budget:
+            if not any(c.times for c in self.alive):  # no counted round (a tiny budget): the best prediction
+                self.alive.sort(key=lambda c: c.predicted_ms if c.predicted_ms is not None else math.inf)
             self.winner = race.pick(self.alive, self.budget).name
         else:
             self.queue = self.order.sample(self.alive, len(self.alive))
+
+    def conclude(self) -> None:
+        """End the search now (the run's last step came first): the fastest median so far wins, or where no round
+        was counted, the best prediction (else the first candidate); the model switches to it."""
+        if self.winner is not None:
+            return
+        self.probing = 0
+        if not any(c.times for c in self.alive):
+            self.alive.sort(key=lambda c: c.predicted_ms if c.predicted_ms is not None else math.inf)
+        self.winner = race.pick(self.alive, self.budget).name
+        self.lead_in, self._t0 = False, None
+        self._next()
 
     def _round_steps(self) -> int:
         """The training steps the next round may take: one per candidate, and a lead-in per sharding one."""
@@ -291,9 +371,6 @@ class OnlineSearch(GradSync):
     def no_sync(self) -> AbstractContextManager:
         return self.current.no_sync()
 
-    def wait(self) -> None:
-        self.current.wait()
-
     def optimizer_params(self) -> list[torch.Tensor]:
         return self.current.optimizer_params()  # the model's parameters under every candidate
 
@@ -308,6 +385,12 @@ class OnlineSearch(GradSync):
 
     def load_model_state(self, state: dict) -> None:
         self.current.load_model_state(state)
+
+    def state_dict(self) -> dict:
+        return self.current.state_dict()
+
+    def load_state_dict(self, state: dict, own: bool = True) -> None:
+        self.current.load_state_dict(state, own)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return self.current.optimizer_state(optimizer)

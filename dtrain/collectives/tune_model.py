@@ -1,15 +1,17 @@
-"""The tuner's predictions: each candidate's step time, MODELED from what the job measured of itself.
+"""The search's predictions: each candidate's step time, MODELED from what the job measured of itself, and the
+pruning by them (`sync.tune.top_k`).
 
-Two measurements feed it, both taken before any candidate trains:
-- the probe: a few steps of the no-communication baseline (`noop`) on the job's own model and batches, whose
-  forward, backward and optimizer times are the compute every candidate shares;
-- the network: an all-reduce timing of the job's own process group at a few sizes (as `dtrain.collectives.bench` does at
-  more), fitted by `dtrain.collectives.costmodel`'s regime fit.
+Two measurements feed it, both taken by `attach`'s search (`dtrain.collectives.strategies.auto`) on the job itself:
+- the probe: the run's first `probe_steps` training steps under one candidate (stock DDP's defaults where the space
+  holds them): their forward, backward and optimizer times, the step less the time `wait()` blocked being the
+  compute every candidate shares;
+- the network: an all-reduce timing of the job's own process group at a few sizes (as `dtrain.collectives.bench`
+  does at more), fitted by `dtrain.collectives.costmodel`'s regime fit.
 
-A candidate's buckets (`dtrain.collectives.strategies.plan_for`) become ready uniformly over the probe's backward and are
-played onto `dtrain.collectives.timeline`; what is still in flight when backward ends is added to the probe's step, and a
-sharded candidate also pays the next forward's wait for its all-gathers and saves (world-1)/world of the optimizer.
-No calibration: the ranking only has to keep the best few for measurement, which decides.
+A candidate's buckets (`dtrain.collectives.strategies.plan_for`) become ready uniformly over the probe's backward and
+are played onto `dtrain.collectives.timeline`; what is still in flight when backward ends is added to the probe's
+step, and a sharded candidate also pays the next forward's wait for its all-gathers and saves (world-1)/world of the
+optimizer. No calibration: the ranking only has to keep the best few of each family for measurement, which decides.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from dtrain.collectives.timeline import (
     through,
 )
 from dtrain.common.errors import UserError
-from dtrain.common.rundir import StepRecord
 
 BENCH_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce sizes of the network probe
 BENCH_REPEATS = 3
@@ -53,12 +54,12 @@ class Probe:
     accum_steps: int = 1
 
 
-def probe_of(records: list[StepRecord], accum_steps: int) -> list[float]:
-    """This rank's median forward, backward, optimizer and step times over `records` (the first one dropped: it
-    allocates), to be averaged over the ranks into a `Probe`."""
-    steady = records[1:] or records
-    return [statistics.median(getattr(r, f) for r in steady)
-            for f in ("forward_ms", "backward_ms", "optimizer_ms", "step_ms")] + [float(accum_steps)]
+def probe_of(steps: list[tuple[float, float, float, float]]) -> list[float]:
+    """This rank's median forward, backward, optimizer and compute-step times (ms) over `steps`, each (forward,
+    backward, optimizer, step less the exposed wait), the first one dropped (it allocates); averaged over the ranks
+    into a `Probe`."""
+    steady = steps[1:] or steps
+    return [statistics.median(s[i] for s in steady) for i in range(4)]
 
 
 def time_allreduce(device, group=None) -> list[float]:
@@ -123,3 +124,44 @@ def predict_ms(sync, model: torch.nn.Module, probe: Probe, net: FittedModel, wor
         step += gather_stall(plan.buckets, dur, probe.forward_ms / probe.accum_steps, gathered)
         step -= optimizer_saving(plan.buckets, probe.optimizer_ms, world, gathered)
     return step
+
+
+# Of the `top_k` measured, each family's best predicted member goes first where its prediction is within this factor
+# of the best one: a prediction can be 20-25% off (docs/results.md), and a family measurement would pick must not be
+# lost to another family's near copies.
+FAMILY_SLACK = 1.30
+
+
+def family(sync) -> str:
+    """A candidate's family: its strategy and the project's own ideas it uses (the split, rows, bf16 exchanges)."""
+    split = any(c.tied_split for c in sync.classes.values()) and "classes.tied_split" in strategies.get(
+        sync.strategy).sync_keys
+    rows = split and sync.shard_tied_split
+    return sync.strategy + ("+split" if split else "") + ("+rows" if rows else "") + (
+        f"+{sync.gather_dtype}" if sync.gather_dtype else "") + ("+hierarchical" if sync.hierarchical else "")
+
+
+def prune(cands: list, syncs: dict, top_k: int) -> list:
+    """The `top_k` entrants to measure (`dtrain.collectives.race.Entrant`, their `predicted_ms` set; `syncs`: name ->
+    SyncConfig), and every one without a prediction (PowerSGD: no bucket plan to play). The `top_k` go first to the
+    best predicted member of each family whose prediction is within FAMILY_SLACK of the best one, families in
+    predicted order; the places left, to the best predicted of the rest. The others are marked dropped. Ranks are
+    given in predicted order."""
+    predicted = sorted((c for c in cands if c.predicted_ms is not None), key=lambda c: c.predicted_ms)
+    for i, c in enumerate(predicted):
+        c.predicted_rank = i + 1
+    kept: list = []
+    families: set[str] = set()
+    for c in predicted:
+        if (len(kept) < top_k and family(syncs[c.name]) not in families
+                and c.predicted_ms <= FAMILY_SLACK * predicted[0].predicted_ms):
+            kept.append(c)
+            families.add(family(syncs[c.name]))
+    kept += [c for c in predicted if c not in kept][:top_k - len(kept)]
+    kept.sort(key=lambda c: c.predicted_ms)
+    for c in predicted:
+        if c not in kept:
+            c.status = "dropped: predicted"
+            c.reason = (f"predicted {c.predicted_ms:.0f} ms, rank {c.predicted_rank} of {len(predicted)}; "
+                        f"{top_k} are measured, each family's best first")
+    return kept + [c for c in cands if c.predicted_ms is None]
