@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.collectives import dist as ddist
-from dtrain.collectives import hooks, race, strategies, tune_model
+from dtrain.collectives import race, strategies, tune_model
 from dtrain.collectives.race import Entrant
-from dtrain.collectives.strategies.auto import ONLINE_SPACE, OnlineSearch, multi_rank_nodes
+from dtrain.collectives.strategies.auto import ONLINE_SPACE, OnlineSearch, is_lossless, multi_rank_nodes
 from dtrain.common.errors import UserError
 from dtrain.common.files import replace_atomically
 from dtrain.common.rundir import TUNED, TUNING, TUNING_COLUMNS
@@ -78,18 +78,6 @@ class Candidate:
 
 def _text(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
-
-
-def is_lossless(sync) -> bool:
-    """Whether every rank's averaged gradient is the exact mean: the strategy's own answer, fp32 on the wire, and
-    for a DDP comm hook what `dtrain.collectives.hooks.resolve` says of it (the per-class hook: its classes' wire dtypes)."""
-    fp32 = all(c.wire_dtype == "fp32" for c in sync.classes.values())
-    hook = hooks.resolve(sync.hook) if "hook" in strategies.get(sync.strategy).sync_keys else None
-    if hook is not None and not hook.per_class:
-        return hook.lossless
-    cls = strategies.get(sync.strategy)
-    narrowed = "gather_dtype" in cls.sync_keys and sync.gather_dtype is not None and not cls.gather_dtype_exact
-    return cls.lossless and fp32 and not narrowed
 
 
 def candidates(cfg: RunConfig) -> list[Candidate]:
@@ -170,6 +158,7 @@ class SearchRecord:
         for c in s.entrants:  # the dropped ones against the winner too
             if c.status.startswith("dropped: measured"):
                 c.diff = race.paired(c, e) or c.diff
+        e.diff = None
         tuning = {"winner": winner.name, "sync": winner.keys, "steps_spent": s.spent, "rounds": s.rounds,
                   "budget_steps": s.budget, "search": self.search, "from_step": self.from_step,
                   "switch_s": round(s.switch_s, 2)}

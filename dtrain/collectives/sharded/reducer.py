@@ -160,6 +160,8 @@ class ShardedReducer(Reducer):
                     for p in st.params:
                         p.data = p.data.clone()
         self.shards = []
+        for t in self.tables.values():  # a split's rows view P: it goes too (`_layout` points them at the new one)
+            t.table, t.shard = t.table.new_empty(0, t.table.shape[1]), None
         super().release()
 
     def _exact_idx(self, st: _BucketState, ex: Exchange) -> list[torch.Tensor]:

@@ -38,11 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.collectives import race, tensor_classes, tune_model
+from dtrain.collectives import hooks, race, tensor_classes, tune_model
 from dtrain.collectives.settings import ClassSettings, SyncConfig
 from dtrain.collectives.strategies import CLASS_RULE_KEYS, attachable, build, get, planner, register, unused_keys
 from dtrain.collectives.sync import Front, GradSync, move_optimizer
 from dtrain.common.errors import UserError
+from dtrain.common.host_memory import return_freed_memory
 from dtrain.common.rundir import BucketRecord
 from dtrain.common.schema import Source, build as build_section, set_dotted
 
@@ -116,6 +117,18 @@ def candidate_sync(base: SyncConfig, name: str, keys: Any) -> SyncConfig:
     return sync
 
 
+def is_lossless(sync) -> bool:
+    """Whether every rank's averaged gradient is the exact mean: the strategy's own answer, fp32 on the wire, and
+    for a DDP comm hook what `dtrain.collectives.hooks.resolve` says of it (the per-class hook: its classes' wire dtypes)."""
+    fp32 = all(c.wire_dtype == "fp32" for c in sync.classes.values())
+    hook = hooks.resolve(sync.hook) if "hook" in get(sync.strategy).sync_keys else None
+    if hook is not None and not hook.per_class:
+        return hook.lossless
+    cls = get(sync.strategy)
+    narrowed = "gather_dtype" in cls.sync_keys and sync.gather_dtype is not None and not cls.gather_dtype_exact
+    return cls.lossless and fp32 and not narrowed
+
+
 def _shards(strategy: str) -> bool:
     """Whether `strategy` hands the optimizer shards instead of the model's parameters (sharded, fsdp2)."""
     try:
@@ -156,20 +169,17 @@ class OnlineSearch(GradSync):
                 raise UserError(f"'sync.tune.candidates.{name}': {sync.strategy} replaces the model's parameters "
                                 "for good and cannot be switched between steps; attach's search takes the other "
                                 f"strategies ({', '.join(n for n in attachable() if get(n).switchable)})")
-        # Every rank builds the same handles in the same order (some make process groups: a collective).
-        self.handles: dict[str, GradSync] = {}
         for name, sync in syncs.items():
-            handle = build(sync.strategy, model, sync, process_group)
-            self.handles[name] = handle
-            if not handle.lossless and not t.lossy:
-                self.close()
+            if not is_lossless(sync) and not t.lossy:
                 raise UserError(f"'sync.tune.candidates.{name}' is lossy; set sync.tune.lossy: true to search it "
                                 "(the loop then passes each step's loss: handle.stepped(optimizer, loss))")
-            handle.suspend()  # one candidate's buffers at a time: each resumes when its turn comes
+        # A candidate's handle is built when its first turn comes (`_handle`), so that those the prediction drops
+        # never hold memory; every rank builds the same handles in the same order (some make process groups).
+        self.handles: dict[str, GradSync] = {}
         self.syncs = syncs
-        self.lossless = all(h.lossless for h in self.handles.values())
+        self.lossless = all(is_lossless(sync) for sync in syncs.values())
         self.sharding = {name: _shards(sync.strategy) for name, sync in syncs.items()}
-        self.entrants = [race.Entrant(name, self.handles[name].lossless) for name in self.handles]
+        self.entrants = [race.Entrant(name, is_lossless(sync)) for name, sync in syncs.items()]
         self.alive = list(self.entrants)
         self.budget, self.spent, self.rounds = t.budget_steps, 0, 0
         self.order = random.Random(0)  # the same order on every rank
@@ -183,9 +193,8 @@ class OnlineSearch(GradSync):
         self.probe_steps: list[tuple[float, float, float, float]] = []  # (forward, backward, optimizer, compute)
         self.probe: tune_model.Probe | None = None
         self.net = None  # the fitted all-reduce cost of the job's group, after the probe
-        first = (PROBE if PROBE in self.handles else self.queue[0].name) if self.probing else self.queue[0].name
-        self.current = self.handles[first]
-        self.current.resume()  # before the loop builds its optimizer over `optimizer_params()`
+        first = (PROBE if PROBE in syncs else self.queue[0].name) if self.probing else self.queue[0].name
+        self.current = self._handle(first)  # before the loop builds its optimizer over `optimizer_params()`
         self.optimizer: torch.optim.Optimizer | None = None  # the loop's, from `stepped(optimizer)`
         self.lead_in = False  # the current step is a sharding candidate's first after a switch: not timed
         self.switch_s = 0.0  # this rank's time spent switching layouts (moving the optimizer's state)
@@ -249,8 +258,8 @@ class OnlineSearch(GradSync):
     def _next(self) -> None:
         """Switch to the next step's candidate (the winner's once there is one); the losers' handles go."""
         name = self.winner or self.queue[0].name
-        if self.handles[name] is not self.current:
-            self._switch(self.current, self.handles[name])
+        if self.handles.get(name) is not self.current:
+            self._switch(self.current, name)
             # a lead-in only where its time would be counted (the warm-up rounds' are not)
             self.lead_in = self.winner is None and self.sharding[name] and self.rounds >= self.cfg.tune.warmup_rounds
         keep = {self.winner} if self.winner else {c.name for c in self.alive}
@@ -298,26 +307,38 @@ class OnlineSearch(GradSync):
             raise UserError("sync.strategy 'auto' with a sharding candidate: build the optimizer with one parameter "
                             "group over handle.optimizer_params(), and pass it to handle.stepped(optimizer)")
 
-    def _switch(self, previous: GradSync, current: GradSync) -> None:
-        """The model from `previous` to `current` between steps (a collective: every rank switches alike). Where
-        either shards, the optimizer's state moves through its whole-model form into what `current` updates."""
-        self.current = current
-        if not (self.sharding[self._name(previous)] or self.sharding[self._name(current)]):
-            previous.suspend()
-            current.resume()
-            return
-        if self.optimizer is None:
+    def _handle(self, name: str) -> GradSync:
+        """Candidate `name`'s handle, built at its first turn (a collective: every rank builds it at the same step)."""
+        if name not in self.handles:
+            sync = self.syncs[name]
+            self.handles[name] = build(sync.strategy, self.model, sync, self.process_group)
+        return self.handles[name]
+
+    def _switch(self, previous: GradSync, name: str) -> None:
+        """The model from `previous` to candidate `name` between steps (a collective: every rank switches alike).
+        Where either shards, the optimizer's state moves through its whole-model form into what the new one
+        updates."""
+        moves = self.sharding[self._name(previous)] or self.sharding[name]
+        if moves and self.optimizer is None:
             raise UserError("sync.strategy 'auto' switches to or from a sharding candidate after this step: pass the "
                             "loop's optimizer to handle.stepped(optimizer)")
         t0 = time.perf_counter()
-        # The step's gradients are spent: the loop's zero_grad after this call reaches only the new tensors
-        self.optimizer.zero_grad(set_to_none=True)
-        for p in self.model.parameters():
-            p.grad = None
-        whole = previous.optimizer_state(self.optimizer)  # a collective for a sharded handle
+        whole = None
+        if moves:
+            # The step's gradients are spent: the loop's zero_grad after this call reaches only the new tensors
+            self.optimizer.zero_grad(set_to_none=True)
+            for p in self.model.parameters():
+                p.grad = None
+            whole = previous.optimizer_state(self.optimizer)  # a collective for a sharded handle
+            self.optimizer.state.clear()  # a sharded one's shard states go before the next layout is made
         previous.suspend()  # a sharded one: the updated shards all-gathered into the model first
-        current.resume()
-        move_optimizer(self.optimizer, whole, current)
+        return_freed_memory()  # its buffers, before the next candidate lays out buffers of other sizes
+        built = name in self.handles
+        self.current = self._handle(name)  # a new one is laid out already
+        if built:
+            self.current.resume()
+        if moves:
+            move_optimizer(self.optimizer, whole, self.current)
         self.switch_s += time.perf_counter() - t0
 
     def _name(self, handle: GradSync) -> str:
