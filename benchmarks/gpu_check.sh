@@ -20,7 +20,8 @@
 #    rows too, and with the Linear parameters all-gathered in bf16 (parameters compared), then
 #    the bench with NCCL_PROTO forced to LL, LL128, Simple (socket transport: the network path's bandwidth, not
 #    NVLink's).
-# 6. sync.strategy: auto over per-class NCCL protocols and bucket caps (tuning.csv: predicted and measured).
+# 6. sync.strategy: auto (attach's search in the trainer) over per-class NCCL protocols, bucket caps and sharded with
+#    the split (tuning.csv: predicted and measured).
 # 7. The bench's reduce-scatter and all-gather (`--collective`: nccl-tests' reduce_scatter_perf and all_gather_perf
 #    tables, each row checked, #wrong) over the two NCCL ranks: the collectives `sharded` exchanges with.
 # 8. Stock FSDP2 (sync.strategy: fsdp2) on NCCL, each reshard setting, the second with bf16 parameters (FSDP2's
@@ -28,7 +29,8 @@
 #    only), and its checkpoint resumed under ddp.
 # 9. sync.strategy: auto through `attach` in examples/plain_loop.py on NCCL: the search on the loop's own steps, its
 #    candidates attached to the one model at once (only the armed one communicates), parameters equal on both ranks.
-# 10. examples/gpt_lm.py (a GPT-style decoder, tied embedding) with auto over attach's default space on NCCL.
+# 10. examples/gpt_lm.py (a GPT-style decoder, tied embedding) with auto over attach's default space on NCCL (its
+#     sharded candidates included: the optimizer's state moved at each switch).
 # Each part has its own time limit and the script goes on after a failed part; the exit status counts the failures.
 set -uf  # -f: the part patterns below are not file globs
 OUT_DIR=${1:-runs/gpu-check}
@@ -142,15 +144,18 @@ part train-2rank-sharded-bf16-gather 100 two_ranks 29625 -m dtrain.engine.train 
     --set sync.gather_dtype=bf16 --run-dir "$OUT_DIR/train-2rank-sharded-bf16-gather"
 part sharded-bf16-gather-vs-fp32 30 python3 -m dtrain.engine.checkpoint diff "$OUT_DIR/train-2rank-sharded-split" \
     "$OUT_DIR/train-2rank-sharded-bf16-gather"
-# sync.strategy: auto on NCCL: the in-job timing of the NCCL group, the prediction, and the paired race on real
-# CUDA steps, over per-class NCCL protocols (per_group) and bucket caps; tuning.csv holds the search.
+# sync.strategy: auto on NCCL: attach's search, which the trainer attaches (one model, no replica): the probe's
+# steps under ddp-25, the in-job timing of the NCCL group, the prediction, and the paired race on real CUDA steps,
+# over per-class NCCL protocols (per_group), bucket caps and sharded with the split (a switch to or from it moves
+# Adam's state through NCCL all-gathers and lays its flat buffers out again on the GPU); tuning.csv holds the search.
 AUTO_SPACE="{bucketed-2: {strategy: bucketed, bucket_cap_mb: 2}, ddp-25: {strategy: ddp, bucket_cap_mb: 25},
     proj-LL: {strategy: per_class, classes.projection.protocol: LL},
     proj-LL128: {strategy: per_class, classes.projection.protocol: LL128},
-    proj-Simple: {strategy: per_class, classes.projection.protocol: Simple}}"
+    proj-Simple: {strategy: per_class, classes.projection.protocol: Simple},
+    sharded-2-split: {strategy: sharded, bucket_cap_mb: 2, classes.embedding.tied_split: true}}"
 part train-2rank-auto 150 two_ranks 29618 -m dtrain.engine.train --profile dtrain/profiles/base.yaml $TRAIN $NOEVAL \
     --set sync.strategy=auto --set collectives.mode=per_group --set "sync.tune.candidates=$AUTO_SPACE" \
-    --set sync.tune.top_k=5 --set sync.tune.budget_steps=50 --run-dir "$OUT_DIR/train-2rank-auto"
+    --set sync.tune.top_k=6 --set sync.tune.budget_steps=50 --run-dir "$OUT_DIR/train-2rank-auto"
 port=29620
 for proto in LL LL128 Simple; do
     port=$((port + 1))
@@ -175,8 +180,8 @@ ATTACH_SPACE="{ddp-25: {strategy: ddp, bucket_cap_mb: 25}, bucketed-0.5: {strate
     per_class-1: {strategy: per_class, bucket_cap_mb: 1}}"
 part plain-loop-auto 60 two_ranks 29631 examples/plain_loop.py --backend nccl --strategy auto --steps 60 \
     --candidates "$ATTACH_SPACE"
-# The language model with attach's default space on CUDA: planned candidates free their bucket buffers while others
-# train and lay them out again on the GPU before their own step; the race's table and the peak host RSS.
+# The language model with attach's default space on CUDA: planned candidates free their bucket buffers (sharded: its
+# flat parameters too) while others train and lay them out again on the GPU; the race's table and the peak host RSS.
 part gpt-lm-auto 120 two_ranks 29632 examples/gpt_lm.py --backend nccl --steps 160
 
 echo "=== done ($(date +%T)): $failures part(s) failed"

@@ -106,12 +106,12 @@ def test_pruning_keeps_the_best_predicted_and_every_unpredicted_candidate():
     assert [c.name for c in racing] == [cands[2].name, cands[3].name, cands[1].name]
     assert [c.predicted_rank for c in cands] == [3, None, 1, 2, 4]
     dropped = [c for c in cands if c.status == "dropped: predicted"]
-    assert dropped == [cands[0], cands[4]] and "rank 4 of 4; 2 are measured" in cands[4].reason
+    assert dropped == [cands[0], cands[4]] and "rank 4 of 4; measured: each family's best" in cands[4].reason
 
 
 def test_pruning_measures_each_familys_best_first_within_the_slack():
-    """A prediction can be 20-25% off: of the top_k measured, the best predicted member of each family within
-    FAMILY_SLACK comes before a near copy of a better predicted one; a family beyond the slack only fills a place
+    """A prediction can be 20-25% off: the best predicted member of every family within FAMILY_SLACK is measured,
+    even past top_k, before a near copy of a better predicted one; a family beyond the slack only fills a place
     left over."""
     by_name = {c.name: c for c in autotune.candidates(auto_cfg())}
     names = ("bucketed-0.5", "bucketed-2", "bucketed-8", "ddp-2", "ddp-25", "sharded-2")
@@ -121,6 +121,7 @@ def test_pruning_measures_each_familys_best_first_within_the_slack():
         cands, syncs = entrants([by_name[n] for n in names], predictions)
         return [c.name for c in tune_model.prune(cands, syncs, top_k)], {c.name for c in cands if c.status}
 
+    assert prune(1) == (["bucketed-0.5", "ddp-2"], {"bucketed-2", "bucketed-8", "ddp-25", "sharded-2"})
     assert prune(2) == (["bucketed-0.5", "ddp-2"], {"bucketed-2", "bucketed-8", "ddp-25", "sharded-2"})
     assert prune(3) == (["bucketed-0.5", "bucketed-2", "ddp-2"], {"bucketed-8", "ddp-25", "sharded-2"})
 

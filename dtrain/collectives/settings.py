@@ -67,7 +67,9 @@ class TuneConfig:
     # classes.embedding.tied_split: true}); empty: the default space (dtrain.engine.autotune.DEFAULT_SPACE)
     candidates: dict[str, dict[str, Any]] = field(default_factory=dict)
     budget_steps: int = 60  # training steps the search may spend, the probe's included
-    top_k: int = 4  # candidates measured: the best by the prediction (the others are dropped unmeasured)
+    # candidates measured: each family's best predicted within 1.3x of the best one, however many, then the best
+    # predicted of the rest up to top_k in all (the others are dropped unmeasured)
+    top_k: int = 4
     probe_steps: int = 3  # the run's first steps (stock DDP's), timed phase by phase for the prediction
     warmup_rounds: int = 2  # first rounds not counted (DDP rebuilds its buckets after its first step)
     # counted rounds before a candidate may be dropped: from 6 on, the interval of a paired median (the smallest to

@@ -142,26 +142,25 @@ def family(sync) -> str:
 
 
 def prune(cands: list, syncs: dict, top_k: int) -> list:
-    """The `top_k` entrants to measure (`dtrain.collectives.race.Entrant`, their `predicted_ms` set; `syncs`: name ->
-    SyncConfig), and every one without a prediction (PowerSGD: no bucket plan to play). The `top_k` go first to the
-    best predicted member of each family whose prediction is within FAMILY_SLACK of the best one, families in
-    predicted order; the places left, to the best predicted of the rest. The others are marked dropped. Ranks are
-    given in predicted order."""
+    """The entrants to measure (`dtrain.collectives.race.Entrant`, their `predicted_ms` set; `syncs`: name ->
+    SyncConfig): the best predicted member of every family whose prediction is within FAMILY_SLACK of the best one,
+    however many that is; then, up to `top_k` in all, the best predicted of the rest; and every one without a
+    prediction (PowerSGD: no bucket plan to play). The others are marked dropped. Ranks are given in predicted
+    order."""
     predicted = sorted((c for c in cands if c.predicted_ms is not None), key=lambda c: c.predicted_ms)
     for i, c in enumerate(predicted):
         c.predicted_rank = i + 1
     kept: list = []
     families: set[str] = set()
     for c in predicted:
-        if (len(kept) < top_k and family(syncs[c.name]) not in families
-                and c.predicted_ms <= FAMILY_SLACK * predicted[0].predicted_ms):
+        if family(syncs[c.name]) not in families and c.predicted_ms <= FAMILY_SLACK * predicted[0].predicted_ms:
             kept.append(c)
             families.add(family(syncs[c.name]))
-    kept += [c for c in predicted if c not in kept][:top_k - len(kept)]
+    kept += [c for c in predicted if c not in kept][:max(0, top_k - len(kept))]
     kept.sort(key=lambda c: c.predicted_ms)
     for c in predicted:
         if c not in kept:
             c.status = "dropped: predicted"
-            c.reason = (f"predicted {c.predicted_ms:.0f} ms, rank {c.predicted_rank} of {len(predicted)}; "
-                        f"{top_k} are measured, each family's best first")
+            c.reason = (f"predicted {c.predicted_ms:.0f} ms, rank {c.predicted_rank} of {len(predicted)}; measured: "
+                        f"each family's best within {FAMILY_SLACK}x of the best, and up to {top_k} in all")
     return kept + [c for c in cands if c.predicted_ms is None]

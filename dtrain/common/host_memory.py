@@ -34,10 +34,3 @@ def keep_freed_memory() -> str:
         return "not applied: mallopt refused"
     return "kept"
 
-
-def return_freed_memory() -> None:
-    """Hand the allocator's free memory back to the operating system now (glibc's malloc_trim; nothing elsewhere):
-    after freeing buffers of one layout and before making another of other sizes (`attach`'s search between
-    candidates), so that the freed ones do not stay in the process beside the new ones."""
-    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)

@@ -19,8 +19,13 @@ and points the optimizer's one parameter group at the new handle's `optimizer_pa
 optimizer: `handle.stepped(optimizer)`. Such a candidate's first step after a switch is a lead-in, a training step
 that is not timed: its parameters were whole when it started, so it did not wait for the all-gathers that every
 later step of a run of it overlaps with its forward; its second step, timed, does. `fsdp2` cannot be switched
-(`fully_shard` replaces the model's parameters and modules for good), and a lossy candidate would need the loss,
-which the seam does not see: both are refused with a one-line error naming the candidate.
+(`fully_shard` replaces the model's parameters and modules for good): named as a candidate, it is a one-line error.
+A lossy candidate is searched only with `sync.tune.lossy`, judged by the loss the loop passes to `stepped`.
+
+Where more candidates than `sync.tune.top_k` are in the space, the run's first `probe_steps` steps (under stock
+DDP's defaults where the space holds them) are timed phase by phase and the job's group is timed at a few sizes;
+`dtrain.collectives.tune_model` predicts each candidate's step from that and keeps `top_k` for the race (each
+family's best predicted first). A candidate's handle is built at its first turn, so the dropped ones never are.
 
 The loop must call `stepped()` after `optimizer.step()`: a candidate's step is timed from its first forward to there.
 """
@@ -43,7 +48,6 @@ from dtrain.collectives.settings import ClassSettings, SyncConfig
 from dtrain.collectives.strategies import CLASS_RULE_KEYS, attachable, build, get, planner, register, unused_keys
 from dtrain.collectives.sync import Front, GradSync, move_optimizer
 from dtrain.common.errors import UserError
-from dtrain.common.host_memory import return_freed_memory
 from dtrain.common.rundir import BucketRecord
 from dtrain.common.schema import Source, build as build_section, set_dotted
 
@@ -332,7 +336,6 @@ class OnlineSearch(GradSync):
             whole = previous.optimizer_state(self.optimizer)  # a collective for a sharded handle
             self.optimizer.state.clear()  # a sharded one's shard states go before the next layout is made
         previous.suspend()  # a sharded one: the updated shards all-gathered into the model first
-        return_freed_memory()  # its buffers, before the next candidate lays out buffers of other sizes
         built = name in self.handles
         self.current = self._handle(name)  # a new one is laid out already
         if built:
