@@ -188,15 +188,16 @@ def _ranks(rank: int, world: int, init: str, out: str) -> None:
             opt.zero_grad(set_to_none=True)
         handle.wait_params()
         searched_state = handle.optimizer_state(opt)
-        winner, spent, entrants, timing = handle.winner, handle.spent, handle.entrants, handle.timing_steps
+        winner, spent, entrants = handle.winner, handle.spent, handle.entrants
+        timing, moves = handle.timing_steps, handle.switch_steps
         handle.close()
         assert threading.active_count() == threads  # nothing of any candidate left running
         assert len(dist.distributed_c10d._world.pg_map) == groups  # every candidate's groups destroyed
-        steps = spent - timing
+        steps = spent - timing - moves
         assert winner is not None and names[steps:] == [winner] * (30 - steps)
-        # every search step, the probe's and lead-ins included, a training step; the probe's network timing counts
-        # as the steps its time would have held
-        assert sum(c.steps for c in entrants) + timing == spent and timing >= 1
+        # every search step, the probe's and lead-ins included, a training step; the probe's network timing and the
+        # optimizer state's moves count as the steps their time would have held
+        assert sum(c.steps for c in entrants) + timing + moves == spent and timing >= 1
         switched = sum(a != b for a, b in zip(names, names[1:]))
         reference, reference_state = _sequence_run(names, world, rank)
         worst = _relative([p.detach() for p in searched.parameters()], list(reference.parameters()))

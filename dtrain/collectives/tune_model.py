@@ -62,10 +62,17 @@ def probe_of(steps: list[tuple[float, float, float, float]]) -> list[float]:
     return [statistics.median(s[i] for s in steady) for i in range(4)]
 
 
-def time_allreduce(device, group=None) -> list[float]:
-    """This rank's median time (µs) of one all-reduce of each of BENCH_BYTES over `group`."""
+def bench_sizes(gradient_bytes: int) -> list[int]:
+    """The all-reduce sizes to time for a model of `gradient_bytes`: BENCH_BYTES up to the first at least that large
+    (no bucket is larger; a tiny model's steps would not hold the timing of 16 MiB), two at the least."""
+    sizes = [b for b in BENCH_BYTES if b < gradient_bytes]
+    return list(BENCH_BYTES[:max(2, len(sizes) + 1)])
+
+
+def time_allreduce(device, sizes: list[int], group=None) -> list[float]:
+    """This rank's median time (µs) of one all-reduce of each of `sizes` (bytes) over `group`."""
     out = []
-    for nbytes in BENCH_BYTES:
+    for nbytes in sizes:
         t = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
         dist.all_reduce(t, group=group)  # warm-up: connections, buffers
         times = []
@@ -81,9 +88,9 @@ def time_allreduce(device, group=None) -> list[float]:
     return out
 
 
-def network_model(times_us: list[float], world: int) -> FittedModel:
+def network_model(sizes: list[int], times_us: list[float], world: int) -> FittedModel:
     """The all-reduce cost of the job's process group, fitted on the (rank-averaged) timings of `time_allreduce`."""
-    return FittedModel({"in-job": fit_regimes(list(BENCH_BYTES), times_us, max_regimes=2)}, "allreduce", world,
+    return FittedModel({"in-job": fit_regimes(list(sizes), times_us, max_regimes=2)}, "allreduce", world,
                        name="in-job", source="the job's own all-reduce timings")
 
 
@@ -141,18 +148,20 @@ def family(sync) -> str:
         f"+{sync.gather_dtype}" if sync.gather_dtype else "") + ("+hierarchical" if sync.hierarchical else "")
 
 
-def prune(cands: list, syncs: dict, top_k: int) -> list:
+def prune(cands: list, syncs: dict, top_k: int, keep: set[str] = frozenset()) -> list:
     """The entrants to measure (`dtrain.collectives.race.Entrant`, their `predicted_ms` set; `syncs`: name ->
-    SyncConfig): the best predicted member of every family whose prediction is within FAMILY_SLACK of the best one,
-    however many that is; then, up to `top_k` in all, the best predicted of the rest; and every one without a
-    prediction (PowerSGD: no bucket plan to play). The others are marked dropped. Ranks are given in predicted
-    order."""
+    SyncConfig): those named in `keep`; the best predicted member of every family whose prediction is within
+    FAMILY_SLACK of the best one, however many that is; then, up to `top_k` in all, the best predicted of the rest;
+    and every one without a prediction (PowerSGD: no bucket plan to play). The others are marked dropped. Ranks are
+    given in predicted order."""
     predicted = sorted((c for c in cands if c.predicted_ms is not None), key=lambda c: c.predicted_ms)
     for i, c in enumerate(predicted):
         c.predicted_rank = i + 1
-    kept: list = []
+    kept: list = [c for c in predicted if c.name in keep]
     families: set[str] = set()
     for c in predicted:
+        if c in kept:
+            continue
         if family(syncs[c.name]) not in families and c.predicted_ms <= FAMILY_SLACK * predicted[0].predicted_ms:
             kept.append(c)
             families.add(family(syncs[c.name]))

@@ -159,9 +159,9 @@ class SearchRecord:
             if c.status.startswith("dropped: measured"):
                 c.diff = race.paired(c, e) or c.diff
         e.diff = None
-        tuning = {"winner": winner.name, "sync": winner.keys, "steps_spent": s.spent, "rounds": s.rounds,
-                  "budget_steps": s.budget, "search": self.search, "from_step": self.from_step,
-                  "switch_s": round(s.switch_s, 2)}
+        tuning = {"winner": winner.name, "sync": winner.keys, "steps_spent": s.spent, "steps_trained": s.steps_run,
+                  "timing_steps": s.timing_steps, "switch_steps": s.switch_steps, "switch_s": round(s.switch_s, 2),
+                  "rounds": s.rounds, "budget_steps": s.budget, "search": self.search, "from_step": self.from_step}
         tr.sync = s.current  # the winner's own handle trains on
         tr.cfg = winner.cfg
         tr.facts["tuning"] = run_facts(tuning)

@@ -123,7 +123,8 @@ def candidate_sync(base: SyncConfig, name: str, keys: Any) -> SyncConfig:
 
 def is_lossless(sync) -> bool:
     """Whether every rank's averaged gradient is the exact mean: the strategy's own answer, fp32 on the wire, and
-    for a DDP comm hook what `dtrain.collectives.hooks.resolve` says of it (the per-class hook: its classes' wire dtypes)."""
+    for a DDP comm hook what `dtrain.collectives.hooks.resolve` says of it (the per-class hook: its classes' wire
+    dtypes)."""
     fp32 = all(c.wire_dtype == "fp32" for c in sync.classes.values())
     hook = hooks.resolve(sync.hook) if "hook" in get(sync.strategy).sync_keys else None
     if hook is not None and not hook.per_class:
@@ -185,9 +186,9 @@ class OnlineSearch(GradSync):
         self.sharding = {name: _shards(sync.strategy) for name, sync in syncs.items()}
         self.entrants = [race.Entrant(name, is_lossless(sync)) for name, sync in syncs.items()]
         self.alive = list(self.entrants)
-        self.budget, self.spent, self.rounds = t.budget_steps, 0, 0
+        self.budget, self.steps_run, self.rounds = t.budget_steps, 0, 0
         self.order = random.Random(0)  # the same order on every rank
-        self.queue: list[race.Entrant] = self.order.sample(self.alive, len(self.alive))
+        self.queue: list[race.Entrant] = self._round_order()
         self.round_ms: dict[str, float] = {}  # this round's steps so far, this rank's
         self.round_loss: dict[str, float] = {}
         self.winner: str | None = None
@@ -201,7 +202,8 @@ class OnlineSearch(GradSync):
         self.current = self._handle(first)  # before the loop builds its optimizer over `optimizer_params()`
         self.optimizer: torch.optim.Optimizer | None = None  # the loop's, from `stepped(optimizer)`
         self.lead_in = False  # the current step is a sharding candidate's first after a switch: not timed
-        self.switch_s = 0.0  # this rank's time spent switching layouts (moving the optimizer's state)
+        self.switch_s = 0.0  # this rank's time spent moving the optimizer's state between layouts
+        self.switch_steps = 0  # the steps that time counts as (rank-averaged, at each round's end)
         self.module = Front(model, self)  # the current candidate's module (the loop may keep this one object)
         self.device = next(model.parameters()).device
         self._t0: float | None = None
@@ -239,7 +241,7 @@ class OnlineSearch(GradSync):
         now = time.perf_counter()
         elapsed_ms = (now - self._t0) * 1000
         self._t0 = None
-        self.spent += 1
+        self.steps_run += 1
         if self.probing:
             self._probe_step(elapsed_ms, now)
             return
@@ -281,23 +283,25 @@ class OnlineSearch(GradSync):
             return
         # Averaged over the ranks, so every rank predicts and prunes alike.
         t0 = time.perf_counter()
-        mine = tune_model.probe_of(self.probe_steps) + tune_model.time_allreduce(self.device, self.process_group)
+        sizes = tune_model.bench_sizes(sum(p.numel() * p.element_size() for p in self.model.parameters()))
+        mine = tune_model.probe_of(self.probe_steps) + tune_model.time_allreduce(self.device, sizes, self.process_group)
         timing_ms = (time.perf_counter() - t0) * 1000
         world = dist.get_world_size(self.process_group)
         total = torch.tensor(mine + [timing_ms], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.process_group)
         avg = [v / world for v in total.tolist()]
         self.probe = tune_model.Probe(*avg[:4])
-        self.net = tune_model.network_model(avg[4:-1], world)
+        self.net = tune_model.network_model(sizes, avg[4:-1], world)
         # the network timing counts as the steps its time would have held
         self.timing_steps = math.ceil(avg[-1] / max(self.probe.step_ms, 1e-3))
-        self.spent += self.timing_steps
         backend = dist.get_backend(self.process_group)
         for c in self.entrants:
             c.predicted_ms = tune_model.predict_ms(self.syncs[c.name], self.model, self.probe, self.net, world,
                                                    backend)
-        self.alive = tune_model.prune(self.entrants, self.syncs, self.cfg.tune.top_k)
-        self.queue = self.order.sample(self.alive, len(self.alive))
+        # stock DDP's defaults (the probe's) race too, where the space holds them: every search then shows its pick
+        # against the stock configuration, paired
+        self.alive = tune_model.prune(self.entrants, self.syncs, self.cfg.tune.top_k, keep={PROBE})
+        self.queue = self._round_order()
         self._next()
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -342,7 +346,7 @@ class OnlineSearch(GradSync):
             self.current.resume()
         if moves:
             move_optimizer(self.optimizer, whole, self.current)
-        self.switch_s += time.perf_counter() - t0
+            self.switch_s += time.perf_counter() - t0
 
     def _name(self, handle: GradSync) -> str:
         return next(n for n, h in self.handles.items() if h is handle)
@@ -350,9 +354,12 @@ class OnlineSearch(GradSync):
     def _end_round(self) -> None:
         names = [c.name for c in self.alive]
         mine = [self.round_ms[n] for n in names] + [self.round_loss.get(n, 0.0) for n in names]
-        total = torch.tensor(mine, dtype=torch.float64, device=self.device)
+        total = torch.tensor(mine + [self.switch_s * 1000], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.process_group)  # every rank decides on the same means
         world = dist.get_world_size(self.process_group)
+        # the state moves' time so far counts as the steps it would have held (this round's mean step)
+        mean_ms = total[:len(names)].mean().item() / world
+        self.switch_steps = round(total[-1].item() / world / max(mean_ms, 1e-3))
         if self.rounds >= self.cfg.tune.warmup_rounds:
             for i, c in enumerate(self.alive):
                 c.times[self.rounds] = total[i].item() / world
@@ -366,7 +373,23 @@ class OnlineSearch(GradSync):
                 self.alive.sort(key=lambda c: c.predicted_ms if c.predicted_ms is not None else math.inf)
             self.winner = race.pick(self.alive, self.budget).name
         else:
-            self.queue = self.order.sample(self.alive, len(self.alive))
+            self.queue = self._round_order()
+
+    @property
+    def spent(self) -> int:
+        """What the search has spent of `budget_steps`: its training steps, and the probe's network timing and the
+        optimizer state's moves as the steps their time would have held."""
+        return self.steps_run + self.timing_steps + self.switch_steps
+
+    def _round_order(self) -> list[race.Entrant]:
+        """A round's order, the same on every rank: the sharding candidates together and the others together, each
+        group shuffled and the groups' order drawn (a move of the optimizer's state between the groups, or between
+        two sharding candidates, costs an all-gather of it; within the others it costs nothing)."""
+        sharding = [c for c in self.alive if self.sharding[c.name]]
+        groups = [self.order.sample(g, len(g)) for g in (sharding, [c for c in self.alive if c not in sharding])]
+        if self.order.random() < 0.5:
+            groups.reverse()
+        return groups[0] + groups[1]
 
     def conclude(self) -> None:
         """End the search now (the run's last step came first): the fastest median so far wins, or where no round
