@@ -2,12 +2,12 @@
 
 A training loop calls `collectives.attach(model, sync_config)` once and gets a `GradSync`. It builds its optimizer
 over `handle.optimizer_params()`, runs forward through `handle.module`, wraps all but the last micro-batch of an
-accumulation in `handle.no_sync()`, calls `handle.wait()` before the update and clips by `handle.grad_norm()`; it may
-call `handle.stepped(optimizer)` after `optimizer.step()`. Before reading the model's parameters outside training (validation, a
-checkpoint) it calls `handle.wait_params()`; it saves and loads the model through `handle.model_state()` and
-`handle.load_model_state()`, the optimizer through `handle.optimizer_state()` and `handle.load_optimizer_state()`,
-and the strategy's own state (PowerSGD's error feedback: this rank's, so gathered per
-rank) through `handle.state_dict()` and `handle.load_state_dict()`. It never branches on which strategy is behind the
+accumulation in `handle.no_sync()`, calls `handle.wait()` before the update and clips by `handle.grad_norm()`, and
+calls `handle.stepped(optimizer)` after `optimizer.step()` (`auto` switches candidates there). Before reading the
+model's parameters outside training (validation, a checkpoint) it calls `handle.wait_params()`; it saves and loads
+the model through `handle.model_state()` and `handle.load_model_state()`, the optimizer through
+`handle.optimizer_state()` and `handle.load_optimizer_state()`, and the strategy's own state (PowerSGD's error
+feedback: this rank's, so gathered per rank) through `handle.state_dict()` and `handle.load_state_dict()`. It never branches on which strategy is behind the
 handle: for all but a sharded strategy these calls are the plain ones (the model's parameters and state dict, the
 optimizer's own state dict; no state of its own).
 """

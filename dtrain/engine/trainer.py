@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from dtrain.collectives import attach, nccl
-from dtrain.collectives.sync import move_optimizer
 from dtrain.collectives import dist as ddist
+from dtrain.collectives.sync import move_optimizer
 from dtrain.collectives.timing import ms_between, stamp
 from dtrain.common.errors import JobFailure, UserError
 from dtrain.common.host_memory import keep_freed_memory

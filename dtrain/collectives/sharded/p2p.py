@@ -53,7 +53,7 @@ class Completions:
         self._queue.put((works, then, done))
 
     def close(self) -> None:
-        """Let the thread end once the work already put has completed."""
+        """Let the thread end once the work already put has completed (its last task holds buffers until then)."""
         self._queue.put(None)
         self._thread.join()
 
@@ -70,8 +70,6 @@ class Completions:
             except BaseException as e:  # noqa: BLE001 - handed to the training thread, which re-raises it
                 self._failure = e
             done.set()
-            # the task's buffers are not held while the thread waits for the next one (a suspended handle's go)
-            del task, works, then, done
 
     def check(self) -> None:
         if self._failure is not None:
