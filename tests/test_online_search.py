@@ -29,17 +29,21 @@ def auto(candidates=None, **tune):
     return SyncConfig(strategy="auto", tune=TuneConfig(candidates=candidates or {}, **tune))
 
 
+def loop_step(handle, opt, step: int, rank: int) -> None:
+    """One step of the plain loop: forward through the handle, backward, wait, the optimizer, stepped."""
+    src, tgt_in, tgt_out = verify.batch(rank, step, 0)
+    verify.loss_fn(handle.module(src, tgt_in), tgt_out, 1).backward()
+    handle.wait()
+    opt.step()
+    handle.stepped(opt)
+    opt.zero_grad(set_to_none=True)
+
+
 def train(handle, model, steps, rank=0):
-    """The plain loop's steps: forward through the handle, backward, wait, Adam (state to move), stepped; returns
-    the optimizer's whole-model state."""
+    """The plain loop's steps with Adam (state to move); returns the optimizer's whole-model state."""
     opt = torch.optim.Adam(handle.optimizer_params(), lr=0.01)
     for step in range(steps):
-        src, tgt_in, tgt_out = verify.batch(rank, step, 0)
-        verify.loss_fn(handle.module(src, tgt_in), tgt_out, 1).backward()
-        handle.wait()
-        opt.step()
-        handle.stepped(opt)
-        opt.zero_grad(set_to_none=True)
+        loop_step(handle, opt, step, rank)
     handle.wait_params()
     return handle.optimizer_state(opt)
 
@@ -153,12 +157,7 @@ def _sequence_run(names: list[str], world: int, rank: int):
             if state is not None:
                 handle.load_optimizer_state(opt, state)
             current = name
-        src, tgt_in, tgt_out = verify.batch(rank, step, 0)
-        verify.loss_fn(handle.module(src, tgt_in), tgt_out, 1).backward()
-        handle.wait()
-        opt.step()
-        handle.stepped(opt)
-        opt.zero_grad(set_to_none=True)
+        loop_step(handle, opt, step, rank)
     handle.wait_params()
     return model, handle.optimizer_state(opt)
 
@@ -180,12 +179,7 @@ def _ranks(rank: int, world: int, init: str, out: str) -> None:
         names = []
         for step in range(30):
             names.append(handle._name(handle.current))
-            src, tgt_in, tgt_out = verify.batch(rank, step, 0)
-            verify.loss_fn(handle.module(src, tgt_in), tgt_out, 1).backward()
-            handle.wait()
-            opt.step()
-            handle.stepped(opt)
-            opt.zero_grad(set_to_none=True)
+            loop_step(handle, opt, step, rank)
         handle.wait_params()
         searched_state = handle.optimizer_state(opt)
         winner, spent, entrants = handle.winner, handle.spent, handle.entrants
