@@ -33,11 +33,17 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt_lm.py"
 PROFILE = str(Path(__file__).resolve().parents[1] / "dtrain" / "profiles" / "multi30k-cpu.yaml")
 
 
-def run(strategy: str, args) -> tuple[float, str]:
-    """One 2-rank run: (its largest rank's peak RSS in MiB, what it printed)."""
+def environment(args) -> dict:
+    """The runs' environment: one thread per rank, and GLIBC_TUNABLES if given."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if args.glibc_tunables:
         env["GLIBC_TUNABLES"] = args.glibc_tunables
+    return env
+
+
+def run(strategy: str, args) -> tuple[float, str]:
+    """One 2-rank run: (its largest rank's peak RSS in MiB, what it printed)."""
+    env = environment(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLE),
            "--strategy", strategy, "--steps", str(args.steps), "--d-model", "256", "--layers", "6"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -50,9 +56,7 @@ def run(strategy: str, args) -> tuple[float, str]:
 def run_engine(sync: list[str], args, run_dir: Path) -> tuple[float, dict | None]:
     """One 2-rank run of dtrain's trainer with `sync` overrides: (its largest rank's peak RSS in MiB, the run's
     tuned.json or None)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if args.glibc_tunables:
-        env["GLIBC_TUNABLES"] = args.glibc_tunables
+    env = environment(args)
     sets = ["train.amp=fp32", f"train.max_steps={args.steps}", "eval.at_end=false", "train.val_every=0",
             "train.average_last=1", *args.overrides, *sync]
     cmd = ["/usr/bin/time", "-f", "peak %M KB", sys.executable, "-m", "torch.distributed.run", "--standalone",

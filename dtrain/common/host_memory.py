@@ -33,4 +33,3 @@ def keep_freed_memory() -> str:
     if libc.mallopt(M_MMAP_MAX, 0) != 1 or libc.mallopt(M_TRIM_THRESHOLD, KEEP) != 1:
         return "not applied: mallopt refused"
     return "kept"
-

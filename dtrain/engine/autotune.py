@@ -125,6 +125,7 @@ class SearchRecord:
                            for c in cands if not c.searchable]
         self.drift: DriftWatch | None = None
         self.done = False
+        self._written = None  # the search's state when tuning.csv was last written
 
     def __call__(self, rec) -> bool:
         if self.done:
@@ -132,9 +133,10 @@ class SearchRecord:
         self._predict_unsearched()
         if self.online.winner is None and self.tr.step >= self.cfg.train.max_steps:
             self.online.conclude()  # the run's last step before the search's end
-        self._write()
         if self.online.winner is not None:
-            self._finish()
+            self._finish()  # writes the final table
+        else:
+            self._write()
         return False
 
     def _predict_unsearched(self) -> None:
@@ -176,10 +178,12 @@ class SearchRecord:
             self.drift = DriftWatch(t.retune_drift, t.retune_window, tr.device)
 
     def _write(self) -> None:
-        """tuning.csv as it stands."""
-        if not self.main:
-            return
+        """tuning.csv as it stands, when the search has moved on: a round ended, the probe pruned, a winner."""
         s = self.online
+        state = (s.rounds, s.probe is None, s.winner)
+        if not self.main or state == self._written:
+            return
+        self._written = state
         alive = [c for c in s.alive if c.times]
         leader = min(alive, key=lambda c: c.measured_ms) if alive else None
         for c in s.entrants:

@@ -12,8 +12,10 @@ and sets its event, so the sums run while backward computes and the training thr
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -45,6 +47,10 @@ class Completions:
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        # A handle the loop never closed: its thread ends before the interpreter's shutdown stops daemon threads,
+        # which aborts the process (std::terminate) if one is then inside a collective's wait.
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close())
 
     def put(self, works: list, then: Callable[[], None], done: threading.Event) -> None:
         """When every work in `works` has completed: `then()`, then `done.set()` (also after a failure, which
@@ -54,6 +60,8 @@ class Completions:
 
     def close(self) -> None:
         """Let the thread end once the work already put has completed (its last task holds buffers until then)."""
+        if not self._thread.is_alive():
+            return
         self._queue.put(None)
         self._thread.join()
 

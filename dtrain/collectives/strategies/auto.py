@@ -174,7 +174,6 @@ class OnlineSearch(GradSync):
                 raise UserError(f"'sync.tune.candidates.{name}': {sync.strategy} replaces the model's parameters "
                                 "for good and cannot be switched between steps; attach's search takes the other "
                                 f"strategies ({', '.join(n for n in attachable() if get(n).switchable)})")
-        for name, sync in syncs.items():
             if not is_lossless(sync) and not t.lossy:
                 raise UserError(f"'sync.tune.candidates.{name}' is lossy; set sync.tune.lossy: true to search it "
                                 "(the loop then passes each step's loss: handle.stepped(optimizer, loss))")
@@ -214,7 +213,10 @@ class OnlineSearch(GradSync):
     # -- the race, one training step at a time -------------------------------------------------------------------
 
     def forward(self, model: nn.Module, *args, **kwargs):
-        """`handle.module`'s forward: the current candidate's, its step timed from the first micro-batch."""
+        """`handle.module`'s forward: the current candidate's, its step timed from the first micro-batch (after the
+        search: the winner's, untimed)."""
+        if self.winner is not None:
+            return self.current.module(*args, **kwargs)
         t = time.perf_counter()
         if self._t0 is None:
             self._t0, self._phases = t, [0.0, 0.0]
@@ -223,6 +225,8 @@ class OnlineSearch(GradSync):
         return out
 
     def wait(self) -> None:
+        if self.winner is not None:
+            return self.current.wait()
         t = time.perf_counter()
         self.current.wait()
         self._phases[1] += time.perf_counter() - t
@@ -369,9 +373,7 @@ class OnlineSearch(GradSync):
         self.round_ms, self.round_loss = {}, {}
         self.alive = race.drop(self.alive, self.cfg.tune.min_rounds, self.cfg.tune.loss_tolerance)
         if len(self.alive) == 1 or self.spent + self._round_steps() > self.budget:
-            if not any(c.times for c in self.alive):  # no counted round (a tiny budget): the best prediction
-                self.alive.sort(key=lambda c: c.predicted_ms if c.predicted_ms is not None else math.inf)
-            self.winner = race.pick(self.alive, self.budget).name
+            self._pick()
         else:
             self.queue = self._round_order()
 
@@ -397,11 +399,16 @@ class OnlineSearch(GradSync):
         if self.winner is not None:
             return
         self.probing = 0
+        self._pick()
+        self.lead_in, self._t0 = False, None
+        self._next()
+
+    def _pick(self) -> None:
+        """The winner among those left: the fastest median, or where no round was counted (a tiny budget, a run cut
+        short) the best prediction, else the first."""
         if not any(c.times for c in self.alive):
             self.alive.sort(key=lambda c: c.predicted_ms if c.predicted_ms is not None else math.inf)
         self.winner = race.pick(self.alive, self.budget).name
-        self.lead_in, self._t0 = False, None
-        self._next()
 
     def _round_steps(self) -> int:
         """The training steps the next round may take: one per candidate, and a lead-in per sharding one."""
