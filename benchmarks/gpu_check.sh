@@ -28,7 +28,9 @@
 #    mixed precision): its parameters against ddp's (fp32: equal to rounding; bf16: another forward, compared
 #    only), and its checkpoint resumed under ddp.
 # 9. sync.strategy: auto through `attach` in examples/plain_loop.py on NCCL: the search on the loop's own steps, its
-#    candidates attached to the one model at once (only the armed one communicates), parameters equal on both ranks.
+#    candidates attached to the one model at once (only the armed one communicates), per-class NCCL protocol,
+#    algorithm and CTA bounds among them (no profile applied: attach sets them on each class's communicator),
+#    parameters equal on both ranks.
 # 10. examples/gpt_lm.py (a GPT-style decoder, tied embedding) with auto over attach's default space on NCCL (its
 #     sharded candidates included: the optimizer's state moved at each switch).
 # Each part has its own time limit and the script goes on after a failed part; the exit status counts the failures.
@@ -176,8 +178,14 @@ part fsdp2-resumed-under-ddp 100 two_ranks 29630 -m dtrain.engine.train --profil
     $NOEVAL --set sync.strategy=ddp --resume --set train.max_steps=$((STEPS2 + 10)) \
     --run-dir "$OUT_DIR/train-2rank-fsdp2"
 
+# The per-class NCCL candidates are attach's own (its default space on NCCL): no profile was applied, so each class's
+# communicator gets its protocol, algorithm and CTA bounds as it is created (per_group's way).
 ATTACH_SPACE="{ddp-25: {strategy: ddp, bucket_cap_mb: 25}, bucketed-0.5: {strategy: bucketed, bucket_cap_mb: 0.5},
-    per_class-1: {strategy: per_class, bucket_cap_mb: 1}}"
+    per_class-1-LL: {strategy: per_class, bucket_cap_mb: 2, classes.projection.bucket_cap_mb: 1,
+        classes.projection.protocol: LL, classes.norm_bias.bucket_cap_mb: 1, classes.norm_bias.protocol: LL,
+        classes.embedding.protocol: Simple, classes.embedding.max_ctas: 16},
+    per_class-2-Tree: {strategy: per_class, bucket_cap_mb: 2, classes.embedding.algorithm: Tree,
+        classes.norm_bias.algorithm: Tree, classes.projection.algorithm: Tree, classes.ffn.algorithm: Tree}}"
 part plain-loop-auto 60 two_ranks 29631 examples/plain_loop.py --backend nccl --strategy auto --steps 60 \
     --candidates "$ATTACH_SPACE"
 # The language model with attach's default space on CUDA: planned candidates free their bucket buffers (sharded: its

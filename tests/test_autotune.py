@@ -12,6 +12,7 @@ from dtrain.common.rundir import TUNING_COLUMNS
 from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun, train_ranks
 from dtrain.collectives import tune_model
 from dtrain.collectives.race import Entrant
+from dtrain.collectives.strategies.auto import NCCL_SPACE
 from dtrain.engine import autotune
 from dtrain.engine import config as config_mod
 from dtrain.engine.model import Transformer
@@ -25,7 +26,7 @@ def auto_cfg(*overrides):
 
 def test_the_default_space_builds_and_only_lossless_candidates_are_searched_by_default(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # one rank, one node: no hierarchical plan
-    flat = [n for n, k in autotune.DEFAULT_SPACE.items() if not k.get("hierarchical")]
+    flat = [n for n, k in autotune.DEFAULT_SPACE.items() if not k.get("hierarchical") and n not in NCCL_SPACE]
     cands = autotune.candidates(auto_cfg("train.amp=bf16"))
     assert [c.name for c in cands] == [n for n in flat if n != "fsdp2-bf16"]  # lossy: bf16 params
     assert all(c.lossless for c in cands)
@@ -49,6 +50,15 @@ def test_the_default_space_builds_and_only_lossless_candidates_are_searched_by_d
     assert {tune_model.family(c.cfg.sync) for c in hierarchical} == {"bucketed+hierarchical"}
     monkeypatch.setattr(autotune.ddist, "world_size", lambda: 2)  # one node of 2 ranks: out again
     assert not any(c.cfg.sync.hierarchical for c in autotune.candidates(auto_cfg("train.amp=fp32")))
+
+    # on NCCL with a class's own communicator settings (per_group or tuner), per-class NCCL choices join, a family
+    # of their own; in global mode (one choice for the job) they do not
+    monkeypatch.setattr(autotune.ddist, "choose_backend", lambda dist_cfg: "nccl")
+    per_group = autotune.candidates(auto_cfg("train.amp=fp32", "collectives.mode=per_group"))
+    nccl = [c for c in per_group if c.name in NCCL_SPACE]
+    assert [c.name for c in nccl] == list(NCCL_SPACE) and nccl[0].cfg.sync.classes["projection"].protocol == "LL"
+    assert {tune_model.family(c.cfg.sync) for c in nccl} == {"per_class+nccl"}
+    assert not any(c.name in NCCL_SPACE for c in autotune.candidates(auto_cfg("train.amp=fp32")))
 
     space = "{fp32: {strategy: per_class}, bf16: {strategy: per_class, classes.embedding.wire_dtype: bf16}}"
     assert [c.name for c in autotune.candidates(auto_cfg(f"sync.tune.candidates={space}"))] == ["fp32"]

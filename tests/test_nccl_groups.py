@@ -188,3 +188,25 @@ def test_two_gloo_ranks_create_the_class_groups_and_record_them(tmp_path):
         assert r["status"] == "requested, not applied (backend gloo)"
         assert [(g["class"], g["applied"]) for g in r["groups"]] == [("projection", False), ("embedding", False)]
         assert r["groups"][0]["requested"] == {"proto": "LL", "algo": "Ring", "min_ctas": None, "max_ctas": None}
+
+
+def test_without_a_profile_applied_an_attached_class_group_gets_its_own_choices_on_nccl(monkeypatch):
+    # attach from a user's loop: no apply_global, so class_group applies the class's own choices as per_group does
+    fake = FakeGroups()
+    monkeypatch.setattr(nccl.groups.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(nccl.groups, "TorchGroups", lambda: fake)
+    monkeypatch.setattr(nccl.groups, "nccl_version", lambda: (2, 26, 5))
+    os.environ.pop("NCCL_PROTO", None)
+    nccl.class_group("embedding", {"protocol": "Simple", "max_ctas": 16}, [0, 1])
+    nccl.class_group("ffn", None, [0, 1])  # no choice: a plain group, NCCL decides
+    assert "NCCL_PROTO" not in os.environ
+    assert fake.events == [("new_group", "dtrain:embedding", {"NCCL_PROTO": "allreduce:Simple"}, {"max_ctas": 16}),
+                           ("barrier", "dtrain:embedding", {"NCCL_PROTO": "allreduce:Simple"}),
+                           ("new_group", "dtrain:ffn", {}, {})]
+    os.environ["TORCH_NCCL_USE_COMM_NONBLOCKING"] = "1"
+    with pytest.raises(UserError, match="sync.classes.projection.*unset TORCH_NCCL_USE_COMM_NONBLOCKING"):
+        nccl.class_group("projection", {"protocol": "LL"}, [0, 1])
+    # gloo: the choices are NCCL's, a plain group
+    monkeypatch.setattr(nccl.groups.dist, "get_backend", lambda group=None: "gloo")
+    nccl.class_group("projection", {"protocol": "LL"}, [0, 1])
+    assert fake.events[-1] == ("new_group", "dtrain:projection", {}, {})

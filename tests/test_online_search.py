@@ -12,7 +12,7 @@ from test_strategies import one_rank  # noqa: F401 - the one-rank gloo group fix
 
 from dtrain.collectives import attach
 from dtrain.collectives.settings import SyncConfig, TuneConfig
-from dtrain.collectives.strategies.auto import ONLINE_SPACE, OnlineSearch, candidate_sync
+from dtrain.collectives.strategies.auto import NCCL_SPACE, ONLINE_SPACE, OnlineSearch, candidate_sync
 from dtrain.common.errors import UserError
 from dtrain.engine import verify
 
@@ -100,8 +100,8 @@ def test_the_default_space_leaves_out_the_split_where_the_model_has_no_tied_embe
     plain = attach(torch.nn.Sequential(torch.nn.Linear(4, 4)), auto())
     transformer = attach(verify.tiny_model(), auto())
     no_split = [n for n, k in ONLINE_SPACE.items() if not k.get("hierarchical")
-                and "classes.embedding.tied_split" not in k]
-    assert [c.name for c in plain.entrants] == no_split  # one rank, one node: no hierarchical plan either
+                and "classes.embedding.tied_split" not in k and n not in NCCL_SPACE]
+    assert [c.name for c in plain.entrants] == no_split  # one rank, one node, gloo: no hierarchical plan nor NCCL
     assert {c.name for c in transformer.entrants} > set(no_split)
     plain.close()
     transformer.close()

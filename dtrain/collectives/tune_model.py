@@ -140,12 +140,15 @@ FAMILY_SLACK = 1.30
 
 
 def family(sync) -> str:
-    """A candidate's family: its strategy and the project's own ideas it uses (the split, rows, bf16 exchanges)."""
+    """A candidate's family: its strategy and the project's own ideas it uses (the split, rows, bf16 exchanges, the
+    hierarchical plan, per-class NCCL choices; the prediction does not see the last, measurement decides)."""
     split = any(c.tied_split for c in sync.classes.values()) and "classes.tied_split" in strategies.get(
         sync.strategy).sync_keys
     rows = split and sync.shard_tied_split
+    nccl = any(c.protocol or c.algorithm or c.min_ctas or c.max_ctas for c in sync.classes.values())
     return sync.strategy + ("+split" if split else "") + ("+rows" if rows else "") + (
-        f"+{sync.gather_dtype}" if sync.gather_dtype else "") + ("+hierarchical" if sync.hierarchical else "")
+        f"+{sync.gather_dtype}" if sync.gather_dtype else "") + ("+hierarchical" if sync.hierarchical else "") + (
+        "+nccl" if nccl else "")
 
 
 def prune(cands: list, syncs: dict, top_k: int, keep: set[str] = frozenset()) -> list:

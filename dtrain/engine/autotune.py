@@ -7,7 +7,8 @@ records:
 1. **Candidates**: `sync.tune.candidates` (name -> `sync` keys), or DEFAULT_SPACE. Lossy ones (a bf16/fp16 wire,
    PowerSGD, a compressing hook) only with `sync.tune.lossy`, judged by the loss the trainer passes to `stepped`.
    bf16 exchanges are in the default space only where the profile trains under bf16 autocast, where they are exact;
-   the hierarchical plan only where the job's nodes hold several ranks each.
+   the hierarchical plan only where the job's nodes hold several ranks each; per-class NCCL protocol, algorithm and
+   CTA bounds only on NCCL with `collectives.mode` per_group or tuner (global mode sets one choice for the job).
 2. **Probe and pruning**: the run's first `probe_steps` steps under stock DDP's defaults, and a timing of the
    job's own process group, predict each candidate's step (`dtrain.collectives.tune_model`, MODELED); `top_k` go
    on, each family's best predicted first. FSDP2 (`fully_shard` replaces the model's parameters for good, so it
@@ -15,7 +16,7 @@ records:
 3. **The race**: rounds of one training step per candidate, in an order shuffled per round and equal on every rank;
    switching to or from `sharded` moves the optimizer's state; paired differences drop the slower ones.
 4. **The rest of the run**: the winner's handle takes the trainer's place. `<run>/tuning.csv` holds the search (after
-   every step of it: a search cut short leaves what it had measured), `<run>/tuned.json` the choice: a resumed run
+   each round of it: a search cut short leaves what it had measured), `<run>/tuned.json` the choice: a resumed run
    takes it without searching again. A job that stops during the search resumes from its last checkpoint, if any,
    and searches again from there. With `sync.tune.retune_drift`, a drifting step time searches again from a
    checkpoint, on the same model.
@@ -37,7 +38,7 @@ from typing import Any
 from dtrain.collectives import dist as ddist
 from dtrain.collectives import race, strategies, tune_model
 from dtrain.collectives.race import Entrant
-from dtrain.collectives.strategies.auto import ONLINE_SPACE, OnlineSearch, is_lossless, multi_rank_nodes
+from dtrain.collectives.strategies.auto import ONLINE_SPACE, OnlineSearch, default_space, is_lossless
 from dtrain.common.errors import UserError
 from dtrain.common.files import replace_atomically
 from dtrain.common.rundir import TUNED, TUNING, TUNING_COLUMNS
@@ -85,11 +86,15 @@ def candidates(cfg: RunConfig) -> list[Candidate]:
     and lossy ones with `sync.tune.lossy`."""
     t = cfg.sync.tune
     space = t.candidates or DEFAULT_SPACE
+    # per-class NCCL choices: on NCCL, where each class's communicator gets its own (collectives.mode per_group or
+    # tuner; global mode sets one choice for the job)
+    class_nccl = ddist.choose_backend(cfg.dist) == "nccl" and cfg.collectives.mode != "global"
+    applies = default_space(DEFAULT_SPACE, ddist.world_size(), class_nccl)
     out = []
     for name, keys in space.items():
         if space is DEFAULT_SPACE and keys.get("gather_dtype") and cfg.train.amp != "bf16":
             continue  # bf16 parameters or exchanges need the forward under bf16 autocast
-        if space is DEFAULT_SPACE and keys.get("hierarchical") and not multi_rank_nodes(ddist.world_size()):
+        if space is DEFAULT_SPACE and name not in applies:
             continue
         c_cfg = candidate_config(cfg, name, keys)
         out.append(Candidate(name, is_lossless(c_cfg.sync), keys=dict(keys), cfg=c_cfg))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dtrain.collectives.dist import choose_backend
 from dtrain.collectives.nccl.classes import requested, resolve, resolved
 from dtrain.collectives.nccl.guards import NONBLOCKING_VAR, creates_class_groups, guards, nonblocking_init
-from dtrain.collectives.nccl.settings import describe
+from dtrain.collectives.nccl.settings import class_nccl, describe
 from dtrain.collectives.nccl.tuner import (CLASS_VAR, EXAMPLE_CONFIG_VAR, RULES_VAR, build_tuner, read_example_config,
                                     rules_path, tuner_lib_path, tuner_rules)
 from dtrain.collectives.nccl.versions import nccl_version, per_collective_syntax, version_str
@@ -307,11 +307,11 @@ def class_group(name: str, settings=None, ranks: list[int] | None = None):
     per_group: the class's NCCL_PROTO/NCCL_ALGO are set while its communicator is created (eagerly, the device being
     bound at init) and through a barrier on it, then restored: NCCL reads them at every communicator init. tuner: the
     same, with the class's name for the plugin. CTA bounds go through the group's options. global, gloo, or no
-    `apply_global`: a plain group.
+    `apply_global`: see `attached_group`.
     """
     state = _STATE
     if state is None:
-        return dist.new_group(ranks=ranks)
+        return attached_group(name, settings, ranks)
     want = resolve(state.cfg, name, settings)
     mode = state.setup.mode
     g = state.setup.group(name)
@@ -340,4 +340,23 @@ def class_group(name: str, settings=None, ranks: list[int] | None = None):
         state.factory.barrier(pg)  # creates (or finishes creating) the communicator while the variables are set
     entry["applied"] = True
     state.record["groups"].append(entry)
+    return pg
+
+
+def attached_group(name: str, settings=None, ranks: list[int] | None = None, factory=None):
+    """A class's group where no profile was applied (`attach` from a user's own loop, with no `apply_global`): on
+    NCCL the class's own choices (`settings`, as `class_group` takes them) are applied to its communicator as in
+    per_group mode, which needs nothing set before `init_process_group`; elsewhere, or with no choice, a plain group.
+    `factory`: the process groups (`TorchGroups`; tests pass a fake)."""
+    want = class_nccl(settings)
+    factory = factory or TorchGroups()
+    if want == NcclSettings() or dist.get_backend() != "nccl":
+        return factory.new_group(ranks, {}, f"dtrain:{name}")
+    if nonblocking_init():
+        raise UserError(f"'sync.classes.{name}' sets NCCL choices ({describe(want)}), which are applied while its "
+                        f"communicator is created: unset {NONBLOCKING_VAR}")
+    g = class_group_settings("per_group", name, want, nccl_version(), None)
+    with scoped_env(g.env):
+        pg = factory.new_group(ranks, g.options, f"dtrain:{name}")
+        factory.barrier(pg)  # creates the communicator while the variables are set
     return pg

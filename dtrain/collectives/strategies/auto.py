@@ -78,13 +78,37 @@ SHARDED_SPACE: dict[str, dict[str, Any]] = {
     "sharded-2-split-rows": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True,
                              "shard_tied_split": True},
 }
+# Per-class NCCL choices, only where the job's group runs on NCCL (`per_class`: each tensor class on its own
+# communicator, created with its class's NCCL_PROTO/NCCL_ALGO and ncclConfig_t CTA bounds; NCCL's documentation of
+# its environment variables and of ncclConfig_t): the small, latency-bound classes on LL in 1 MiB buckets and the
+# embedding's large gradient on Simple with at most 16 CTAs; LL128 for every class but the embedding; Tree for all.
+_EVERY_CLASS = ("embedding", "norm_bias", "projection", "ffn", "other")
+NCCL_SPACE: dict[str, dict[str, Any]] = {
+    "per_class-1-LL": {"strategy": "per_class", "bucket_cap_mb": 2,
+                       "classes.projection.bucket_cap_mb": 1, "classes.projection.protocol": "LL",
+                       "classes.norm_bias.bucket_cap_mb": 1, "classes.norm_bias.protocol": "LL",
+                       "classes.embedding.protocol": "Simple", "classes.embedding.max_ctas": 16},
+    "per_class-2-LL128": {"strategy": "per_class", "bucket_cap_mb": 2,
+                          **{f"classes.{c}.protocol": "LL128" for c in _EVERY_CLASS if c != "embedding"}},
+    "per_class-2-Tree": {"strategy": "per_class", "bucket_cap_mb": 2,
+                         **{f"classes.{c}.algorithm": "Tree" for c in _EVERY_CLASS}},
+}
 # The default space of `OnlineSearch` (the hierarchical plan only on nodes of several ranks, the split only where
-# the model has one tied embedding): every lossless family that can be switched on the one model without knowing
-# the loop's autocast (bf16 exchanges are exact only under bf16 autocast: the engine's space adds them).
-ONLINE_SPACE: dict[str, dict[str, Any]] = {**REPLICATED_SPACE, **SHARDED_SPACE}
+# the model has one tied embedding, NCCL_SPACE only on NCCL: `default_space`): every lossless family that can be
+# switched on the one model without knowing the loop's autocast (bf16 exchanges are exact only under bf16 autocast:
+# the engine's space adds them).
+ONLINE_SPACE: dict[str, dict[str, Any]] = {**REPLICATED_SPACE, **SHARDED_SPACE, **NCCL_SPACE}
 
 
 PROBE = "ddp-25"  # the probe's candidate where the space holds it: stock DDP's defaults, the step users start from
+
+
+def default_space(space: dict[str, dict[str, Any]], world: int, class_nccl: bool) -> dict[str, dict[str, Any]]:
+    """The candidates of a default `space` that apply to this job: the hierarchical plan where nodes hold several
+    ranks (`multi_rank_nodes`), NCCL_SPACE where each class's communicator can get its own NCCL choices
+    (`class_nccl`)."""
+    return {name: keys for name, keys in space.items()
+            if (not keys.get("hierarchical") or multi_rank_nodes(world)) and (name not in NCCL_SPACE or class_nccl)}
 
 
 def multi_rank_nodes(world: int) -> bool:
@@ -164,8 +188,7 @@ class OnlineSearch(GradSync):
         super().__init__(model, cfg, process_group)
         t = cfg.tune
         world = dist.get_world_size(process_group)
-        space = t.candidates or {n: k for n, k in ONLINE_SPACE.items()
-                                 if not k.get("hierarchical") or multi_rank_nodes(world)}
+        space = t.candidates or default_space(ONLINE_SPACE, world, dist.get_backend(process_group) == "nccl")
         syncs = {name: candidate_sync(cfg, name, keys) for name, keys in space.items()}
         if not t.candidates:  # the default space: the split only where the model has one tied embedding to split
             syncs = {name: sync for name, sync in syncs.items() if _splits_apply(sync, model)}
