@@ -189,7 +189,7 @@ ATTACH_SPACE="{ddp-25: {strategy: ddp, bucket_cap_mb: 25}, bucketed-0.5: {strate
 part plain-loop-auto 60 two_ranks 29631 examples/plain_loop.py --backend nccl --strategy auto --steps 60 \
     --candidates "$ATTACH_SPACE"
 # The language model with attach's default space on CUDA: planned candidates free their bucket buffers (sharded: its
-# flat parameters too) while others train and lay them out again on the GPU; the race's table and the peak host RSS.
+# peers' chunks too) while others train and lay them out again on the GPU; the race's table and the peak host RSS.
 part gpt-lm-auto 120 two_ranks 29632 examples/gpt_lm.py --backend nccl --steps 160
 
 echo "=== done ($(date +%T)): $failures part(s) failed"

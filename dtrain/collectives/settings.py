@@ -66,7 +66,9 @@ class TuneConfig:
     # name -> the candidate's `sync` keys (dotted below `sync`, e.g. {strategy: bucketed, bucket_cap_mb: 0.5,
     # classes.embedding.tied_split: true}); empty: the default space (dtrain.engine.autotune.DEFAULT_SPACE)
     candidates: dict[str, dict[str, Any]] = field(default_factory=dict)
-    budget_steps: int = 60  # training steps the search may spend, the probe's included
+    # training steps the search may spend, the probe's included: a tenth of an exhaustive sweep of the default
+    # space (18 candidates at 40 steps each)
+    budget_steps: int = 72
     # candidates measured: each family's best predicted within 1.3x of the best one, however many, then the best
     # predicted of the rest up to top_k in all (the others are dropped unmeasured)
     top_k: int = 4

@@ -68,6 +68,19 @@ class _Shard:
     scatter_narrowed: bool = False  # this step's reduce-scatter went narrowed
 
 
+def _kept_flat(params: list[torch.Tensor], padded: int) -> torch.Tensor | None:
+    """P (padded,) where the bucket's `params` still view one, laid out as this bucket's (a layout released and
+    restored, and no other plan laid them out since): the storage holds exactly `padded` elements with each member at
+    its offset. Else None."""
+    storage = params[0].data.untyped_storage()
+    if storage.nbytes() != padded * params[0].element_size():
+        return None
+    if any(p.data.untyped_storage().data_ptr() != storage.data_ptr() or p.data.storage_offset() != off
+           or not p.data.is_contiguous() for off, p in zip(member_offsets(params), params)):
+        return None
+    return params[0].data.new_empty(0).set_(storage, 0, (padded,))
+
+
 @dataclass
 class RowTable:
     """A 2-D parameter (a tied embedding) sharded by whole rows: rank r owns rows [r*per_rank, (r+1)*per_rank)."""
@@ -133,11 +146,13 @@ class ShardedReducer(Reducer):
                 st.buffer = torch.cat([st.buffer, st.buffer.new_zeros(padded - st.buffer.numel())])
                 st.views = [st.buffer[off: off + p.numel()].view_as(p)
                             for off, p in zip(member_offsets(st.params), st.params)]
-            flat = st.buffer.new_zeros(padded)
-            with torch.no_grad():
-                for off, p in zip(member_offsets(st.params), st.params):
-                    flat[off: off + p.numel()].copy_(p.reshape(-1))
-                    p.data = flat[off: off + p.numel()].view_as(p)  # the model reads P from now on
+            flat = _kept_flat(st.params, padded)
+            if flat is None:
+                flat = st.buffer.new_zeros(padded)
+                with torch.no_grad():
+                    for off, p in zip(member_offsets(st.params), st.params):
+                        flat[off: off + p.numel()].copy_(p.reshape(-1))
+                        p.data = flat[off: off + p.numel()].view_as(p)  # the model reads P from now on
             s = ex.chunk
             shard = nn.Parameter(flat[self.rank * s: (self.rank + 1) * s])  # shares P's storage
             self.shards.append(_Shard(flat, shard, [flat.new_empty(s) for _ in range(self.world - 1)],
@@ -149,16 +164,12 @@ class ShardedReducer(Reducer):
         self.attach_grads()
 
     def release(self) -> None:
-        """`Reducer.release`, and P too: each member's parameter gets storage of its own again, holding its current
-        value, so that another handle trains the model while this plan's flat buffers are freed (call after
-        `wait_params`: every rank's chunk must be in P). `restore` lays P out again from the parameters."""
+        """`Reducer.release`: the gradient buffers, the peers' chunks and the shards go, while another handle trains
+        the model (call after `wait_params`: every rank's chunk must be in P). P stays as the storage of the
+        parameters, which the model holds anyway: another handle trains them in place, and `restore` lays P out
+        from them again (the same P where they still view it, else a copy)."""
         if not self.buckets:
             return
-        with torch.no_grad():
-            for st, sh in zip(self.buckets, self.shards):
-                if not sh.replicated:
-                    for p in st.params:
-                        p.data = p.data.clone()
         self.shards = []
         for t in self.tables.values():  # a split's rows view P: it goes too (`_layout` points them at the new one)
             t.table, t.shard = t.table.new_empty(0, t.table.shape[1]), None

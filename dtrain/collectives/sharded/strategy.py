@@ -180,9 +180,9 @@ class ShardedSync(PlannedSync):
         self.reducer.gather()
 
     def suspend(self) -> None:
-        """Every rank's updated shard all-gathered (exact) into the model's parameters, which get storage of their
-        own again, and the flat buffers freed (a collective). The optimizer still holds this plan's shards: `attach`'s
-        search moves its state through the whole-model form (`optimizer_state`) before this."""
+        """Every rank's updated shard all-gathered (exact) into the model's parameters, which stay in P, and the
+        other buffers freed (a collective). The optimizer still holds this plan's shards: `attach`'s search moves its
+        state through the whole-model form (`optimizer_state`) before this."""
         self.wait_params()
         for split in self.splits:
             if isinstance(split, ShardedTiedSplit):
@@ -207,7 +207,8 @@ class ShardedSync(PlannedSync):
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The state of an optimizer over `model.parameters()`: every shard's state tensors all-gathered (a
-        collective: every rank calls it) and cut into the parameters' shapes."""
+        collective: every rank calls it) and cut into the parameters' shapes (views of each bucket's gathered
+        buffer: one allocation per bucket and key, not one per parameter)."""
         sd = optimizer.state_dict()
         group = _one_group(sd)
         index = {id(p): i for i, p in enumerate(self.model.parameters())}
@@ -223,8 +224,8 @@ class ShardedSync(PlannedSync):
                 if torch.is_tensor(value) and value.shape == sh.shard.shape:
                     full = value.new_empty(sh.params.numel())
                     all_gather_single(full, value.contiguous(), group=self.reducer.group)
-                    for off, p in zip(member_offsets(st.params), st.params):
-                        state.setdefault(index[id(p)], {})[key] = full[off: off + p.numel()].view_as(p).clone()
+                    for off, p in zip(member_offsets(st.params), st.params):  # views of the one gathered buffer
+                        state.setdefault(index[id(p)], {})[key] = full[off: off + p.numel()].view_as(p)
                 else:  # a per-tensor scalar such as Adam's step
                     for p in st.params:
                         state.setdefault(index[id(p)], {})[key] = value.clone() if torch.is_tensor(value) else value
@@ -250,13 +251,16 @@ class ShardedSync(PlannedSync):
                 state[i] = _cloned(members[0])
                 continue
             s, rank = sh.shard.numel(), self.reducer.rank
+            lo, hi = rank * s, (rank + 1) * s  # this rank's chunk of the bucket (padding past its members: zeros)
             shard_state = {}
             for key, value in members[0].items():
                 if torch.is_tensor(value) and value.shape == st.params[0].shape and value.dim() > 0:
-                    flat = torch.zeros(sh.params.numel(), dtype=value.dtype, device=value.device)
+                    chunk = torch.zeros(s, dtype=value.dtype, device=value.device)
                     for off, p, m in zip(member_offsets(st.params), st.params, members):
-                        flat[off: off + p.numel()].copy_(m[key].reshape(-1))
-                    shard_state[key] = flat[rank * s: (rank + 1) * s].clone()
+                        a, b = max(off, lo), min(off + p.numel(), hi)  # the member's part in the chunk
+                        if a < b:
+                            chunk[a - lo: b - lo].copy_(m[key].reshape(-1)[a - off: b - off])
+                    shard_state[key] = chunk
                 else:
                     shard_state[key] = value
             state[i] = shard_state

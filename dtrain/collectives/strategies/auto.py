@@ -9,8 +9,9 @@ Only the current handle is armed: a planned strategy's hooks do nothing while it
 reducer ignores its autograd hooks unless its own forward prepared the backward. So the candidates can all stay
 attached while the race runs, and each step is the candidate's own. Candidates switch between steps (in
 `stepped()`), never inside an accumulation. A planned candidate frees its bucket buffers (a copy of the gradients
-each; `sharded`'s flat parameters too) while another one trains and lays them out again when its turn comes, so the
-search holds one planned candidate's buffers at a time; each DDP candidate keeps its own buckets.
+each; `sharded`'s peers' chunks too, its flat parameters staying as the parameters' storage) while another one
+trains and lays them out again when its turn comes, so the search holds one planned candidate's buffers at a time;
+each DDP candidate keeps its own buckets.
 
 A sharding candidate (`sharded`) changes what the optimizer updates: its shards instead of the model's parameters.
 Switching to or from one moves the optimizer's state through the whole-model form that checkpoints hold
