@@ -8,8 +8,9 @@ local gloo ranks, alternately: `auto` through `attach` over its default space, t
 it picked (the candidate by name: the same sync keys, no search). Each run prints its largest rank's peak RSS
 (getrusage ru_maxrss). With `--engine`: dtrain's trainer instead (`python -m dtrain.engine.train`, profile
 `multi30k-cpu` in fp32, no evaluation), `sync.strategy: auto` against its pick from `tuned.json`, each run's peak
-RSS from GNU time (`%M`: the largest process, a rank). Prints each pair's ratio, auto over the plain run, and their
-median. The runs alternate so that the machine's drift falls on both alike.
+RSS from GNU time (`%M`: the largest process, a rank), and rank 0's heap after its last step (what the allocator
+holds, and what of it is in use: steps.jsonl's `heap_mib`, `heap_used_mib`). Prints each pair's ratio, auto over the
+plain run, and their median. The runs alternate so that the machine's drift falls on both alike.
 
 glibc's malloc keeps freed heap memory and serves large blocks from it, so a process that frees and allocates
 buffers of many sizes (the search, switching candidates) can peak higher than its live memory; `--glibc-tunables`
@@ -53,9 +54,9 @@ def run(strategy: str, args) -> tuple[float, str]:
     return float(peak.group(1)), r.stdout
 
 
-def run_engine(sync: list[str], args, run_dir: Path) -> tuple[float, dict | None]:
+def run_engine(sync: list[str], args, run_dir: Path) -> tuple[float, dict | None, str]:
     """One 2-rank run of dtrain's trainer with `sync` overrides: (its largest rank's peak RSS in MiB, the run's
-    tuned.json or None)."""
+    tuned.json or None, rank 0's heap after its last step: held and in use)."""
     env = environment(args)
     sets = ["train.amp=fp32", f"train.max_steps={args.steps}", "eval.at_end=false", "train.val_every=0",
             "train.average_last=1", *args.overrides, *sync]
@@ -67,21 +68,25 @@ def run_engine(sync: list[str], args, run_dir: Path) -> tuple[float, dict | None
     if r.returncode != 0 or not peak:
         sys.exit(f"auto_memory: {' '.join(cmd[4:])} failed: {r.stderr.strip().splitlines()[-1:]}")
     tuned = run_dir / "tuned.json"
-    return int(peak[-1]) / 1024, (json.loads(tuned.read_text()) if tuned.exists() else None)
+    last = json.loads((run_dir / "steps.jsonl").read_text().splitlines()[-1])
+    heap = (f"heap {last['heap_mib']:.0f} MiB, {last['heap_used_mib']:.0f} in use" if "heap_mib" in last
+            else "heap not read (no glibc mallinfo2)")
+    return int(peak[-1]) / 1024, (json.loads(tuned.read_text()) if tuned.exists() else None), heap
 
 
 def engine_pairs(args) -> list[float]:
     ratios = []
     with tempfile.TemporaryDirectory(prefix="auto-memory-") as tmp:
         for i in range(args.pairs):
-            searched, tuned = run_engine(["sync.strategy=auto"], args, Path(tmp) / f"auto{i}")
+            searched, tuned, searched_heap = run_engine(["sync.strategy=auto"], args, Path(tmp) / f"auto{i}")
             if tuned is None:
                 sys.exit("auto_memory: the auto run wrote no tuned.json")
             keys = [f"sync.{k}={json.dumps(v)}" for k, v in tuned["sync"].items()]
-            plain, _ = run_engine(keys, args, Path(tmp) / f"plain{i}")
+            plain, _, plain_heap = run_engine(keys, args, Path(tmp) / f"plain{i}")
             ratios.append(searched / plain)
             print(f"pair {i + 1}: auto {searched:.0f} MiB (picked {tuned['winner']} after {tuned['steps_spent']} "
-                  f"steps), plain {tuned['winner']} {plain:.0f} MiB: {ratios[-1]:.3f}x", flush=True)
+                  f"steps; {searched_heap}), plain {tuned['winner']} {plain:.0f} MiB ({plain_heap}): "
+                  f"{ratios[-1]:.3f}x", flush=True)
     return ratios
 
 

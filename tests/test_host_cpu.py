@@ -5,7 +5,8 @@ import os
 import threading
 import time
 
-from dtrain.engine.host_cpu import FIELDS, HostCpu, read_threads
+from dtrain.common.host_memory import heap_mib
+from dtrain.engine.host_cpu import CPU_FIELDS, FIELDS, HostCpu, read_threads
 
 
 def fake_task(tasks, tid, name, ns):
@@ -39,7 +40,9 @@ def test_groups_and_threads_that_start_or_end_within_the_step(tmp_path):
     fake_task(tmp_path, 15, "pt_nccl_watchdg", 2_000_000)  # started during the step: all of its time
     fake_task(tmp_path, 16, "python", 1_500_000)
     rec = h.sample_into({"step": 3})
-    assert rec == {"step": 3, "cpu_main_ms": 40.0, "cpu_backend_ms": 5.75, "cpu_other_ms": 1.5, "minor_faults": 60}
+    assert {k: rec[k] for k in ("step", *CPU_FIELDS, "minor_faults")} == {
+        "step": 3, "cpu_main_ms": 40.0, "cpu_backend_ms": 5.75, "cpu_other_ms": 1.5, "minor_faults": 60}
+    assert set(rec) == {"step", *FIELDS}  # and the process's memory (this one's: glibc here)
     assert h.sample_into({}) == {}  # nothing begun: nothing added
 
 
@@ -79,3 +82,13 @@ def test_minor_faults_count_fresh_pages_touched_within_the_step():
     again = h.sample_into({})
     fresh.close()
     assert rec["minor_faults"] >= pages * 0.9 and again["minor_faults"] < pages * 0.1, (rec, again)
+
+
+def test_the_heap_counts_what_is_allocated_and_what_it_holds():
+    before = heap_mib()
+    block = bytearray(64 << 20)  # 64 MiB through malloc
+    during = heap_mib()
+    del block
+    assert during["heap_used_mib"] - before["heap_used_mib"] >= 63, (before, during)
+    assert during["heap_mib"] >= during["heap_used_mib"]
+    assert heap_mib()["heap_used_mib"] < during["heap_used_mib"] - 60  # freed: no longer in use

@@ -174,10 +174,10 @@ def _ranks(rank: int, world: int, init: str, out: str) -> None:
     try:
         threads, groups = threading.active_count(), len(dist.distributed_c10d._world.pg_map)
         searched = verify.tiny_model()
-        handle = attach(searched, auto(SHARDED, budget_steps=30, warmup_rounds=1, min_rounds=2))
+        handle = attach(searched, auto(SHARDED, budget_steps=40, warmup_rounds=1, min_rounds=2))
         opt = _optimizer(handle.optimizer_params(), world)
         names = []
-        for step in range(30):
+        for step in range(40):
             names.append(handle._name(handle.current))
             loop_step(handle, opt, step, rank)
         handle.wait_params()
@@ -188,10 +188,11 @@ def _ranks(rank: int, world: int, init: str, out: str) -> None:
         assert threading.active_count() == threads  # nothing of any candidate left running
         assert len(dist.distributed_c10d._world.pg_map) == groups  # every candidate's groups destroyed
         steps = spent - timing - moves
-        assert winner is not None and names[steps:] == [winner] * (30 - steps)
+        assert winner is not None and names[steps:] == [winner] * (40 - steps)
         # every search step, the probe's and lead-ins included, a training step; the probe's network timing and the
         # optimizer state's moves count as the steps their time would have held
         assert sum(c.steps for c in entrants) + timing + moves == spent and timing >= 1
+        assert spent <= 40  # the budget, the moves included (the last, to the winner, too)
         switched = sum(a != b for a, b in zip(names, names[1:]))
         reference, reference_state = _sequence_run(names, world, rank)
         worst = _relative([p.detach() for p in searched.parameters()], list(reference.parameters()))
@@ -201,12 +202,12 @@ def _ranks(rank: int, world: int, init: str, out: str) -> None:
                             [reference_state["state"][i][k] for i, k in keys])
         if world == 2:  # every candidate is bit for bit DDP's on 2 CPU ranks
             ddp = verify.tiny_model()
-            train(attach(ddp, SyncConfig(strategy="ddp")), ddp, 30, rank)
+            train(attach(ddp, SyncConfig(strategy="ddp")), ddp, 40, rank)
             for (name, a), b in zip(searched.named_parameters(), ddp.parameters()):
                 assert torch.equal(a, b), name
         if rank == 0:
             torch.save({"winner": winner, "worst": worst, "moments": moments, "switched": switched,
-                        "sequence": names}, out)
+                        "sequence": names, "spent": (spent, timing, moves)}, out)
     finally:
         dist.destroy_process_group()
 

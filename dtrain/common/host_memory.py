@@ -9,12 +9,17 @@ price is that the process does not shrink after a peak, as a CUDA caching alloca
 
 The same can be set from outside before a process starts, e.g.
 GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647.
+
+`heap_mib` reads what the heap holds and what of it is in use (glibc's mallinfo2): where a process frees and
+allocates blocks of many sizes, the heap can hold much more than it uses, and the peak resident memory shows the
+heap, not the use.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import platform
 
 # mallopt's parameter numbers, from glibc's malloc.h
@@ -33,3 +38,32 @@ def keep_freed_memory() -> str:
     if libc.mallopt(M_MMAP_MAX, 0) != 1 or libc.mallopt(M_TRIM_THRESHOLD, KEEP) != 1:
         return "not applied: mallopt refused"
     return "kept"
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (malloc.h, glibc >= 2.33): every field a size_t."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@functools.cache
+def _mallinfo2():
+    """glibc's mallinfo2, or None (not glibc, or older than 2.33)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "mallinfo2", None)
+    if fn is not None:
+        fn.restype = _MallInfo2
+    return fn
+
+
+def heap_mib() -> dict[str, float]:
+    """The allocator's heap now, over all its arenas: `heap_mib`, what it holds from the operating system (its
+    arenas and its blocks mapped on their own), and `heap_used_mib`, what of that is allocated. Empty where glibc's
+    mallinfo2 is not there."""
+    fn = _mallinfo2()
+    if fn is None:
+        return {}
+    m = fn()
+    return {"heap_mib": round((m.arena + m.hblkhd) / 2**20, 1), "heap_used_mib": round((m.uordblks + m.hblkhd) / 2**20, 1)}

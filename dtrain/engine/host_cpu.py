@@ -1,5 +1,5 @@
 """Host CPU time of one step, by thread: the training thread, the communication backend's threads, the rest; and
-the step's page faults.
+the step's page faults and the process's host memory.
 
 Where the ranks already keep the cores busy (the CPU benchmark: two ranks on two vCPUs), communication costs step time
 through the CPU it takes as well as through waiting for the link, and a strategy that moves half the bytes can still
@@ -11,6 +11,9 @@ cost as much. A step record gains, per group of the process's threads, the CPU t
                     thread, and the progress bar's)
     minor_faults    the process's minor page faults (`getrusage`'s ru_minflt, all threads): each is a page the kernel
                     mapped, and for fresh memory zeroed, which a step that reuses its memory does not pay again
+    peak_rss_mib    the process's peak resident memory so far (ru_maxrss)
+    heap_mib, heap_used_mib  the allocator's heap at the step's end and what of it is in use
+                    (`dtrain.common.host_memory.heap_mib`; glibc only)
 
 Read from `/proc/self/task/<tid>/schedstat`, the scheduler's time on a CPU in ns (user and kernel alike; interrupt
 and softirq work, network receive processing among it, counts for whichever thread the CPU was running). Per thread:
@@ -26,8 +29,10 @@ import resource
 from pathlib import Path
 from typing import Callable
 
+from dtrain.common.host_memory import heap_mib
+
 CPU_FIELDS = ("cpu_main_ms", "cpu_backend_ms", "cpu_other_ms")
-FIELDS = CPU_FIELDS + ("minor_faults",)
+FIELDS = CPU_FIELDS + ("minor_faults", "peak_rss_mib", "heap_mib", "heap_used_mib")
 BACKEND_PREFIXES = ("gloo", "pt_gloo", "pt_nccl")  # the OS names of the backends' threads (/proc/.../comm)
 TASKS = Path("/proc/self/task")
 
@@ -76,4 +81,6 @@ class HostCpu:
         self._start = None
         record.update({k: round(v / 1e6, 3) for k, v in total.items()})
         record["minor_faults"] = self.faults() - self._faults
+        record["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
+        record.update(heap_mib())
         return record

@@ -111,7 +111,7 @@ class RunWriter:
         return recomputed
 
     def step(self, record: StepRecord) -> None:
-        """Rank 0: the whole record; a rank > 0 with `rank_records`: its step time and CPU time by thread."""
+        """Rank 0: the whole record; a rank > 0 with `rank_records`: its step time, CPU time by thread and host memory."""
         if self.enabled:
             append_jsonl(self.run_dir / rundir.STEPS, [record.to_json()])
         elif self.rank_records:

@@ -226,7 +226,9 @@ class OnlineSearch(GradSync):
         self.optimizer: torch.optim.Optimizer | None = None  # the loop's, from `stepped(optimizer)`
         self.lead_in = False  # the current step is a sharding candidate's first after a switch: not timed
         self.switch_s = 0.0  # this rank's time spent moving the optimizer's state between layouts
-        self.switch_steps = 0  # the steps that time counts as (rank-averaged, at each round's end)
+        self.switch_steps = 0  # the steps that time counts as (rank-averaged, at each round's end and the last move)
+        self.moves = 0  # the optimizer state's moves so far
+        self.mean_ms: float | None = None  # the last round's mean step (ms, rank-averaged): what a move's time is in steps
         self.module = Front(model, self)  # the current candidate's module (the loop may keep this one object)
         self.device = next(model.parameters()).device
         self._t0: float | None = None
@@ -293,7 +295,8 @@ class OnlineSearch(GradSync):
         """Switch to the next step's candidate (the winner's once there is one); the losers' handles go."""
         name = self.winner or self.queue[0].name
         if self.handles.get(name) is not self.current:
-            self._switch(self.current, name)
+            if self._switch(self.current, name) and self.winner is not None:
+                self._count_moves()  # the move to the winner is the search's too
             # a lead-in only where its time would be counted (the warm-up rounds' are not)
             self.lead_in = self.winner is None and self.sharding[name] and self.rounds >= self.cfg.tune.warmup_rounds
         keep = {self.winner} if self.winner else {c.name for c in self.alive}
@@ -350,10 +353,10 @@ class OnlineSearch(GradSync):
             self.handles[name] = build(sync.strategy, self.model, sync, self.process_group)
         return self.handles[name]
 
-    def _switch(self, previous: GradSync, name: str) -> None:
+    def _switch(self, previous: GradSync, name: str) -> bool:
         """The model from `previous` to candidate `name` between steps (a collective: every rank switches alike).
         Where either shards, the optimizer's state moves through its whole-model form into what the new one
-        updates."""
+        updates. Returns whether it moved."""
         moves = self.sharding[self._name(previous)] or self.sharding[name]
         if moves and self.optimizer is None:
             raise UserError("sync.strategy 'auto' switches to or from a sharding candidate after this step: pass the "
@@ -375,6 +378,8 @@ class OnlineSearch(GradSync):
         if moves:
             move_optimizer(self.optimizer, whole, self.current)
             self.switch_s += time.perf_counter() - t0
+            self.moves += 1
+        return moves
 
     def _name(self, handle: GradSync) -> str:
         return next(n for n, h in self.handles.items() if h is handle)
@@ -386,8 +391,8 @@ class OnlineSearch(GradSync):
         dist.all_reduce(total, group=self.process_group)  # every rank decides on the same means
         world = dist.get_world_size(self.process_group)
         # the state moves' time so far counts as the steps it would have held (this round's mean step)
-        mean_ms = total[:len(names)].mean().item() / world
-        self.switch_steps = round(total[-1].item() / world / max(mean_ms, 1e-3))
+        self.mean_ms = total[:len(names)].mean().item() / world
+        self.switch_steps = round(total[-1].item() / world / max(self.mean_ms, 1e-3))
         if self.rounds >= self.cfg.tune.warmup_rounds:
             for i, c in enumerate(self.alive):
                 c.times[self.rounds] = total[i].item() / world
@@ -396,10 +401,25 @@ class OnlineSearch(GradSync):
         self.rounds += 1
         self.round_ms, self.round_loss = {}, {}
         self.alive = race.drop(self.alive, self.cfg.tune.min_rounds, self.cfg.tune.loss_tolerance)
-        if len(self.alive) == 1 or self.spent + self._round_steps() > self.budget:
+        if len(self.alive) == 1 or self.spent + self._round_steps() + self._moves_ahead() > self.budget:
             self._pick()
         else:
             self.queue = self._round_order()
+
+    def _moves_ahead(self) -> int:
+        """The steps that another round's moves of the optimizer's state and the move to the winner after it may
+        cost, each at the mean cost of a move so far: a round moves it at most once into each sharding candidate
+        and once out of their group."""
+        most = sum(self.sharding[c.name] for c in self.alive) + 2
+        return math.ceil(most * self.switch_steps / self.moves) if self.moves else 0
+
+    def _count_moves(self) -> None:
+        """`switch_steps` after the move to the winner (a collective: every rank moves to it at the same step)."""
+        if self.mean_ms is None:  # no round ended: no step to count the time in
+            return
+        total = torch.tensor([self.switch_s * 1000], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=self.process_group)
+        self.switch_steps = round(total.item() / dist.get_world_size(self.process_group) / max(self.mean_ms, 1e-3))
 
     @property
     def spent(self) -> int:
