@@ -409,9 +409,9 @@ class OnlineSearch(GradSync):
     def _moves_ahead(self) -> int:
         """The steps that another round's moves of the optimizer's state and the move to the winner after it may
         cost, each at the mean cost of a move so far: a round moves it at most once into each sharding candidate
-        and once out of their group."""
-        most = sum(self.sharding[c.name] for c in self.alive) + 2
-        return math.ceil(most * self.switch_steps / self.moves) if self.moves else 0
+        and once out of their group (none where no sharding candidate is left)."""
+        sharding = sum(self.sharding[c.name] for c in self.alive)
+        return math.ceil((sharding + 2) * self.switch_steps / self.moves) if sharding and self.moves else 0
 
     def _count_moves(self) -> None:
         """`switch_steps` after the move to the winner (a collective: every rank moves to it at the same step)."""
