@@ -1,7 +1,9 @@
 """`attach(model, SyncConfig(strategy="auto"))`: the search inside any training loop, on the one model
 (`dtrain.collectives.strategies.auto.OnlineSearch`)."""
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -130,6 +132,28 @@ def test_every_search_step_is_a_training_step_and_the_budget_ends_it(one_rank):
         assert len({id(h) for h in seen[3 * r: 3 * r + 3]}) == 3
     assert all(h is handle.current for h in seen[9:]) and list(handle.handles) == [handle.winner]
     assert all(len(c.times) == 2 for c in handle.entrants)  # the first round was warm-up
+    handle.close()
+
+
+def test_a_dropped_ddp_candidate_frees_its_reducer(one_rank):
+    # DDP's buckets live in its C++ reducer, which goes only with the DDP module: after the search the loser's
+    # module is gone, the winner's alive
+    model = verify.tiny_model()
+    handle = attach(model, auto({"ddp-2": SPACE["ddp-2"], "ddp-25": {"strategy": "ddp", "bucket_cap_mb": 25}},
+                                budget_steps=6, warmup_rounds=1, min_rounds=2))
+    modules = {}
+    for step in range(8):
+        for name, h in handle.handles.items():
+            modules.setdefault(name, weakref.ref(h.module))
+        src, tgt_in, tgt_out = verify.batch(0, step, 0)
+        verify.loss_fn(handle.module(src, tgt_in), tgt_out, 1).backward()
+        handle.wait()
+        handle.stepped()
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    assert handle.winner is not None and set(modules) == {"ddp-2", "ddp-25"}
+    assert {name: ref() is not None for name, ref in modules.items()} == {
+        name: name == handle.winner for name in modules}
     handle.close()
 
 

@@ -63,7 +63,7 @@ class DDPSync(GradSync):
         self._layout_final = False
         self._inflight = None  # the previous bucket's future, for serialize_buckets
         # The output's gradient is among the first computed: its hook marks the start of the backward.
-        self.module.register_forward_hook(self._mark_backward_start)
+        self._forward_hook = self.module.register_forward_hook(self._mark_backward_start)
         self.hook = hooks.resolve(cfg.hook)  # None: DDP's built-in all-reduce
         if self.hook is not None and not self.hook.one_collective:
             self.serialize_buckets = True
@@ -123,6 +123,13 @@ class DDPSync(GradSync):
             return fut.then(done)
 
         return timed
+
+    def close(self) -> None:
+        """DDP's reducer (its buckets, its hooks on the parameters' gradient accumulators) goes with the DDP module:
+        the forward hook, which holds this handle, is removed and the module dropped, so that nothing else keeps it
+        (a past step's autograd graph may still hold the hook's closure, and with it this handle)."""
+        self._forward_hook.remove()
+        self.module = None
 
     def no_sync(self):
         return self.module.no_sync()
