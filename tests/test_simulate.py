@@ -759,3 +759,65 @@ def test_in_lockstep_a_groups_collectives_share_its_link_by_size():
     by_size = sim.play_timeline([0.0, 0.0], [8.0, 1.0], 0.0, lanes=2, lockstep=True)
     assert equal.end == pytest.approx([9.0, 2.0]) and by_size.end == pytest.approx([9.0, 9.0])
     assert sim.costs.lockstep(_Flat4()) and not sim.costs.lockstep(_Flat())
+
+
+def _flat_floor_fit() -> cm.FittedModel:
+    """A 4-rank fit as gloo's on oversubscribed CPUs: a flat 6 ms up to 600 kB, then 0.1 GB/s (10 ms per MB)."""
+    return cm.FittedModel({"reducer": [cm.Regime(600_000, 6000.0, math.inf), cm.Regime(math.inf, 0.0, 0.1)]},
+                          "allreduce", 4)
+
+
+def test_a_fits_flat_small_size_regime_still_puts_its_bytes_on_the_link():
+    """The part of an all-reduce that does not use the link is what is left of its time after its bytes at the
+    link's rate (the fit's cost per byte at the largest sizes), not the intercept of its size's regime: a 500 kB
+    all-reduce in a flat regime keeps the link busy 5 ms of its 6, a 1 kB one almost none of it."""
+    fit = _flat_floor_fit()
+    assert sim.costs.link_ms(fit, 500_000) == pytest.approx(5.0)
+    assert sim.off_link_ms(fit, 500_000) == pytest.approx(1.0)  # the regime's intercept would say all 6
+    assert sim.off_link_ms(fit, 1_000) == pytest.approx(5.99)
+    assert sim.off_link_ms(fit, 2_000_000) == pytest.approx(0.0)
+    assert sim.off_link_ms(fit, 500_000, ms=3.5, share=0.5) == pytest.approx(1.0)  # a reduce-scatter: half the bytes
+    assert sim.costs.link_ms(_Flat(), 500_000) is None  # not a fit: its own latency term
+    assert sim.off_link_ms(_Flat(), 500_000) == pytest.approx(_Flat().allreduce_latency_ms(500_000))
+    # In lockstep beside a large one, a 500 kB bucket takes its share of the link: the pair ends 5 ms later
+    # than the large one alone (with the intercept as latency it would cost the link nothing).
+    sizes = (4_000_000, 500_000)
+    dur, lat = [fit.allreduce_ms(n) for n in sizes], [sim.off_link_ms(fit, n) for n in sizes]
+    tl = sim.play_timeline([0.0, 0.0], dur, 0.0, lanes=2, latency_ms=lat, lockstep=True)
+    assert max(tl.end) == pytest.approx(45.0)
+
+
+def test_the_calibration_plays_the_profiled_steps_small_buckets_on_the_link():
+    """Replayed at their recorded launches, a profiled step's buckets in a flat regime share the link as the
+    predictions play them: two 500 kB buckets beside each other after backward take 1 ms apart and 10 ms of link
+    together, so a run that took 11 ms for them needs no scaling (with the regime's intercept as their latency the
+    model would say 6 ms, and scale every collective by 11/6)."""
+    recs = [{"bucket": i, "bytes": 500_000, "launch_ms": 1.0, "complete_ms": 12.0, "wait_start_ms": 0.5}
+            for i in range(2)]
+    ref = sim.ReferenceStep(1, 0.0, 1.0, 0.5, 1.0, exposed_ms=11.5, step_ms=14.0, records=recs)
+    cal = sim.calibrate(ref, _flat_floor_fit(), lanes=2)
+    assert cal.comm_scale == pytest.approx(1.0) and cal.timeline.end == pytest.approx([12.0, 12.0])
+
+
+def test_a_split_embeddings_bucket_is_ready_when_the_profiled_step_made_its_projection_part(tmp_path):
+    """The projection part is ready when the generator's backward has made it, which the profiled step records
+    (`ReferenceStep.split_ready_ms`, the latest rank's), not at the start of backward; without that record, at the
+    start of backward as the ready curve has it."""
+    _write_run(tmp_path / "a", "bucketed", 0.05)
+    run = load_run(tmp_path / "a")
+    ref = sim.reference_step(run)
+    curve = sim.ready_curve(run, ref)
+    assert ref.projection_ready_ms is None and ref.split_ready_ms(curve) == curve.at(0)
+    proj = {"bucket": 99, "class": "embedding", "part": "projection", "numel": 32000, "bytes": 128000,
+            "launch_ms": 0.1, "complete_ms": 1.3, "wait_start_ms": 10.0}
+    lookup = {"bucket": 100, "class": "embedding", "part": "lookup", "numel": 100, "bytes": 400, "ready_ms": 10.0,
+              "launch_ms": 10.0, "complete_ms": 11.0, "wait_start_ms": 10.0}
+    split = {"embedding": {"tied_split": True}}
+    exposed = {}
+    for at in (0.1, 9.5):
+        ref.records = [{**proj, "ready_ms": at}, *[r for r in ref.records if r.get("part") is None], lookup]
+        assert ref.split_ready_ms(curve) == at
+        exposed[at] = sim.predict(run.cfg, ref, curve, _Flat(), sim.Calibration(), "bucketed", 0.05, run.vocab,
+                                  classes=split).exposed_ms
+    # Ready at 9.5 ms, the matrix's 1.128 ms all-reduce ends at 10.628, beside the lookup's rows from 10 ms
+    assert exposed[0.1] == pytest.approx(1.0004) and exposed[9.5] > exposed[0.1] + 0.1

@@ -9,7 +9,7 @@ measured cost of a collective to the computation it overlaps (`dtrain.collective
 Everything it prints is modeled.
 
     timeline      the engine: collectives played onto a timeline (`play_timeline`), the gradient-ready curve
-    costs         one collective's cost under the model, and what it takes from an overlapped backward
+    costs         one collective's cost under the model: its part off the link, what it takes from an overlapped backward
     reference     the reference step of a run (`reference_step`) and its ready curve
     calibration   what the reference step's own collectives say about the model on this run
     predict       a configuration's step played on the reference step; the sweep over strategies and caps
@@ -21,7 +21,7 @@ Everything it prints is modeled.
 from dtrain.analysis.simulate.calibration import Calibration, calibrate
 from dtrain.analysis.simulate.check import (EveryStep, Ranking, each_step, every_step, measured_runs, median_ci, paired,
                                      pooled, ranking, recorded_steps, run_level, speed_probe)
-from dtrain.analysis.simulate.costs import default_lanes, host_ms
+from dtrain.analysis.simulate.costs import default_lanes, host_ms, off_link_ms
 from dtrain.analysis.simulate.paper import flop_step, flop_timeline, paper_profile
 from dtrain.analysis.simulate.predict import Prediction, predict, requested_nccl, sweep
 from dtrain.analysis.simulate.reference import ReferenceStep, ready_curve, reference_step
@@ -29,6 +29,6 @@ from dtrain.collectives.timeline import GLOO_LANES, ReadyCurve, Timeline, play_t
 
 __all__ = ["GLOO_LANES", "Calibration", "EveryStep", "Prediction", "Ranking", "ReadyCurve", "ReferenceStep",
            "Timeline", "calibrate", "default_lanes", "each_step", "every_step", "flop_step", "flop_timeline",
-           "host_ms", "measured_runs", "median_ci", "paired", "paper_profile", "play_timeline", "pooled", "predict",
-           "ranking", "ready_curve", "recorded_steps", "reference_step", "requested_nccl", "run_level", "speed_probe",
-           "sweep", "through"]
+           "host_ms", "measured_runs", "median_ci", "off_link_ms", "paired", "paper_profile", "play_timeline",
+           "pooled", "predict", "ranking", "ready_curve", "recorded_steps", "reference_step", "requested_nccl",
+           "run_level", "speed_probe", "sweep", "through"]

@@ -1,5 +1,6 @@
 """What collectives cost the replay beyond their own time (the models' `allreduce_ms` and `allreduce_latency_ms`):
-the computation they take from an overlapped backward on a CPU machine, and how many run at once per process group.
+the part of it that does not use the link, the computation they take from an overlapped backward on a CPU machine,
+and how many run at once per process group.
 
 `model` is a `dtrain.collectives.costmodel` model: a topology preset (`NcclModel`), NCCL's logged table, or a fit to the
 benchmark (`FittedModel`).
@@ -9,6 +10,34 @@ from __future__ import annotations
 
 from dtrain.collectives import costmodel as cm
 from dtrain.collectives.timeline import GLOO_LANES, Timeline
+
+
+LINK_PROBE_BYTES = 1 << 30  # sizes where a fit's time is the link's alone: its cost per byte there is the link's rate
+
+
+def link_ms(model, nbytes: float) -> float | None:
+    """How long an all-reduce of `nbytes` keeps the link busy (ms): its bytes at the link's rate, a fit's cost of a
+    byte at the largest sizes (`LINK_PROBE_BYTES`). None for a model that is not a fit to a benchmark (NCCL's
+    analytical models and tables: their latency term is already the part that does not use the link)."""
+    if not isinstance(model, cm.FittedModel):
+        return None
+    per_byte = (model.allreduce_ms(2 * LINK_PROBE_BYTES) - model.allreduce_ms(LINK_PROBE_BYTES)) / LINK_PROBE_BYTES
+    return nbytes * per_byte if per_byte > 0 else None
+
+
+def off_link_ms(model, nbytes: float, ms: float | None = None, share: float = 1.0) -> float:
+    """The part of a collective that does not use the link (`play_timeline`'s latency, ms): of an all-reduce of
+    `nbytes` as the model costs it, or of a collective taking `ms` that moves `share` of that all-reduce's bytes
+    (1/2 for a reduce-scatter or an all-gather). Every byte crosses the link at its rate whatever the size: a
+    fit's small-size regime whose time is flat (4 ranks on 2 vCPUs: about the same for 4 KB as for 512 KB, the
+    2(N-1) ring steps' scheduling) holds its bytes' transfer inside that time, it does not make them free; taking
+    the regime's intercept as latency would let a 512 KB bucket beside a large one cost that one nothing. So it is
+    what is left of the collective's time after its bytes' transfer at the link's rate (`link_ms`); the model's
+    latency term where the model has no fitted rate."""
+    link = link_ms(model, nbytes)
+    if link is None:
+        return model.allreduce_latency_ms(nbytes)
+    return max(0.0, (model.allreduce_ms(nbytes) if ms is None else ms) - share * link)
 
 
 def host_ms(model, sizes: list[int], tl: Timeline) -> float | None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from dtrain.analysis.plans import bucket_plan, ready_params, sharded_exchanges, sync_for
 from dtrain.analysis.simulate.calibration import LOOKUP_GROUP, Calibration
-from dtrain.analysis.simulate.costs import host_ms, lockstep
+from dtrain.analysis.simulate.costs import host_ms, lockstep, off_link_ms
 from dtrain.analysis.simulate.reference import ReferenceStep
 from dtrain.collectives import nccl, strategies, tensor_classes
 from dtrain.collectives.strategies.fsdp2 import Fsdp2Units
@@ -96,25 +96,25 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
         rows = [(r["ready_ms"], r["bytes"]) for r in ref.records
                 if r.get("part") == "lookup" and r.get("ready_ms") is not None]
     if rows:
-        plan, ready = _split_first(cfg, strategy, cap_mb, classes, vocab, curve, split)
+        plan, ready = _split_first(cfg, strategy, cap_mb, classes, vocab, curve, split, ref.split_ready_ms(curve))
     else:
         ready = [curve.at(x) for x in through(plan, ready_params(cfg, vocab))]
-    allreduce, latency = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, class_groups))
+    allreduce, latency, off_link = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, class_groups))
     per_node = _per_node(cfg, strategy, model)
     if per_node:  # the hierarchical plan: each bucket's three collectives one after another on the reducer's thread
         world = model.ranks
         dur = [hierarchical_ms(allreduce, latency, b, b.nbytes, per_node, world) for b in plan]
-        lat = [hierarchical_ms(lambda _, n: latency(n), latency, b, b.nbytes, per_node, world) for b in plan]
+        lat = [hierarchical_ms(lambda _, n: off_link(n), latency, b, b.nbytes, per_node, world) for b in plan]
     else:
         dur = [allreduce(b, b.nbytes) for b in plan]
-        lat = [latency(b.nbytes) for b in plan] if cost is None else None
+        lat = [off_link(b.nbytes) for b in plan] if cost is None else None
     groups = _groups(plan, class_groups, calib)
     sent = [b.nbytes for b in plan]
     if rows:  # each lookup's rows one more all-reduce on the split's own group, when that lookup's backward ended
         entries = list(zip(ready, dur, lat or [0.0] * len(plan), groups or [None] * len(plan), sent))
         for at, nbytes in sorted(rows):
             i = next((i for i in range(len(entries)) if entries[i][0] > at), len(entries))
-            entries.insert(i, (at, allreduce(plan[0], nbytes), latency(nbytes), LOOKUP_GROUP, nbytes))
+            entries.insert(i, (at, allreduce(plan[0], nbytes), off_link(nbytes), LOOKUP_GROUP, nbytes))
         ready, dur, lats, groups, sent = (list(c) for c in zip(*entries))
         lat = lats if lat else None
     tl, exposed, slower = _played(ref, model, calib, ready, dur, overlap, lat, groups, sent, 1 if per_node else None)
@@ -137,15 +137,18 @@ def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibrati
     world = getattr(model, "ranks", None) or 2
     exchanges = sharded_exchanges(cfg, sync, plan, world, vocab)
     accumulated = cfg.train.accum_steps > 1
-    allreduce, latency = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, class_groups))
-    lat = [latency(b.nbytes) for b in plan] if cost is None else None
-    alpha = lat or [0.0] * len(plan)
+    allreduce, latency, off_link = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, class_groups))
+    alpha = [latency(b.nbytes) for b in plan]
     sent = [ex.nbytes("reduce_scatter", accumulated) for ex in exchanges]
     whole = [ex.whole and not accumulated for ex in exchanges]
+    costed = [n * world if w else n for n, w in zip(sent, whole)]  # the all-reduce's bytes each is costed from
     ready, dur = sharded_times(exchanges, [curve.at(x) for x in through(plan, ready_params(cfg, vocab))],
-                               [allreduce(b, n * world if w else n) for b, n, w in zip(plan, sent, whole)],
-                               lambda i, d: exchange_ms(d, alpha[i]), curve.at(0))
+                               [allreduce(b, n) for b, n in zip(plan, costed)],
+                               lambda i, d: exchange_ms(d, alpha[i]), ref.split_ready_ms(curve))
     dur = [exchange_ms(d, alpha[i]) if w else d for i, (d, w) in enumerate(zip(dur, whole))]
+    # a reduce-scatter (or a whole exchange, costed as one) moves half the bytes of the all-reduce it is costed from
+    halved = [ex.gathered or w for ex, w in zip(exchanges, whole)]
+    lat = ([off_link(n, d, 0.5 if h else 1.0) for n, d, h in zip(costed, dur, halved)] if cost is None else None)
     tl, exposed, slower = _played(ref, model, calib, ready, dur, overlap, lat, _groups(plan, class_groups, calib),
                                   sent)
     gather_bytes = [ex.nbytes("all_gather") for ex in exchanges]
@@ -158,18 +161,27 @@ def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibrati
 
 
 def _costs(model, calib: Calibration, cost, nccl_of):
-    """(allreduce(bucket, nbytes), latency(nbytes)), calibrated ms: one all-reduce of `nbytes` with the (algo, proto)
-    `nccl_of(bucket)` gives, by `cost(nbytes, algo, proto)` where given, else by the model; and the part of it that
-    does not share the link (none for a given `cost`)."""
+    """(allreduce(bucket, nbytes), latency(nbytes), off_link(nbytes, ms=None, share=1)), calibrated ms: one
+    all-reduce of `nbytes` with the (algo, proto) `nccl_of(bucket)` gives, by `cost(nbytes, algo, proto)` where
+    given, else by the model; the model's latency term for that size (the fixed cost a reduce-scatter or a
+    collective inside a node keeps whole); and the part of a collective that does not share the link, played as
+    its latency on the timeline (`off_link_ms`: of that all-reduce, or of one taking `ms` that moves `share` of its
+    bytes). Both none for a given `cost`."""
     one = cost or model.allreduce_ms
+    scale = calib.comm_scale
 
     def allreduce(bucket, nbytes: int) -> float:
-        return calib.comm_scale * one(nbytes, *nccl_of(bucket))
+        return scale * one(nbytes, *nccl_of(bucket))
 
     def latency(nbytes: int) -> float:
-        return calib.comm_scale * model.allreduce_latency_ms(nbytes) if cost is None else 0.0
+        return scale * model.allreduce_latency_ms(nbytes) if cost is None else 0.0
 
-    return allreduce, latency
+    def off_link(nbytes: int, ms: float | None = None, share: float = 1.0) -> float:
+        if cost is not None:
+            return 0.0
+        return scale * off_link_ms(model, nbytes, None if ms is None or not scale else ms / scale, share)
+
+    return allreduce, latency, off_link
 
 
 def _groups(plan, class_groups: bool, calib: Calibration) -> list[str] | None:
@@ -239,7 +251,7 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     overhead; the optimizer is charged for 1/world of the parameters, as `sharded`'s."""
     sync = sync_for(cfg, strategy, classes=classes)
     plan = bucket_plan(cfg, strategy, classes=classes, vocab=vocab).buckets
-    allreduce, latency = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, False))
+    allreduce, latency, _ = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, False))
     fitted = getattr(model, "colls", ()) if cost is None else ()
 
     def collective(b, nbytes: int, coll: str) -> float:
@@ -279,18 +291,19 @@ def _split_classes(cfg, strategy: str, classes: dict | None) -> set[str]:
 
 
 def _split_first(cfg, strategy: str, cap_mb: float | None, classes: dict | None, vocab: int | None,
-                 curve: ReadyCurve, split: set[str]) -> tuple[list, list[float]]:
+                 curve: ReadyCurve, split: set[str], split_ready: float) -> tuple[list, list[float]]:
     """The plan of an all-reducing strategy as its reducer re-plans it with a split tied embedding (`tied_split`),
     in the order gradients became ready in its first backward: the embedding first (its gradient is then the
     projection part, the first computed), the others in their expected order. And each bucket's ready time: the
-    embedding's at the start of backward, the others' where the reference step's curve puts them."""
+    embedding's at `split_ready` (`ReferenceStep.split_ready_ms`: once the generator's backward made the projection
+    part), the others' where the reference step's curve puts them."""
     sync = sync_for(cfg, strategy, cap_mb, classes)
     params = list(ready_params(cfg, vocab))
     class_of = tensor_classes.from_config(sync).assign(params)
     at, x = {}, 0
     for name, p in params:
         x += p.numel()
-        at[name] = curve.at(0) if class_of[name] in split else curve.at(x)
+        at[name] = split_ready if class_of[name] in split else curve.at(x)
     first = [(n, p) for n, p in params if class_of[n] in split]
     plan = strategies.plan_for(sync, first + [(n, p) for n, p in params if class_of[n] not in split]).buckets
     return plan, [max(at[n] for n in b.names) for b in plan]

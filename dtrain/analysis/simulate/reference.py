@@ -57,6 +57,23 @@ class ReferenceStep:
         return max([self.sync_backward_ms, *last])
 
     @property
+    def projection_ready_ms(self) -> float | None:
+        """When a split tied embedding's projection part was ready in this step (its record, `tied_split`; the latest
+        rank's where the run recorded every rank's), None where the step has no such record. It is not the start of
+        backward: the clock starts as the model's output gets its gradient, and the generator's backward runs
+        before the projection part exists (the log-softmax's over V logits per token, then the (tokens, V) x
+        (tokens, d) product that makes the (V, d) weight gradient)."""
+        ready = [r["ready_ms"] for r in self.records if r.get("part") == "projection" and r.get("ready_ms") is not None]
+        return max(ready) if ready else None
+
+    def split_ready_ms(self, curve: ReadyCurve) -> float:
+        """When a split tied embedding's bucket (its projection part) is ready on every rank: this step's record
+        where it has one (`projection_ready_ms`), else the start of backward as `curve` has it (a step without the
+        split does not show when the generator's backward ended)."""
+        recorded = self.projection_ready_ms
+        return curve.at(0) if recorded is None else recorded
+
+    @property
     def compute_ms(self) -> float:
         return self.data_ms + self.forward_ms + self.backward_ms + self.optimizer_ms
 
