@@ -229,6 +229,8 @@ class OnlineSearch(GradSync):
         self.switch_steps = 0  # the steps that time counts as (rank-averaged, at each round's end and the last move)
         self.moves = 0  # the optimizer state's moves so far
         self.mean_ms: float | None = None  # the last round's mean step (ms, rank-averaged): what a move's time is in steps
+        self._moved_ms = 0.0  # the moves' time (rank-averaged) counted into `_moved_steps` so far
+        self._moved_steps = 0.0  # ... as steps, each round's at that round's mean step
         self.module = Front(model, self)  # the current candidate's module (the loop may keep this one object)
         self.device = next(model.parameters()).device
         self._t0: float | None = None
@@ -390,9 +392,9 @@ class OnlineSearch(GradSync):
         total = torch.tensor(mine + [self.switch_s * 1000], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.process_group)  # every rank decides on the same means
         world = dist.get_world_size(self.process_group)
-        # the state moves' time so far counts as the steps it would have held (this round's mean step)
+        # the moves' time since the last count counts as the steps it would have held (this round's mean step)
         self.mean_ms = total[:len(names)].mean().item() / world
-        self.switch_steps = round(total[-1].item() / world / max(self.mean_ms, 1e-3))
+        self._count_moved(total[-1].item() / world)
         if self.rounds >= self.cfg.tune.warmup_rounds:
             for i, c in enumerate(self.alive):
                 c.times[self.rounds] = total[i].item() / world
@@ -411,7 +413,7 @@ class OnlineSearch(GradSync):
         cost, each at the mean cost of a move so far: a round moves it at most once into each sharding candidate
         and once out of their group (none where no sharding candidate is left)."""
         sharding = sum(self.sharding[c.name] for c in self.alive)
-        return math.ceil((sharding + 2) * self.switch_steps / self.moves) if sharding and self.moves else 0
+        return math.ceil((sharding + 2) * self._moved_steps / self.moves) if sharding and self.moves else 0
 
     def _count_moves(self) -> None:
         """`switch_steps` after the move to the winner (a collective: every rank moves to it at the same step)."""
@@ -419,7 +421,15 @@ class OnlineSearch(GradSync):
             return
         total = torch.tensor([self.switch_s * 1000], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.process_group)
-        self.switch_steps = round(total.item() / dist.get_world_size(self.process_group) / max(self.mean_ms, 1e-3))
+        self._count_moved(total.item() / dist.get_world_size(self.process_group))
+
+    def _count_moved(self, moved_ms: float) -> None:
+        """`switch_steps` from the moves' time so far (`moved_ms`, rank-averaged): what is new since the last count
+        at the last round's mean step, so that what was counted stays counted whatever later rounds' steps take;
+        a part of a step counts as a step."""
+        self._moved_steps += (moved_ms - self._moved_ms) / max(self.mean_ms, 1e-3)
+        self._moved_ms = moved_ms
+        self.switch_steps = math.ceil(self._moved_steps - 1e-9)
 
     @property
     def spent(self) -> int:
