@@ -39,3 +39,17 @@ def test_the_pick_is_the_fastest_median_and_the_rest_say_why_they_were_kept():
     assert close.diff is not None and abs(close.diff[0]) < 5
     unmeasured = [race.Entrant("a"), race.Entrant("b")]
     assert race.pick(unmeasured, 10) is unmeasured[0]  # nothing measured: the first, in the order given
+
+
+def test_the_pick_takes_the_rounds_as_blocks():
+    # the rounds ran at different machine speeds; b's one fast step, in round 1, gives it the lowest plain median,
+    # while a is the fastest in the other two rounds, and so the fastest against each round's median
+    a = race.Entrant("a", times={0: 100.0, 1: 200.0, 2: 300.0})
+    b = race.Entrant("b", times={0: 102.0, 1: 150.0, 2: 302.0})
+    c = race.Entrant("c", times={0: 104.0, 1: 204.0, 2: 304.0})
+    assert min((a, b, c), key=lambda e: e.measured_ms) is b
+    assert race.blocked_ms([a, b, c]) == {"a": -2.0, "b": 0.0, "c": 2.0}
+    assert race.pick([a, b, c], 30) is a and b.status == "kept: budget" and b.diff[0] == 2.0
+    # with no round in common, each one's own median
+    d = race.Entrant("d", times={5: 90.0})
+    assert race.blocked_ms([a, d]) == {"a": 200.0, "d": 90.0} and race.leader([a, d]) is d

@@ -45,20 +45,39 @@ def fmt_diff(d) -> str:
     return f"{d[0]:+.1f} ms [{d[1]:+.1f}, {d[2]:+.1f}]"
 
 
+def blocked_ms(alive: list) -> dict[str, float]:
+    """Each measured entrant's median, over the rounds all of them ran, of its step minus that round's median step.
+    A round is a block: every entrant ran one step in it, at that minute's machine speed, so a round the machine
+    ran slow moves all of them alike and drops out, where a plain median of each one's steps may come from
+    different rounds. Each one's plain median where they share no round."""
+    measured = [c for c in alive if c.times]
+    rounds = sorted(set.intersection(*(set(c.times) for c in measured))) if measured else []
+    if not rounds:
+        return {c.name: c.measured_ms for c in measured}
+    centre = {r: statistics.median(c.times[r] for c in measured) for r in rounds}
+    return {c.name: statistics.median(c.times[r] - centre[r] for r in rounds) for c in measured}
+
+
+def leader(alive: list) -> Entrant:
+    """The fastest entrant by `blocked_ms` (the first where nothing was measured)."""
+    score = blocked_ms(alive)
+    return min(alive, key=lambda c: (c.name not in score, score.get(c.name, 0.0)))
+
+
 def drop(alive: list, min_rounds: int, loss_tolerance: float) -> list:
     """The entrants that stay: not slower than the leader at ~95% (the interval of the paired median above 0), and
     for a lossy one, a loss within `loss_tolerance` of the best lossless one's; decided after `min_rounds`."""
     if min(len(c.times) for c in alive) < min_rounds:
         return alive
-    leader = min(alive, key=lambda c: c.measured_ms)
+    best = leader(alive)
     lossless = [c for c in alive if c.lossless]
     keep = []
     for c in alive:
-        if c is not leader:
-            c.diff = paired(c, leader)
+        if c is not best:
+            c.diff = paired(c, best)
             if c.diff and c.diff[1] > 0:
                 c.status = "dropped: measured"
-                c.reason = f"slower than the leader {leader.name} at 95%: {fmt_diff(c.diff)}"
+                c.reason = f"slower than the leader {best.name} at 95%: {fmt_diff(c.diff)}"
                 continue
         if not c.lossless and lossless and c.losses:
             base = min(statistics.mean(b.losses.values()) for b in lossless)
@@ -72,9 +91,9 @@ def drop(alive: list, min_rounds: int, loss_tolerance: float) -> list:
 
 
 def pick(alive: list, budget_steps: int) -> Entrant:
-    """The winner among those left: the fastest median (where nothing was measured, the first); the others are
-    marked as kept by the budget, with their paired difference against it."""
-    winner = min(alive, key=lambda c: (c.measured_ms is None, c.measured_ms or 0.0))
+    """The winner among those left: the `leader` (where nothing was measured, the first); the others are marked as
+    kept by the budget, with their paired difference against it."""
+    winner = leader(alive)
     for c in alive:
         c.status = "winner" if c is winner else "kept: budget"
         if c is not winner:

@@ -190,7 +190,7 @@ class SearchRecord:
             return
         self._written = state
         alive = [c for c in s.alive if c.times]
-        leader = min(alive, key=lambda c: c.measured_ms) if alive else None
+        leader = race.leader(alive) if alive else None
         for c in s.entrants:
             if not c.status and c.times and leader is not None:
                 c.diff = race.paired(c, leader) if c is not leader else None

@@ -458,8 +458,8 @@ class OnlineSearch(GradSync):
         self._next()
 
     def _pick(self) -> None:
-        """The winner among those left: the fastest median, or where no round was counted (a tiny budget, a run cut
-        short) the best prediction, else the first."""
+        """The winner among those left: the fastest over the counted rounds (`race.leader`: each round a block), or
+        where no round was counted (a tiny budget, a run cut short) the best prediction, else the first."""
         if not any(c.times for c in self.alive):
             self.alive.sort(key=lambda c: c.predicted_ms if c.predicted_ms is not None else math.inf)
         self.winner = race.pick(self.alive, self.budget).name
