@@ -498,6 +498,9 @@ def test_a_collective_costs_backward_pro_rata_to_its_run_before_backward_ends():
     tl = sim.Timeline([0, 0, 0, 0], [0, 0, 0, 0], [0.0, 8.0, 11.0, 12.0], [4.0, 12.0, 13.0, 14.0], 10.0)
     assert sim.host_ms(_FlatWithHost(), [1, 1, 1, 1], tl) == pytest.approx(0.75)
     assert sim.host_ms(_Flat(), [1], tl) is None  # no --overlap measurement: no host cost
+    # another rank computes until 14 (ranks sharing the cores): all four runs end by then, 0.5 ms each
+    assert sim.host_ms(_FlatWithHost(), [1, 1, 1, 1], tl, computing_ms=14.0) == pytest.approx(2.0)
+    assert sim.host_ms(_FlatWithHost(), [1, 1, 1, 1], tl, computing_ms=5.0) == pytest.approx(0.75)  # never earlier
 
 
 def test_collectives_during_backward_lengthen_it_relative_to_the_reference_step(tmp_path):

@@ -57,7 +57,8 @@ def calibrate(ref: ReferenceStep, model, host_cost: bool = False, lanes: int = 1
     tensor class through its own group."""
     calib = _calibrate(ref, model, lanes, class_groups)
     if host_cost and calib.timeline is not None:
-        base = host_ms(model, [r["bytes"] for r in in_launch_order(ref.records)], calib.timeline)
+        base = host_ms(model, [r["bytes"] for r in in_launch_order(ref.records)], calib.timeline,
+                       ref.compute_end_ms)
         if base is not None:
             calib.host_base_ms = base
             calib.note += (f"; backward lengthened by the collectives it overlaps, as the benchmark measured "

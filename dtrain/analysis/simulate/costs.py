@@ -40,21 +40,25 @@ def off_link_ms(model, nbytes: float, ms: float | None = None, share: float = 1.
     return max(0.0, (model.allreduce_ms(nbytes) if ms is None else ms) - share * link)
 
 
-def host_ms(model, sizes: list[int], tl: Timeline) -> float | None:
+def host_ms(model, sizes: list[int], tl: Timeline, computing_ms: float | None = None) -> float | None:
     """How much longer backward computes (ms) because of the collectives of timeline `tl` (sizes in index order),
     from the benchmark's --overlap measurement (`FittedModel.host_us`): each costs the computation its measured
     amount pro rata to the part of its run (start to end) before backward ends; a collective still queued behind
     others costs nothing yet. None for a model without that measurement. On a CPU machine the backend's threads,
     the kernel's network stack and the averaging callback share the cores with backward. (The benchmark's CPU time
-    per operation, `cpu_us`, is not this: its loop waits for every all-reduce.)"""
+    per operation, `cpu_us`, is not this: its loop waits for every all-reduce.) `computing_ms`: when the last rank
+    stops computing, where later than this rank's backward end (`ReferenceStep.compute_end_ms`): where ranks share
+    the machine's cores, a collective running while any rank still computes takes its CPU from that rank, and the
+    slowest rank's step is the step."""
     host = getattr(model, "host_us", None)
     if host is None or host(0) is None:
         return None
+    until = tl.backward_ms if computing_ms is None else max(tl.backward_ms, computing_ms)
     total = 0.0
     for n, s, e in zip(sizes, tl.start, tl.end):
-        if s >= tl.backward_ms:
+        if s >= until:
             continue
-        total += host(n) * (1.0 if e <= s else (min(e, tl.backward_ms) - s) / (e - s))
+        total += host(n) * (1.0 if e <= s else (min(e, until) - s) / (e - s))
     return total / 1000.0
 
 

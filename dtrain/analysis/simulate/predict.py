@@ -196,7 +196,7 @@ def _played(ref: ReferenceStep, model, calib: Calibration, ready, dur, overlap: 
     for more collectives during backward)."""
     tl = play_timeline(ready, dur, ref.sync_backward_ms, overlap, calib.slowdown, lanes or calib.lanes, lat, groups,
                        model.link_efficiency, ref.compute_end_ms, lockstep(model))
-    slower = host_ms(model, sent, tl) - calib.host_base_ms if calib.host_base_ms is not None else 0.0
+    slower = host_ms(model, sent, tl, ref.compute_end_ms) - calib.host_base_ms if calib.host_base_ms is not None else 0.0
     return tl, tl.exposed_ms + calib.post_ms, slower
 
 
