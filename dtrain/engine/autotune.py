@@ -160,7 +160,7 @@ class SearchRecord:
         s, tr = self.online, self.tr
         winner = next(c for c in self.cands if c.name == s.winner)
         e = next(e for e in s.entrants if e.name == s.winner)
-        e.reason = (f"fastest median over {len(e.times)} rounds" if e.times else
+        e.reason = (f"fastest over {len(e.times)} rounds, each round's median step taken out" if e.times else
                     "best prediction: the run's last step came before any counted round")
         for c in s.entrants:  # the dropped ones against the winner too
             if c.status.startswith("dropped: measured"):

@@ -448,7 +448,7 @@ class OnlineSearch(GradSync):
         return groups[0] + groups[1]
 
     def conclude(self) -> None:
-        """End the search now (the run's last step came first): the fastest median so far wins, or where no round
+        """End the search now (the run's last step came first): the fastest so far wins (`_pick`), or where no round
         was counted, the best prediction (else the first candidate); the model switches to it."""
         if self.winner is not None:
             return
