@@ -66,4 +66,5 @@ def heap_mib() -> dict[str, float]:
     if fn is None:
         return {}
     m = fn()
-    return {"heap_mib": round((m.arena + m.hblkhd) / 2**20, 1), "heap_used_mib": round((m.uordblks + m.hblkhd) / 2**20, 1)}
+    return {"heap_mib": round((m.arena + m.hblkhd) / 2**20, 1),
+            "heap_used_mib": round((m.uordblks + m.hblkhd) / 2**20, 1)}

@@ -343,13 +343,12 @@ def class_group(name: str, settings=None, ranks: list[int] | None = None):
     return pg
 
 
-def attached_group(name: str, settings=None, ranks: list[int] | None = None, factory=None):
+def attached_group(name: str, settings=None, ranks: list[int] | None = None):
     """A class's group where no profile was applied (`attach` from a user's own loop, with no `apply_global`): on
     NCCL the class's own choices (`settings`, as `class_group` takes them) are applied to its communicator as in
-    per_group mode, which needs nothing set before `init_process_group`; elsewhere, or with no choice, a plain group.
-    `factory`: the process groups (`TorchGroups`; tests pass a fake)."""
+    per_group mode, which needs nothing set before `init_process_group`; elsewhere, or with no choice, a plain group."""
     want = class_nccl(settings)
-    factory = factory or TorchGroups()
+    factory = TorchGroups()
     if want == NcclSettings() or dist.get_backend() != "nccl":
         return factory.new_group(ranks, {}, f"dtrain:{name}")
     if nonblocking_init():
