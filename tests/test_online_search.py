@@ -141,15 +141,11 @@ def test_a_dropped_ddp_candidate_frees_its_reducer(one_rank):
     model = verify.tiny_model()
     handle = attach(model, auto({"ddp-2": SPACE["ddp-2"], "ddp-25": {"strategy": "ddp", "bucket_cap_mb": 25}},
                                 budget_steps=6, warmup_rounds=1, min_rounds=2))
-    modules = {}
+    opt, modules = torch.optim.SGD(handle.optimizer_params(), lr=0.01), {}
     for step in range(8):
         for name, h in handle.handles.items():
             modules.setdefault(name, weakref.ref(h.module))
-        src, tgt_in, tgt_out = verify.batch(0, step, 0)
-        verify.loss_fn(handle.module(src, tgt_in), tgt_out, 1).backward()
-        handle.wait()
-        handle.stepped()
-        model.zero_grad(set_to_none=True)
+        loop_step(handle, opt, step, 0)
     gc.collect()
     assert handle.winner is not None and set(modules) == {"ddp-2", "ddp-25"}
     assert {name: ref() is not None for name, ref in modules.items()} == {

@@ -28,12 +28,20 @@ M_MMAP_MAX = -4
 KEEP = 2**31 - 1  # mallopt takes an int: freed heap memory up to 2 GiB above the top is kept
 
 
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library where it is glibc on Linux, else None."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def keep_freed_memory() -> str:
     """Make this process's allocator keep freed memory (glibc on Linux). Returns what was done, for the run's
     record: "kept", or why not."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return f"not applied: {platform.system()} {platform.libc_ver()[0] or 'without glibc'}"
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     # mallopt returns 1 on success, 0 on error
     if libc.mallopt(M_MMAP_MAX, 0) != 1 or libc.mallopt(M_TRIM_THRESHOLD, KEEP) != 1:
         return "not applied: mallopt refused"
@@ -50,9 +58,7 @@ class _MallInfo2(ctypes.Structure):
 @functools.cache
 def _mallinfo2():
     """glibc's mallinfo2, or None (not glibc, or older than 2.33)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "mallinfo2", None)
+    fn = getattr(_glibc(), "mallinfo2", None)
     if fn is not None:
         fn.restype = _MallInfo2
     return fn

@@ -335,9 +335,7 @@ def class_group(name: str, settings=None, ranks: list[int] | None = None):
     if not state.factory.device_bound():
         state.record["warnings"].append(f"{name}: no device bound at init, so the communicator is created by the "
                                         f"barrier below, still inside the class's variables")
-    with scoped_env(g.env):
-        pg = state.factory.new_group(ranks, g.options, f"dtrain:{name}")
-        state.factory.barrier(pg)  # creates (or finishes creating) the communicator while the variables are set
+    pg = _created(state.factory, name, g, ranks)
     entry["applied"] = True
     state.record["groups"].append(entry)
     return pg
@@ -354,8 +352,13 @@ def attached_group(name: str, settings=None, ranks: list[int] | None = None):
     if nonblocking_init():
         raise UserError(f"'sync.classes.{name}' sets NCCL choices ({describe(want)}), which are applied while its "
                         f"communicator is created: unset {NONBLOCKING_VAR}")
-    g = class_group_settings("per_group", name, want, nccl_version(), None)
+    return _created(factory, name, class_group_settings("per_group", name, want, nccl_version(), None), ranks)
+
+
+def _created(factory, name: str, g: GroupSettings, ranks: list[int] | None):
+    """Class `name`'s group, created under its variables and options (`g`): its barrier creates (or finishes
+    creating) the communicator while they are set; then they are put back."""
     with scoped_env(g.env):
         pg = factory.new_group(ranks, g.options, f"dtrain:{name}")
-        factory.barrier(pg)  # creates the communicator while the variables are set
+        factory.barrier(pg)
     return pg

@@ -226,11 +226,10 @@ class OnlineSearch(GradSync):
         self.optimizer: torch.optim.Optimizer | None = None  # the loop's, from `stepped(optimizer)`
         self.lead_in = False  # the current step is a sharding candidate's first after a switch: not timed
         self.switch_s = 0.0  # this rank's time spent moving the optimizer's state between layouts
-        self.switch_steps = 0  # the steps that time counts as (rank-averaged, at each round's end and the last move)
         self.moves = 0  # the optimizer state's moves so far
         self.mean_ms: float | None = None  # the last round's mean step (ms, rank-averaged): what a move's time is in steps
         self._moved_ms = 0.0  # the moves' time (rank-averaged) counted into `_moved_steps` so far
-        self._moved_steps = 0.0  # ... as steps, each round's at that round's mean step
+        self._moved_steps = 0.0  # ... as steps, each round's at that round's mean step (`switch_steps`)
         self.module = Front(model, self)  # the current candidate's module (the loop may keep this one object)
         self.device = next(model.parameters()).device
         self._t0: float | None = None
@@ -416,7 +415,7 @@ class OnlineSearch(GradSync):
         return math.ceil((sharding + 2) * self._moved_steps / self.moves) if sharding and self.moves else 0
 
     def _count_moves(self) -> None:
-        """`switch_steps` after the move to the winner (a collective: every rank moves to it at the same step)."""
+        """Count the move to the winner (a collective: every rank moves to it at the same step)."""
         if self.mean_ms is None:  # no round ended: no step to count the time in
             return
         total = torch.tensor([self.switch_s * 1000], dtype=torch.float64, device=self.device)
@@ -424,12 +423,16 @@ class OnlineSearch(GradSync):
         self._count_moved(total.item() / dist.get_world_size(self.process_group))
 
     def _count_moved(self, moved_ms: float) -> None:
-        """`switch_steps` from the moves' time so far (`moved_ms`, rank-averaged): what is new since the last count
-        at the last round's mean step, so that what was counted stays counted whatever later rounds' steps take;
-        a part of a step counts as a step."""
+        """Count the moves' time so far (`moved_ms`, rank-averaged) in steps: what is new since the last count at
+        the last round's mean step, so that what was counted stays counted whatever later rounds' steps take."""
         self._moved_steps += (moved_ms - self._moved_ms) / max(self.mean_ms, 1e-3)
         self._moved_ms = moved_ms
-        self.switch_steps = math.ceil(self._moved_steps - 1e-9)
+
+    @property
+    def switch_steps(self) -> int:
+        """The steps the optimizer state's moves count as (at each round's end and the move to the winner); a part
+        of a step counts as a step."""
+        return math.ceil(self._moved_steps - 1e-9)
 
     @property
     def spent(self) -> int:
