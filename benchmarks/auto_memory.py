@@ -1,7 +1,7 @@
 """Peak memory of `auto` against a plain run of its pick, on 2 ranks, in one command.
 
     python benchmarks/auto_memory.py [--pairs 2] [--steps 200] [--glibc-tunables glibc.malloc.mmap_threshold=1048576]
-    python benchmarks/auto_memory.py --engine [--pairs 2] [--steps 60] [--set data.max_tokens=1024]
+    python benchmarks/auto_memory.py --engine [--pairs 2] [--steps 100] [--set data.max_tokens=1024]
 
 By default runs `examples/gpt_lm.py` (made larger: d_model 256, 6 layers, 4.84M parameters) under torchrun on 2
 local gloo ranks, alternately: `auto` through `attach` over its default space, then a plain run of the configuration
@@ -10,7 +10,8 @@ it picked (the candidate by name: the same sync keys, no search). Each run print
 `multi30k-cpu` in fp32, no evaluation), `sync.strategy: auto` against its pick from `tuned.json`, each run's peak
 RSS from GNU time (`%M`: the largest process, a rank), and rank 0's heap after its last step (what the allocator
 holds, and what of it is in use: steps.jsonl's `heap_mib`, `heap_used_mib`). Prints each pair's ratio, auto over the
-plain run, and their median. The runs alternate so that the machine's drift falls on both alike.
+plain run, and their median. The runs alternate so that the machine's drift falls on both alike. Give the runs more
+steps than the search takes (its default budget is 72), so that the peak covers the winner's steps after it too.
 
 glibc's malloc keeps freed heap memory and serves large blocks from it, so a process that frees and allocates
 buffers of many sizes (the search, switching candidates) can peak higher than its live memory; `--glibc-tunables`
@@ -93,12 +94,14 @@ def engine_pairs(args) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default: 200; with --engine 100)")
     ap.add_argument("--glibc-tunables", help="GLIBC_TUNABLES for the runs")
     ap.add_argument("--engine", action="store_true", help="dtrain's trainer on multi30k-cpu, not the plain loop")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="with --engine: more overrides of the profile")
     args = ap.parse_args()
+    if args.steps is None:
+        args.steps = 100 if args.engine else 200
     if args.engine:
         ratios = engine_pairs(args)
         print(f"peak RSS of auto over its pick's plain run: median {statistics.median(ratios):.3f}x over "

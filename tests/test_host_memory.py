@@ -58,3 +58,57 @@ def test_the_setting_is_a_checked_bool():
     with pytest.raises(UserError) as e:
         config_mod.load("dtrain/profiles/smoke.yaml", ["train.keep_host_memory=sometimes"])
     assert "train.keep_host_memory" in str(e.value) and "\n" not in str(e.value)
+
+
+# attach's search on one gloo rank, in a process that keeps freed memory: a 64 MiB block freed during the search is
+# handed back to the OS, one freed after it is kept.
+SEARCH = """
+import sys
+import torch
+import torch.distributed as dist
+from dtrain.collectives import attach
+from dtrain.collectives.settings import SyncConfig, TuneConfig
+from dtrain.common import host_memory
+from dtrain.engine import verify
+
+def rss_mib():
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) // 1024
+
+def freed_mib():
+    x = torch.ones(16 * 2**20)  # 64 MiB, touched
+    held = rss_mib()
+    del x
+    return held - rss_mib()
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+host_memory.keep_freed_memory()
+tune = TuneConfig(candidates={"ddp": {"strategy": "ddp"}, "bucketed": {"strategy": "bucketed"}}, budget_steps=4,
+                  warmup_rounds=1, min_rounds=2)
+handle = attach(verify.tiny_model(), SyncConfig(strategy="auto", tune=tune))
+opt = torch.optim.Adam(handle.optimizer_params(), lr=0.01)
+seen = []
+for step in range(6):
+    seen.append((handle.winner is None, host_memory.allocator_mode(), freed_mib()))
+    src, tgt_in, tgt_out = verify.batch(0, step, 0)
+    verify.loss_fn(handle.module(src, tgt_in), tgt_out, 1).backward()
+    handle.wait()
+    opt.step()
+    handle.stepped(opt)
+    opt.zero_grad(set_to_none=True)
+seen.append((handle.winner is None, host_memory.allocator_mode(), freed_mib()))
+print(seen)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc parameters")
+def test_the_search_maps_large_blocks_and_keeps_freed_memory_after_it(tmp_path):
+    r = subprocess.run([sys.executable, "-c", SEARCH, str(tmp_path / "init")], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    seen = eval(r.stdout.strip().splitlines()[-1])
+    searching = [s for s in seen if s[0]]
+    after = [s for s in seen if not s[0]]
+    assert searching and after, seen
+    assert all(mode == "large blocks mapped" and freed >= 60 for _, mode, freed in searching), seen
+    assert all(mode == "kept" and freed < 4 for _, mode, freed in after), seen

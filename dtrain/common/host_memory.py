@@ -10,6 +10,12 @@ price is that the process does not shrink after a peak, as a CUDA caching alloca
 The same can be set from outside before a process starts, e.g.
 GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647.
 
+Kept memory suits a loop whose steps are alike. `auto`'s search is not: its candidates free and allocate blocks of
+other sizes and lifetimes from one step to the next, and a heap that keeps every freed block ends as the union of
+their layouts, with holes none of them fills. `map_large_blocks` serves large blocks with their own mmap again, each
+handed back when freed, while it lasts: the search's steps fault them in again, every candidate alike, and the heap
+stays the size of what is in use. `keep_freed_memory` ends it.
+
 `heap_mib` reads what the heap holds and what of it is in use (glibc's mallinfo2): where a process frees and
 allocates blocks of many sizes, the heap can hold much more than it uses, and the peak resident memory shows the
 heap, not the use.
@@ -24,8 +30,13 @@ import platform
 
 # mallopt's parameter numbers, from glibc's malloc.h
 M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 KEEP = 2**31 - 1  # mallopt takes an int: freed heap memory up to 2 GiB above the top is kept
+MAPPED_FROM = 128 * 1024  # glibc's own starting mmap threshold (DEFAULT_MMAP_THRESHOLD_MIN), here held fixed
+MAPS = 65536  # glibc's default M_MMAP_MAX
+
+_mode = "glibc default"  # this process's allocator as set here: "glibc default", "kept" or "large blocks mapped"
 
 
 @functools.cache
@@ -45,7 +56,26 @@ def keep_freed_memory() -> str:
     # mallopt returns 1 on success, 0 on error
     if libc.mallopt(M_MMAP_MAX, 0) != 1 or libc.mallopt(M_TRIM_THRESHOLD, KEEP) != 1:
         return "not applied: mallopt refused"
+    global _mode
+    _mode = "kept"
     return "kept"
+
+
+def map_large_blocks() -> bool:
+    """Where this process keeps freed memory (`keep_freed_memory` applied), serve blocks of `MAPPED_FROM` bytes or
+    more with their own mmap again, each handed back when freed, until `keep_freed_memory()` is called. Returns
+    whether it did; elsewhere the allocator is left as the process set it."""
+    global _mode
+    libc = _glibc()
+    if _mode != "kept" or libc.mallopt(M_MMAP_THRESHOLD, MAPPED_FROM) != 1 or libc.mallopt(M_MMAP_MAX, MAPS) != 1:
+        return False
+    _mode = "large blocks mapped"
+    return True
+
+
+def allocator_mode() -> str:
+    """What this module has set in this process: "glibc default", "kept" or "large blocks mapped"."""
+    return _mode
 
 
 class _MallInfo2(ctypes.Structure):

@@ -11,7 +11,10 @@ attached while the race runs, and each step is the candidate's own. Candidates s
 `stepped()`), never inside an accumulation. A planned candidate frees its bucket buffers (a copy of the gradients
 each; `sharded`'s peers' chunks too, its flat parameters staying as the parameters' storage) while another one
 trains and lays them out again when its turn comes, so the search holds one planned candidate's buffers at a time;
-each DDP candidate keeps its own buckets.
+each DDP candidate keeps its own buckets. Where the process keeps freed host memory (dtrain's trainer by default),
+the search serves large blocks with their own mmap until the winner is laid out
+(`dtrain.common.host_memory.map_large_blocks`): otherwise the heap would end holding every candidate's layout of
+freed blocks. Its steps then fault their large blocks in, every candidate's alike.
 
 A sharding candidate (`sharded`) changes what the optimizer updates: its shards instead of the model's parameters.
 Switching to or from one moves the optimizer's state through the whole-model form that checkpoints hold
@@ -48,6 +51,7 @@ from dtrain.collectives import hooks, race, tensor_classes, tune_model
 from dtrain.collectives.settings import ClassSettings, SyncConfig
 from dtrain.collectives.strategies import CLASS_RULE_KEYS, attachable, build, get, planner, register, unused_keys
 from dtrain.collectives.sync import Front, GradSync, move_optimizer
+from dtrain.common import host_memory
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
 from dtrain.common.schema import Source, build as build_section, set_dotted
@@ -221,6 +225,9 @@ class OnlineSearch(GradSync):
         self.probe_steps: list[tuple[float, float, float, float]] = []  # (forward, backward, optimizer, compute)
         self.probe: tune_model.Probe | None = None
         self.net = None  # the fitted all-reduce cost of the job's group, after the probe
+        # Kept host memory (the trainer's default) would end the search with the heap holding every candidate's
+        # layout of freed blocks: large blocks are mapped apart until the winner is laid out (`_next`).
+        self.blocks_mapped = host_memory.map_large_blocks()
         first = (PROBE if PROBE in syncs else self.queue[0].name) if self.probing else self.queue[0].name
         self.current = self._handle(first)  # before the loop builds its optimizer over `optimizer_params()`
         self.optimizer: torch.optim.Optimizer | None = None  # the loop's, from `stepped(optimizer)`
@@ -303,6 +310,14 @@ class OnlineSearch(GradSync):
         keep = {self.winner} if self.winner else {c.name for c in self.alive}
         for loser in sorted(set(self.handles) - keep):  # hooks, threads and groups (name order on every rank)
             self.handles.pop(loser).close()
+        if self.winner is not None:
+            self._keep_memory()
+
+    def _keep_memory(self) -> None:
+        """The search is over: freed host memory is kept again, as before it (where `__init__` mapped blocks)."""
+        if self.blocks_mapped:
+            host_memory.keep_freed_memory()
+            self.blocks_mapped = False
 
     def _probe_step(self, elapsed_ms: float, now: float) -> None:
         forward_ms, exposed_ms = (x * 1000 for x in self._phases)
@@ -478,6 +493,7 @@ class OnlineSearch(GradSync):
         for name in sorted(self.handles):
             self.handles[name].close()
         self.handles = {}
+        self._keep_memory()
 
     def no_sync(self) -> AbstractContextManager:
         return self.current.no_sync()
