@@ -325,6 +325,17 @@ def test_a_split_embedding_is_played_as_the_reducer_runs_it_where_the_profile_re
     # Split: the matrix's bucket goes first, and backward ends with the encoder lookup's 400 bytes alone, launched at
     # 10 ms: 1.0004 ms on the flat model.
     assert with_split.exposed_ms == pytest.approx(1.0004) and plain.exposed_ms > 1.1
+    # The split's own work on the computing thread, as its records measured it: a configuration without the split
+    # does not do it; one with the split does, as the profiled step did
+    for r in ref.records:
+        if r.get("part") == "lookup":
+            r["host_ms"] = 3.0
+    assert ref.split_host_ms == 6.0
+    assert sim.predict(run.cfg, ref, curve, _Flat(), cal, "bucketed", 0.05,
+                       run.vocab).step_ms == pytest.approx(plain.step_ms - 6.0)
+    assert sim.predict(run.cfg, ref, curve, _Flat(), cal, "bucketed", 0.05, run.vocab,
+                       classes=split).step_ms == pytest.approx(with_split.step_ms)
+    assert sim.predict(run.cfg, ref, curve, _Flat(), cal, "noop").step_ms == pytest.approx(ref.compute_ms - 6.0)
     ref.records = [r for r in ref.records if r.get("part") != "lookup"]  # no rows recorded: the plain plan
     assert sim.predict(run.cfg, ref, curve, _Flat(), cal, "bucketed", 0.05, run.vocab,
                        classes=split).exposed_ms == pytest.approx(plain.exposed_ms)

@@ -35,6 +35,10 @@ def test_split_gradient_equals_the_whole(one_rank, name, accum):  # noqa: F811
         for lookup in lookups:  # the rows of one lookup's tokens, fewer than the vocabulary
             assert 0 < lookup.numel < model.embed.weight.numel()
             assert lookup.nbytes == lookup.numel * 4 and lookup.wire_dtype == "fp32"
+            # the split's own work for that lookup on this thread: its mask, its rows, adding them
+            assert 0 < lookup.host_ms < 1000
+            assert lookup.to_json(s)["host_ms"] == lookup.host_ms
+        assert all("host_ms" not in r.to_json(s) for r in records if r.part != "lookup")
         if s > 0:  # re-planned in the observed order: the projection part is ready before every other bucket
             first = min(r.ready_ms for r in records if r.part != "lookup")
             embedding = [r for r in records if r.bucket == handle.reducer.bucket_of("embed.weight")]

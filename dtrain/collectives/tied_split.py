@@ -55,6 +55,7 @@ class Rows:
     sent_bytes: int = 0
     received: list[torch.Tensor] = field(default_factory=list)  # sharded: per peer, its rows of this rank's part
     own: slice | None = None  # sharded: this rank's rows in `union`
+    host_s: float = 0.0  # the split's own work for this lookup on the computing thread (its mask, rows, and adding)
 
 
 class _Lookup(torch.autograd.Function):
@@ -104,6 +105,11 @@ class TiedEmbeddingSplit:
         """At each forward: forget the last step's rows."""
         # (mask (V,) uint8, its all-reduce) per lookup, in forward order
         self.masks: list[tuple[torch.Tensor, object]] = []
+        # The split's own work on the computing thread, which the same model without the split does not do (the
+        # simulator takes it out of a step it replays without the split): per mask, in forward order, and the
+        # union's start of backward
+        self._mask_s: list[float] = []
+        self._start_s = 0.0
         self.parts: list[Rows] = []  # per lookup, in backward's order
         self._lookups = 0  # synchronized lookups run in this forward
         # this backward's rows: every lookup's union (u,), this rank's gradient there so far (u, d), what is sent
@@ -132,11 +138,14 @@ class TiedEmbeddingSplit:
     def _union_mask(self, tokens: torch.Tensor, padding_idx: int | None) -> tuple[torch.Tensor, object]:
         """A (V,) mask of `tokens`' rows, maxed over the ranks asynchronously: the rows any rank looked up. In
         forward order, the same on every rank."""
+        t0 = time.perf_counter()
         mask = torch.zeros(self.vocab, dtype=torch.uint8, device=tokens.device)
         mask[tokens.reshape(-1)] = 1
         if padding_idx is not None:
             mask[padding_idx] = 0  # F.embedding gives the padding row no gradient
-        return mask, dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        work = dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._mask_s.append(time.perf_counter() - t0)
+        return mask, work
 
     def _projection_grad(self, grad: torch.Tensor) -> None:
         """The projection part (V, d) as autograd hands it to the parameter, before `.grad` accumulates it: keep this
@@ -147,6 +156,7 @@ class TiedEmbeddingSplit:
 
     def _start(self, projection: torch.Tensor | None) -> None:
         """This backward's rows: every lookup's union, with this rank's projection part there (if any)."""
+        t0 = time.perf_counter()
         looked_up = torch.zeros(self.vocab, dtype=torch.bool, device=self.param.device)
         for mask, work in self.masks:
             work.wait()  # sent during forward: long done
@@ -158,12 +168,15 @@ class TiedEmbeddingSplit:
         self.before = None if self.param.grad is None else self.param.grad[self.union]
         self.sent = torch.zeros(len(self.union), dtype=torch.bool, device=self.param.device)
         self.pending = set(range(len(self.masks)))
+        self._start_s = time.perf_counter() - t0
 
     def lookup_backward(self, tokens: torch.Tensor, grad_out: torch.Tensor, padding_idx: int | None,
                         index: int) -> None:
         """Lookup `index`'s rows added to this rank's gradient; the rows that no lookup still to come touches are
         sent at once."""
         ready_t = stamp(self.param.device)
+        t0 = time.perf_counter()
+        started = self.union is not None  # else `_start` runs here, timed on its own
         ids = tokens.reshape(-1)
         grads = grad_out.reshape(-1, self.dim).to(self.param.dtype)  # (tokens, d)
         if padding_idx is not None:  # as F.embedding: the padding row gets no gradient
@@ -185,6 +198,9 @@ class TiedEmbeddingSplit:
         if len(part.union):  # (the same on every rank: the masks are)
             part.launch_t = stamp(self.param.device)
             self._reduce_rows(part, index)
+        # this lookup's own work, its mask's, and the union's start with the first lookup's
+        part.host_s = (time.perf_counter() - t0 - (0.0 if started else self._start_s) + self._mask_s[index]
+                       + (self._start_s if not self.parts else 0.0))
         self.parts.append(part)
         self.applied = False
 
@@ -217,6 +233,7 @@ class TiedEmbeddingSplit:
             part.work.wait()
             part.wait_s = time.perf_counter() - t0
             self._add(part)
+            part.host_s += time.perf_counter() - t0 - part.wait_s
         self.applied = True  # a second finish() without a synchronized forward adds nothing
         self.union = None  # the next synchronized backward starts its rows afresh
 
@@ -242,6 +259,6 @@ class TiedEmbeddingSplit:
                 wait_ms = round(part.wait_s * 1000, 3)
             out.append(BucketRecord(first_index + k, tensor_class, dtype, wire, 1, numel,
                                     part.sent_bytes, ms(part.ready_t), ms(part.launch_t), complete,
-                                    wait_start_ms, wait_ms, part="lookup"))
+                                    wait_start_ms, wait_ms, part="lookup", host_ms=round(part.host_s * 1000, 3)))
         return out
 

@@ -102,13 +102,20 @@ class BucketRecord:
     # A part of a tensor's communication: "projection" or "lookup" of a split tied embedding (`dtrain.collectives.tied_split`),
     # "reduce_scatter" (backward) or "all_gather" (the next forward) of a sharded bucket (`dtrain.collectives.sharded`).
     part: str | None = None
+    # The computing thread's time for the part's own work (a split lookup's: its mask in forward, its rows, adding
+    # them), which the model without that part would not spend.
+    host_ms: float | None = None
 
     def to_json(self, step: int) -> dict:
         out = {"step": step, "bucket": self.bucket, "class": self.tensor_class, "dtype": self.dtype,
                "wire_dtype": self.wire_dtype, "tensors": self.tensors, "numel": self.numel, "bytes": self.nbytes,
                "ready_ms": self.ready_ms, "launch_ms": self.launch_ms, "complete_ms": self.complete_ms,
                "wait_start_ms": self.wait_start_ms, "wait_ms": self.wait_ms}
-        return out if self.part is None else out | {"part": self.part}
+        if self.part is not None:
+            out["part"] = self.part
+        if self.host_ms is not None:
+            out["host_ms"] = self.host_ms
+        return out
 
 
 @dataclass

@@ -37,7 +37,7 @@ from dtrain.analysis.simulate.check import (
 )
 from dtrain.analysis.simulate.costs import default_lanes
 from dtrain.analysis.simulate.paper import PAPER_STEP_S, flop_timeline, paper_profile
-from dtrain.analysis.simulate.predict import Prediction, predict, sweep
+from dtrain.analysis.simulate.predict import Prediction, predict, split_cost_ms, sweep
 from dtrain.analysis.simulate.reference import ready_curve, reference_step
 from dtrain.collectives import costmodel as cm
 from dtrain.collectives.timeline import GLOO_LANES
@@ -270,6 +270,12 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
               f"{run.world}), {which}: data {ref.data_ms:.1f} + forward {ref.forward_ms:.1f} + backward "
               f"{ref.backward_ms:.1f} + optimizer {ref.optimizer_ms:.1f} ms (measured {ref.step_ms:.1f} ms, exposed "
               f"{ref.exposed_ms:.1f})", *notes, *model.header(), *ref.notes]
+    if ref.split_lookups:
+        header.append(f"the split's own work: {split_cost_ms(ref, model, run.vocab):.1f} ms of the step's compute "
+                      f"({ref.split_host_ms:.1f} on the computing thread, the rest its masks' all-reduces), taken "
+                      "out of each prediction without the split" if ref.split_host_ms else
+                      "the split's own work: not recorded (records older than its host_ms), so predictions without "
+                      "the split carry it")
     if measured:
         header.append(speed_probe(ref, measured))
     robust = (every_step(runs, model, measured_dirs, host_cost, lanes, args.warmup, args.pool, per_run)

@@ -81,8 +81,8 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     `sharded` is played by `_sharded`, fsdp2 by `_fsdp2`."""
     if strategy == "powersgd":
         raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
-    compute = ref.compute_ms
     if strategy == "noop":
+        compute = ref.compute_ms - split_cost_ms(ref, model, vocab)
         return Prediction("noop", None, 0, 0.0, 0.0, compute - (calib.host_base_ms or 0.0), lossless=False,
                           communicates=False)
     if strategies.get(strategy).plans_like is Fsdp2Units:
@@ -91,6 +91,7 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
         return _sharded(cfg, ref, curve, model, calib, strategy, cap_mb, vocab, classes, cost, nccl_of)
     plan, overlap, class_groups = bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
     split = _split_classes(cfg, strategy, classes)
+    compute = ref.compute_ms - (0.0 if split else split_cost_ms(ref, model, vocab))
     rows = []  # a split embedding's lookups' rows, where the profiled step recorded them: (ready ms, bytes)
     if split and overlap:
         rows = [(r["ready_ms"], r["bytes"]) for r in ref.records
@@ -153,10 +154,11 @@ def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibrati
                                   sent)
     gather_bytes = [ex.nbytes("all_gather") for ex in exchanges]
     gather = [exchange_ms(allreduce(b, n), a) for b, n, a in zip(plan, gather_bytes, alpha)]
-    compute = ref.compute_ms + slower + _sharded_extra_ms(ref, model, plan, exchanges, gather, gather_bytes, calib,
-                                                          world)
+    split = any(ex.split for ex in exchanges)
+    compute = (ref.compute_ms - (0.0 if split else split_cost_ms(ref, model, vocab)) + slower
+               + _sharded_extra_ms(ref, model, plan, exchanges, gather, gather_bytes, calib, world))
     return Prediction(strategy, cap_mb, len(plan), tl.comm_ms, exposed, compute + exposed, _lossless(plan),
-                      split=any(ex.split for ex in exchanges), rows=any(ex.layout == ROWS for ex in exchanges),
+                      split=split, rows=any(ex.layout == ROWS for ex in exchanges),
                       narrowed=sync.gather_dtype)
 
 
@@ -264,7 +266,8 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     gather = [collective(b, b.numel * low if low else b.nbytes, "allgather") for b in plan]
     regather = gather[:-1] if sync.reshard_after_forward else []
     world = getattr(model, "ranks", None) or 2
-    compute = ref.compute_ms - (calib.host_base_ms or 0.0) - optimizer_saving(plan, ref.optimizer_ms, world)
+    compute = (ref.compute_ms - split_cost_ms(ref, model, vocab) - (calib.host_base_ms or 0.0)
+               - optimizer_saving(plan, ref.optimizer_ms, world))
     if not calib.streams:
         exposed = sum(scatter) + sum(regather)
         compute += sum(gather)
@@ -281,6 +284,20 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     return Prediction(strategy, None, len(plan), sum(scatter) + sum(gather) + sum(regather), exposed,
                       compute + exposed, lossless=sync.gather_dtype is None, narrowed=sync.gather_dtype,
                       keep=not sync.reshard_after_forward)
+
+
+def split_cost_ms(ref: ReferenceStep, model, vocab: int | None) -> float:
+    """What a split tied embedding cost the reference step's compute, to take out of a prediction without the split
+    (ms): the split's own work on the computing thread, as its records measured it (`ReferenceStep.split_host_ms`),
+    and the computation its masks' all-reduces took from the forward they ran beside (V bytes each, one per lookup;
+    the benchmark's --overlap measurement, `FittedModel.host_us`, where the model has it). 0 for a reference step
+    without the split."""
+    lookups = ref.split_lookups
+    if not lookups:
+        return 0.0
+    host = getattr(model, "host_us", None)
+    masks = lookups * host(vocab) / 1000.0 if vocab and host is not None and host(0) is not None else 0.0
+    return ref.split_host_ms + masks
 
 
 def _split_classes(cfg, strategy: str, classes: dict | None) -> set[str]:

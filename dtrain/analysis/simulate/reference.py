@@ -77,6 +77,18 @@ class ReferenceStep:
     def compute_ms(self) -> float:
         return self.data_ms + self.forward_ms + self.backward_ms + self.optimizer_ms
 
+    @property
+    def split_lookups(self) -> int:
+        """How many lookups of a split tied embedding this step recorded (`tied_split`: one record each)."""
+        return sum(r.get("part") == "lookup" for r in self.records)
+
+    @property
+    def split_host_ms(self) -> float:
+        """The split's own work on the computing thread in this step (`tied_split`'s records: each lookup's mask in
+        forward, its rows in backward, adding them), which the same model without the split does not do; 0 where
+        the step has no split, or its records predate the measurement."""
+        return sum(r.get("host_ms") or 0.0 for r in self.records if r.get("part") == "lookup")
+
 
 def reference_step(run: Run, step: int | None = None, warmup: int | None = None, median: bool = False,
                    steps: list[int] | None = None) -> ReferenceStep:
@@ -117,7 +129,7 @@ def _median_step(run: Run, steady: list[dict]) -> ReferenceStep:
         layouts = [lay for lay in layouts if tuple(r["numel"] for r in lay) == shape]
         for i, first in enumerate(layouts[0]):
             rec = dict(first)
-            for k in ("ready_ms", "launch_ms", "complete_ms", "wait_start_ms"):
+            for k in ("ready_ms", "launch_ms", "complete_ms", "wait_start_ms", "host_ms"):
                 vals = [lay[i][k] for lay in layouts if lay[i].get(k) is not None]
                 rec[k] = statistics.median(vals) if vals else None
             ref.records.append(rec)
