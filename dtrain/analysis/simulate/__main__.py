@@ -271,11 +271,10 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
               f"{ref.backward_ms:.1f} + optimizer {ref.optimizer_ms:.1f} ms (measured {ref.step_ms:.1f} ms, exposed "
               f"{ref.exposed_ms:.1f})", *notes, *model.header(), *ref.notes]
     if ref.split_lookups:
-        header.append(f"the split's own work: {split_cost_ms(ref, model, run.vocab):.1f} ms of the step's compute "
-                      f"({ref.split_host_ms:.1f} on the computing thread, the rest its masks' all-reduces), taken "
-                      "out of each prediction without the split" if ref.split_host_ms else
-                      "the split's own work: not recorded (records older than its host_ms), so predictions without "
-                      "the split carry it")
+        thread = (f"{ref.split_host_ms:.1f} on the computing thread" if ref.split_host_ms else
+                  "its work on the computing thread not recorded (records older than their host_ms)")
+        header.append(f"the split's own work, taken out of each prediction without the split: "
+                      f"{split_cost_ms(ref, model, run.vocab):.1f} ms ({thread}; the rest its masks' all-reduces)")
     if measured:
         header.append(speed_probe(ref, measured))
     robust = (every_step(runs, model, measured_dirs, host_cost, lanes, args.warmup, args.pool, per_run)
