@@ -107,7 +107,7 @@ class TiedEmbeddingSplit:
         self.masks: list[tuple[torch.Tensor, object]] = []
         # The split's own work on the computing thread, which the same model without the split does not do (the
         # simulator takes it out of a step it replays without the split): per mask, in forward order, and the
-        # union's start of backward
+        # union's start where the projection part started it, before any lookup's backward (claimed by the first)
         self._mask_s: list[float] = []
         self._start_s = 0.0
         self.parts: list[Rows] = []  # per lookup, in backward's order
@@ -152,11 +152,12 @@ class TiedEmbeddingSplit:
         rank's rows of every lookup's union, and those of `.grad` from earlier micro-batches."""
         if not (self.is_armed() and self.masks) or self.union is not None:
             return  # not a synchronized backward of the split (its lookups write `.grad` themselves)
+        t0 = time.perf_counter()
         self._start(grad)
+        self._start_s = time.perf_counter() - t0
 
     def _start(self, projection: torch.Tensor | None) -> None:
         """This backward's rows: every lookup's union, with this rank's projection part there (if any)."""
-        t0 = time.perf_counter()
         looked_up = torch.zeros(self.vocab, dtype=torch.bool, device=self.param.device)
         for mask, work in self.masks:
             work.wait()  # sent during forward: long done
@@ -168,7 +169,6 @@ class TiedEmbeddingSplit:
         self.before = None if self.param.grad is None else self.param.grad[self.union]
         self.sent = torch.zeros(len(self.union), dtype=torch.bool, device=self.param.device)
         self.pending = set(range(len(self.masks)))
-        self._start_s = time.perf_counter() - t0
 
     def lookup_backward(self, tokens: torch.Tensor, grad_out: torch.Tensor, padding_idx: int | None,
                         index: int) -> None:
@@ -176,7 +176,6 @@ class TiedEmbeddingSplit:
         sent at once."""
         ready_t = stamp(self.param.device)
         t0 = time.perf_counter()
-        started = self.union is not None  # else `_start` runs here, timed on its own
         ids = tokens.reshape(-1)
         grads = grad_out.reshape(-1, self.dim).to(self.param.dtype)  # (tokens, d)
         if padding_idx is not None:  # as F.embedding: the padding row gets no gradient
@@ -198,9 +197,9 @@ class TiedEmbeddingSplit:
         if len(part.union):  # (the same on every rank: the masks are)
             part.launch_t = stamp(self.param.device)
             self._reduce_rows(part, index)
-        # this lookup's own work, its mask's, and the union's start with the first lookup's
-        part.host_s = (time.perf_counter() - t0 - (0.0 if started else self._start_s) + self._mask_s[index]
-                       + (self._start_s if not self.parts else 0.0))
+        # this lookup's own work (the union's start too where it ran here), its mask's, and a start not yet claimed
+        part.host_s = time.perf_counter() - t0 + self._mask_s[index] + self._start_s
+        self._start_s = 0.0
         self.parts.append(part)
         self.applied = False
 

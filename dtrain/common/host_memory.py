@@ -14,7 +14,7 @@ Kept memory suits a loop whose steps are alike. `auto`'s search is not: its cand
 other sizes and lifetimes from one step to the next, and a heap that keeps every freed block ends as the union of
 their layouts, with holes none of them fills. `map_large_blocks` serves large blocks with their own mmap again, each
 handed back when freed, while it lasts: the search's steps fault them in again, every candidate alike, and the heap
-stays the size of what is in use. `keep_freed_memory` ends it.
+stays the size of what is in use. `keep_again` ends it.
 
 `heap_mib` reads what the heap holds and what of it is in use (glibc's mallinfo2): where a process frees and
 allocates blocks of many sizes, the heap can hold much more than it uses, and the peak resident memory shows the
@@ -61,16 +61,20 @@ def keep_freed_memory() -> str:
     return "kept"
 
 
-def map_large_blocks() -> bool:
+def map_large_blocks() -> None:
     """Where this process keeps freed memory (`keep_freed_memory` applied), serve blocks of `MAPPED_FROM` bytes or
-    more with their own mmap again, each handed back when freed, until `keep_freed_memory()` is called. Returns
-    whether it did; elsewhere the allocator is left as the process set it."""
+    more with their own mmap again, each handed back when freed, until `keep_again()`; elsewhere the allocator is
+    left as the process set it."""
     global _mode
     libc = _glibc()
-    if _mode != "kept" or libc.mallopt(M_MMAP_THRESHOLD, MAPPED_FROM) != 1 or libc.mallopt(M_MMAP_MAX, MAPS) != 1:
-        return False
-    _mode = "large blocks mapped"
-    return True
+    if _mode == "kept" and libc.mallopt(M_MMAP_THRESHOLD, MAPPED_FROM) == 1 and libc.mallopt(M_MMAP_MAX, MAPS) == 1:
+        _mode = "large blocks mapped"
+
+
+def keep_again() -> None:
+    """End `map_large_blocks`: freed memory is kept again (nothing where blocks are not mapped)."""
+    if _mode == "large blocks mapped":
+        keep_freed_memory()
 
 
 def allocator_mode() -> str:

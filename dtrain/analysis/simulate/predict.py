@@ -82,16 +82,15 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     if strategy == "powersgd":
         raise UserError("powersgd is lossy and sends low-rank factors, not buckets: not simulated")
     if strategy == "noop":
-        compute = ref.compute_ms - split_cost_ms(ref, model, vocab)
-        return Prediction("noop", None, 0, 0.0, 0.0, compute - (calib.host_base_ms or 0.0), lossless=False,
-                          communicates=False)
+        compute = _compute_ms(ref, model, vocab, split=False) - (calib.host_base_ms or 0.0)
+        return Prediction("noop", None, 0, 0.0, 0.0, compute, lossless=False, communicates=False)
     if strategies.get(strategy).plans_like is Fsdp2Units:
         return _fsdp2(cfg, ref, curve, model, calib, strategy, vocab, classes, cost, nccl_of)
     if strategies.planner(strategy).shards:
         return _sharded(cfg, ref, curve, model, calib, strategy, cap_mb, vocab, classes, cost, nccl_of)
     plan, overlap, class_groups = bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
     split = _split_classes(cfg, strategy, classes)
-    compute = ref.compute_ms - (0.0 if split else split_cost_ms(ref, model, vocab))
+    compute = _compute_ms(ref, model, vocab, bool(split))
     rows = []  # a split embedding's lookups' rows, where the profiled step recorded them: (ready ms, bytes)
     if split and overlap:
         rows = [(r["ready_ms"], r["bytes"]) for r in ref.records
@@ -155,7 +154,7 @@ def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibrati
     gather_bytes = [ex.nbytes("all_gather") for ex in exchanges]
     gather = [exchange_ms(allreduce(b, n), a) for b, n, a in zip(plan, gather_bytes, alpha)]
     split = any(ex.split for ex in exchanges)
-    compute = (ref.compute_ms - (0.0 if split else split_cost_ms(ref, model, vocab)) + slower
+    compute = (_compute_ms(ref, model, vocab, split) + slower
                + _sharded_extra_ms(ref, model, plan, exchanges, gather, gather_bytes, calib, world))
     return Prediction(strategy, cap_mb, len(plan), tl.comm_ms, exposed, compute + exposed, _lossless(plan),
                       split=split, rows=any(ex.layout == ROWS for ex in exchanges),
@@ -266,7 +265,7 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     gather = [collective(b, b.numel * low if low else b.nbytes, "allgather") for b in plan]
     regather = gather[:-1] if sync.reshard_after_forward else []
     world = getattr(model, "ranks", None) or 2
-    compute = (ref.compute_ms - split_cost_ms(ref, model, vocab) - (calib.host_base_ms or 0.0)
+    compute = (_compute_ms(ref, model, vocab, split=False) - (calib.host_base_ms or 0.0)
                - optimizer_saving(plan, ref.optimizer_ms, world))
     if not calib.streams:
         exposed = sum(scatter) + sum(regather)
@@ -298,6 +297,11 @@ def split_cost_ms(ref: ReferenceStep, model, vocab: int | None) -> float:
     host = getattr(model, "host_us", None)
     masks = lookups * host(vocab) / 1000.0 if vocab and host is not None and host(0) is not None else 0.0
     return ref.split_host_ms + masks
+
+
+def _compute_ms(ref: ReferenceStep, model, vocab: int | None, split: bool) -> float:
+    """The reference step's compute for a configuration with or without the split (without: its work taken out)."""
+    return ref.compute_ms - (0.0 if split else split_cost_ms(ref, model, vocab))
 
 
 def _split_classes(cfg, strategy: str, classes: dict | None) -> set[str]:

@@ -227,7 +227,7 @@ class OnlineSearch(GradSync):
         self.net = None  # the fitted all-reduce cost of the job's group, after the probe
         # Kept host memory (the trainer's default) would end the search with the heap holding every candidate's
         # layout of freed blocks: large blocks are mapped apart until the winner is laid out (`_next`).
-        self.blocks_mapped = host_memory.map_large_blocks()
+        host_memory.map_large_blocks()
         first = (PROBE if PROBE in syncs else self.queue[0].name) if self.probing else self.queue[0].name
         self.current = self._handle(first)  # before the loop builds its optimizer over `optimizer_params()`
         self.optimizer: torch.optim.Optimizer | None = None  # the loop's, from `stepped(optimizer)`
@@ -310,14 +310,8 @@ class OnlineSearch(GradSync):
         keep = {self.winner} if self.winner else {c.name for c in self.alive}
         for loser in sorted(set(self.handles) - keep):  # hooks, threads and groups (name order on every rank)
             self.handles.pop(loser).close()
-        if self.winner is not None:
-            self._keep_memory()
-
-    def _keep_memory(self) -> None:
-        """The search is over: freed host memory is kept again, as before it (where `__init__` mapped blocks)."""
-        if self.blocks_mapped:
-            host_memory.keep_freed_memory()
-            self.blocks_mapped = False
+        if self.winner is not None:  # the search is over: freed host memory is kept again, as before it
+            host_memory.keep_again()
 
     def _probe_step(self, elapsed_ms: float, now: float) -> None:
         forward_ms, exposed_ms = (x * 1000 for x in self._phases)
@@ -493,7 +487,7 @@ class OnlineSearch(GradSync):
         for name in sorted(self.handles):
             self.handles[name].close()
         self.handles = {}
-        self._keep_memory()
+        host_memory.keep_again()
 
     def no_sync(self) -> AbstractContextManager:
         return self.current.no_sync()
