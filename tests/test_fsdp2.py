@@ -2,7 +2,9 @@
 training through the trainer as DDP does (gradient equality with the per-tensor reference is checked with every
 strategy by tests/test_strategies.py, at 2 and 3 ranks, with and without accumulation)."""
 
+import contextlib
 import copy
+import json
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from dtrain.collectives.plan import ready_order
 from dtrain.collectives.settings import SyncConfig
 from dtrain.collectives.strategies import unused_keys
 from dtrain.collectives.strategies.fsdp2 import unit_of, units
+from dtrain.common.errors import UserError
 from dtrain.engine import verify
 
 
@@ -114,3 +117,80 @@ def test_fsdp2_trains_as_ddp_and_its_checkpoints_resume_under_ddp_on_three_ranks
     assert "at step 5" in r.stdout and "re-sharded over 3" in r.stdout, r.stdout
     after = records(run / "steps.jsonl")
     assert [x["step"] for x in after][-2:] == [6, 7] and all(x["grad_norm"] > 0 for x in after[-2:])
+
+
+def test_async_collectives_is_a_setting_only_fsdp2_reads():
+    assert unused_keys(SyncConfig(strategy="fsdp2", async_collectives=True)) == []
+    assert [k for k, _ in unused_keys(SyncConfig(strategy="sharded", async_collectives=True))] == [
+        "sync.async_collectives"]
+
+
+def _stock_and_async_on_two_ranks(rank: int, init: str, reshard: bool, out: str) -> None:
+    """Stock FSDP2 and FSDP2 with `async_collectives` trained side by side from the same model on the same
+    batches, 3 Adam steps of 2 micro-batches; what the async one left in flight at each point."""
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = verify.tiny_model()
+        handles = {a: attach(copy.deepcopy(model), verify.sync_config("fsdp2", 0.01, [
+            f"sync.async_collectives={str(a).lower()}", f"sync.reshard_after_forward={str(reshard).lower()}"]))
+            for a in (False, True)}
+        opts = {a: torch.optim.Adam(h.optimizer_params(), lr=1e-2) for a, h in handles.items()}
+        seen = {"in_flight_after_backward": [], "gathers_issued_by_stepped": []}
+        gathers = []
+        issue = dist.all_gather_into_tensor
+
+        def counted(*args, **kwargs):
+            gathers.append(kwargs.get("async_op"))
+            return issue(*args, **kwargs)
+
+        dist.all_gather_into_tensor = counted
+        for step in range(3):
+            for a, h in handles.items():
+                for micro in range(2):
+                    src, tgt_in, tgt_out = verify.batch(rank, step, micro)
+                    with h.no_sync() if micro == 0 else contextlib.nullcontext():
+                        verify.loss_fn(h.module(src, tgt_in), tgt_out, 2).backward()
+                if a:
+                    seen["in_flight_after_backward"].append(len(h.scatters.pending))
+                h.wait()
+                opts[a].step()
+                opts[a].zero_grad(set_to_none=True)
+                del gathers[:]
+                h.stepped(opts[a])
+                if a:
+                    seen["gathers_issued_by_stepped"].append(list(gathers))
+        dist.all_gather_into_tensor = issue
+        states = {a: (h.wait_params(), h.model_state())[1] for a, h in handles.items()}
+        seen["equal"] = all(torch.equal(states[True][k], v) for k, v in states[False].items())
+        # a training forward with gradients left from a step: refused, not added to a reduce-scatter in flight
+        src, tgt_in, tgt_out = verify.batch(rank, 9, 0)
+        h = handles[True]
+        verify.loss_fn(h.module(src, tgt_in), tgt_out, 1).backward()
+        h.wait()
+        try:
+            h.module(src, tgt_in)
+            seen["refused"] = ""
+        except UserError as e:
+            seen["refused"] = str(e)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(seen, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reshard", [True, False])
+def test_async_collectives_train_as_stock_fsdp2_with_its_collectives_in_flight(tmp_path, reshard):
+    """On 2 gloo CPU ranks, 3 steps of 2 micro-batches: the same parameters as stock FSDP2 bit for bit. After each
+    backward every unit's reduce-scatter (4 layers and the root) is still in flight for `wait()`; after each update
+    `stepped` has issued every unit's all-gather without waiting. A training forward with gradients left over is a
+    one-line error."""
+    out = tmp_path / "seen.json"
+    mp.spawn(_stock_and_async_on_two_ranks, args=(str(tmp_path / "init"), reshard, str(out)), nprocs=2, join=True)
+    seen = json.loads(out.read_text())
+    assert seen["equal"], seen
+    assert seen["in_flight_after_backward"] == [5, 5, 5]
+    assert seen["gathers_issued_by_stepped"] == [[True] * 5] * 3
+    assert "'sync.async_collectives' needs the gradients dropped" in seen["refused"]

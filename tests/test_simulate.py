@@ -630,7 +630,8 @@ def test_two_lanes_only_for_a_gloo_run_costed_by_a_fit(tmp_path):
 def test_fsdp2_on_a_cpu_device_adds_every_collective_and_with_streams_overlaps_them(tmp_path):
     """fsdp2: one bucket per unit (the layer and the root); a reduce-scatter and an all-gather each cost the latency
     and half the rest of an all-reduce. Without device streams every one adds to the step, the gathers again in
-    backward with reshard_after_forward (all but the root's); with streams backward hides some of them."""
+    backward with reshard_after_forward (all but the root's); with streams backward hides some of them, and so it
+    does on a CPU device with `sync.async_collectives`."""
     _write_run(tmp_path / "run", strategy="sharded")
     run = load_run(tmp_path / "run")
     ref = sim.reference_step(run)
@@ -655,6 +656,12 @@ def test_fsdp2_on_a_cpu_device_adds_every_collective_and_with_streams_overlaps_t
         cal.streams = True
         overlapped = sim.predict(cfg, ref, curve, _Flat(), cal, "fsdp2", None, run.vocab)
         assert overlapped.comm_ms == pytest.approx(serial.comm_ms) and overlapped.step_ms < serial.step_ms
+        # on a CPU device, its collectives issued without waiting (`sync.async_collectives`) play as with streams
+        cal.streams = False
+        unwaited = config_mod.from_dict({**cfg.to_dict(), "sync": {**cfg.to_dict()["sync"],
+                                                                   "async_collectives": True}}, "test")
+        played = sim.predict(unwaited, ref, curve, _Flat(), cal, "fsdp2", None, run.vocab)
+        assert played.step_ms == pytest.approx(overlapped.step_ms) and played.comm_ms == pytest.approx(serial.comm_ms)
 
 
 def test_fsdp2_costs_the_reduce_scatters_and_all_gathers_the_benchmark_measured(tmp_path):

@@ -246,7 +246,7 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     benchmark measured for that collective where the model was fitted on it (FSDP2 calls torch's own, which on gloo
     is not half an all-reduce), else its latency and half the rest of an all-reduce of its bytes. Without device
     streams (`calib.streams`: a CPU device) every collective blocks the computing thread, so they add up to the
-    step; with them the reduce-scatters and the backward gathers (each issued as the unit before starts its
+    step, unless they are issued without waiting (`sync.async_collectives`); with streams or those, the reduce-scatters and the backward gathers (each issued as the unit before starts its
     backward, FSDP2's prefetch) are played on the timeline as `sharded`'s, and the forward waits for its gathers as
     `sharded`'s does. Not modeled: FSDP2's copies into and out of its flat buffers and the DTensor optimizer's
     overhead; the optimizer is charged for 1/world of the parameters, as `sharded`'s."""
@@ -267,7 +267,7 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     world = getattr(model, "ranks", None) or 2
     compute = (_compute_ms(ref, model, vocab, split=False) - (calib.host_base_ms or 0.0)
                - optimizer_saving(plan, ref.optimizer_ms, world))
-    if not calib.streams:
+    if not (calib.streams or sync.async_collectives):
         exposed = sum(scatter) + sum(regather)
         compute += sum(gather)
     else:

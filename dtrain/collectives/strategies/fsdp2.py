@@ -13,7 +13,15 @@ parameters that autocast would keep in fp32 too (layer norms, the embedding): a 
 exchange.
 
 FSDP2 overlaps its collectives with computation through CUDA streams. On a CPU device it issues each one on the
-thread that computes and waits for it there: on gloo its communication overlaps nothing.
+thread that computes and waits for it there: on gloo its communication overlaps nothing. `sync.async_collectives`
+(CPU only) gives FSDP2 collectives that do not wait, through its own public hooks (`set_custom_all_gather`,
+`set_custom_reduce_scatter`, `unshard(async_op=True)`): every unit's all-gather is issued as the optimizer step ends
+(`stepped`), root first, and FSDP2 waits for each where it copies the unit's parameters out, as the unit is about to
+run (with `reshard_after_forward`, FSDP2's own backward prefetch issues each unit's gather again as the unit after it
+starts its backward); each reduce-scatter is left in flight, to be waited for by `wait()` after backward. FSDP2 then
+only views a reduce-scatter's output as the shards' gradients (an fp32 reduction of fp32 parameters, averaged by the
+collective itself); it would read it at once to add it to a gradient already there, so a training forward with
+gradients left from an earlier step is refused.
 
 Through the seam: the loop's optimizer is built over the model's own (sharded) parameters; `grad_norm` all-reduces the
 shards' sums of squares; `no_sync` is FSDP2's `set_requires_gradient_sync(False)`; checkpoints hold the whole model and
@@ -70,6 +78,42 @@ def fsdp2_api() -> SimpleNamespace:
         whole=StateDictOptions(full_state_dict=True))  # every rank gets (and gives) the whole model's tensors
 
 
+class AsyncAllGather:
+    """FSDP2's all-gather (the interface of its `set_custom_all_gather` hook: `allocate` and the call), issued
+    without waiting whatever FSDP2 asks: FSDP2 waits for the returned work where it copies the gathered parameters
+    out, when their unit is about to run."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work:
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
+
+
+class DeferredReduceScatter:
+    """FSDP2's reduce-scatter (its `set_custom_reduce_scatter` hook) left in flight until `wait()`. FSDP2 drops its
+    reference to the input (the unit's gradients, cut and padded per rank: (world x shard,)) as the call returns;
+    it is kept here until the collective is done."""
+
+    def __init__(self):
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> dist.Work:
+        work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True)
+        self.pending.append((work, input_tensor))
+        return work
+
+    def wait(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
 class Fsdp2Units(BucketingStrategy):
     """FSDP2's communication as a bucket plan, for the cost model and the simulator (never executed: FSDP2 runs itself):
     one bucket per unit, reduce-scattered when its last gradient is ready, the root's last (its post-backward runs
@@ -90,7 +134,7 @@ class Fsdp2Units(BucketingStrategy):
 
 @register("fsdp2")
 class Fsdp2Sync(GradSync):
-    sync_keys = ("reshard_after_forward", "gather_dtype")
+    sync_keys = ("reshard_after_forward", "gather_dtype", "async_collectives")
     plans_like = Fsdp2Units
     switchable = False
     gather_dtype_exact = False
@@ -105,11 +149,19 @@ class Fsdp2Sync(GradSync):
         policy = api.MixedPrecisionPolicy()
         if cfg.gather_dtype == "bf16":
             policy = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.async_collectives and device.type != "cpu":
+            raise UserError(f"'sync.async_collectives' is for a CPU device: on {device.type} FSDP2 overlaps its "
+                            f"collectives through its own streams")
         self.units = units(model)
         for unit in self.units:
             api.fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
         # The root never reshards after forward (FSDP2's own rule when not told: backward needs it at once).
         api.fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        self.scatters = DeferredReduceScatter() if cfg.async_collectives else None
+        if cfg.async_collectives:
+            for m in (*self.units, model):
+                m.set_custom_all_gather(AsyncAllGather())
+                m.set_custom_reduce_scatter(self.scatters)
         self._gathered = False  # `wait_params` left every unit's parameters gathered
         model.register_forward_pre_hook(self._before_forward, prepend=True)
 
@@ -120,6 +172,21 @@ class Fsdp2Sync(GradSync):
             yield
         finally:
             self.model.set_requires_gradient_sync(True)
+
+    def wait(self) -> None:
+        """With `async_collectives`, the reduce-scatters left in flight (stock FSDP2 waited for each in backward)."""
+        if self.scatters is not None:
+            self.scatters.wait()
+
+    def stepped(self, optimizer: torch.optim.Optimizer | None = None, loss: float | None = None) -> None:
+        """With `async_collectives`, every unit's updated shards all-gathered from now, in the order the forward
+        needs them (the root holds the embedding, which the forward reads first)."""
+        if self.scatters is not None:
+            self._gather_ahead()
+
+    def _gather_ahead(self) -> None:
+        for m in (self.model, *self.units):
+            m.unshard(async_op=True)  # FSDP2's own pre-forward waits for it, and does not issue it again
 
     def grad_norm(self, exact: bool = False) -> torch.Tensor:
         """Each rank's shards' sums of squares, all-reduced (float64 with `exact`)."""
@@ -149,7 +216,14 @@ class Fsdp2Sync(GradSync):
         """A forward with gradients (training) gathers what the optimizer has updated since `wait_params`
         (FSDP2's own pre-forward keeps what is already gathered); one without (validation) reads the copies."""
         if torch.is_grad_enabled():
-            self._drop_gathered()
+            if self.scatters is not None and any(p.grad is not None for p in self.model.parameters()):
+                raise UserError("'sync.async_collectives' needs the gradients dropped after each update "
+                                "(optimizer.zero_grad(set_to_none=True)): FSDP2 would add a reduce-scatter still in "
+                                "flight to them")
+            if self._gathered:
+                self._drop_gathered()
+                if self.scatters is not None:
+                    self._gather_ahead()
 
     def model_state(self) -> dict:
         return self.api.get_model_state_dict(self.model, options=self.api.whole)
@@ -184,4 +258,5 @@ class Fsdp2Sync(GradSync):
     def stats(self) -> dict:
         return {**super().stats(), "units": len(self.units) + 1,
                 "reshard_after_forward": self.cfg.reshard_after_forward,
+                "async_collectives": self.cfg.async_collectives,
                 "param_dtype": "bf16" if self.cfg.gather_dtype == "bf16" else "fp32"}
