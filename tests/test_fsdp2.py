@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import NO_EVAL, cut_back, records, train_ranks
 
-from dtrain.collectives import attach, strategies
+from dtrain.collectives import attach, fsdp2_collectives, strategies
 from dtrain.collectives.plan import ready_order
 from dtrain.collectives.settings import SyncConfig
 from dtrain.collectives.strategies import unused_keys
@@ -119,53 +119,54 @@ def test_fsdp2_trains_as_ddp_and_its_checkpoints_resume_under_ddp_on_three_ranks
     assert [x["step"] for x in after][-2:] == [6, 7] and all(x["grad_norm"] > 0 for x in after[-2:])
 
 
-def test_async_collectives_is_a_setting_only_fsdp2_reads():
-    assert unused_keys(SyncConfig(strategy="fsdp2", async_collectives=True)) == []
-    assert [k for k, _ in unused_keys(SyncConfig(strategy="sharded", async_collectives=True))] == [
-        "sync.async_collectives"]
+def test_fsdp2_collectives_is_a_setting_only_fsdp2_reads():
+    assert unused_keys(SyncConfig(strategy="fsdp2", fsdp2_collectives="p2p")) == []
+    assert [k for k, _ in unused_keys(SyncConfig(strategy="sharded", fsdp2_collectives="async"))] == [
+        "sync.fsdp2_collectives"]
 
 
-def _stock_and_async_on_two_ranks(rank: int, init: str, reshard: bool, out: str) -> None:
-    """Stock FSDP2 and FSDP2 with `async_collectives` trained side by side from the same model on the same
-    batches, 3 Adam steps of 2 micro-batches; what the async one left in flight at each point."""
+def _stock_and_unwaited_on_two_ranks(rank: int, init: str, mode: str, reshard: bool, out: str) -> None:
+    """Stock FSDP2 and FSDP2 with `fsdp2_collectives: mode` trained side by side from the same model on the same
+    batches, 3 Adam steps of 2 micro-batches; what the second left in flight at each point."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
         model = verify.tiny_model()
-        handles = {a: attach(copy.deepcopy(model), verify.sync_config("fsdp2", 0.01, [
-            f"sync.async_collectives={str(a).lower()}", f"sync.reshard_after_forward={str(reshard).lower()}"]))
-            for a in (False, True)}
-        opts = {a: torch.optim.Adam(h.optimizer_params(), lr=1e-2) for a, h in handles.items()}
+        handles = {m: attach(copy.deepcopy(model), verify.sync_config("fsdp2", 0.01, [
+            f"sync.fsdp2_collectives={m}", f"sync.reshard_after_forward={str(reshard).lower()}"]))
+            for m in ("stock", mode)}
+        opts = {m: torch.optim.Adam(h.optimizer_params(), lr=1e-2) for m, h in handles.items()}
         seen = {"in_flight_after_backward": [], "gathers_issued_by_stepped": []}
-        gathers = []
-        issue = dist.all_gather_into_tensor
+        issued = []
+        module, name = (dist, "all_gather_into_tensor") if mode == "async" else (fsdp2_collectives, "exchange")
+        issue = getattr(module, name)
 
         def counted(*args, **kwargs):
-            gathers.append(kwargs.get("async_op"))
+            issued.append(kwargs.get("async_op", True))
             return issue(*args, **kwargs)
 
-        dist.all_gather_into_tensor = counted
+        setattr(module, name, counted)
         for step in range(3):
-            for a, h in handles.items():
+            for m, h in handles.items():
                 for micro in range(2):
                     src, tgt_in, tgt_out = verify.batch(rank, step, micro)
                     with h.no_sync() if micro == 0 else contextlib.nullcontext():
                         verify.loss_fn(h.module(src, tgt_in), tgt_out, 2).backward()
-                if a:
-                    seen["in_flight_after_backward"].append(len(h.scatters.pending))
+                if m == mode:
+                    seen["in_flight_after_backward"].append(len(h.collectives.pending))
                 h.wait()
-                opts[a].step()
-                opts[a].zero_grad(set_to_none=True)
-                del gathers[:]
-                h.stepped(opts[a])
-                if a:
-                    seen["gathers_issued_by_stepped"].append(list(gathers))
-        dist.all_gather_into_tensor = issue
-        states = {a: (h.wait_params(), h.model_state())[1] for a, h in handles.items()}
-        seen["equal"] = all(torch.equal(states[True][k], v) for k, v in states[False].items())
+                opts[m].step()
+                opts[m].zero_grad(set_to_none=True)
+                del issued[:]
+                h.stepped(opts[m])
+                if m == mode:
+                    seen["gathers_issued_by_stepped"].append(list(issued))
+        setattr(module, name, issue)
+        states = {m: (h.wait_params(), h.model_state())[1] for m, h in handles.items()}
+        seen["max_diff"] = max((states[mode][k] - v).abs().max().item() for k, v in states["stock"].items())
         # a training forward with gradients left from a step: refused, not added to a reduce-scatter in flight
         src, tgt_in, tgt_out = verify.batch(rank, 9, 0)
-        h = handles[True]
+        h = handles[mode]
         verify.loss_fn(h.module(src, tgt_in), tgt_out, 1).backward()
         h.wait()
         try:
@@ -173,6 +174,8 @@ def _stock_and_async_on_two_ranks(rank: int, init: str, reshard: bool, out: str)
             seen["refused"] = ""
         except UserError as e:
             seen["refused"] = str(e)
+        for h in handles.values():
+            h.close()
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(seen, f)
@@ -181,16 +184,17 @@ def _stock_and_async_on_two_ranks(rank: int, init: str, reshard: bool, out: str)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reshard", [True, False])
-def test_async_collectives_train_as_stock_fsdp2_with_its_collectives_in_flight(tmp_path, reshard):
-    """On 2 gloo CPU ranks, 3 steps of 2 micro-batches: the same parameters as stock FSDP2 bit for bit. After each
-    backward every unit's reduce-scatter (4 layers and the root) is still in flight for `wait()`; after each update
-    `stepped` has issued every unit's all-gather without waiting. A training forward with gradients left over is a
-    one-line error."""
+@pytest.mark.parametrize("mode,reshard", [("async", True), ("async", False), ("p2p", True), ("p2p", False)])
+def test_unwaited_collectives_train_as_stock_fsdp2_with_them_in_flight(tmp_path, mode, reshard):
+    """On 2 gloo CPU ranks, 3 steps of 2 micro-batches: the same parameters as stock FSDP2, bit for bit (`p2p` sums
+    a + b in rank order and halves, as gloo's average does). After each backward every unit's reduce-scatter (4
+    layers and the root) is still in flight for `wait()`; after each update `stepped` has issued every unit's
+    all-gather without waiting. A training forward with gradients left over is a one-line error."""
     out = tmp_path / "seen.json"
-    mp.spawn(_stock_and_async_on_two_ranks, args=(str(tmp_path / "init"), reshard, str(out)), nprocs=2, join=True)
+    mp.spawn(_stock_and_unwaited_on_two_ranks, args=(str(tmp_path / "init"), mode, reshard, str(out)), nprocs=2,
+             join=True)
     seen = json.loads(out.read_text())
-    assert seen["equal"], seen
+    assert seen["max_diff"] == 0.0, seen
     assert seen["in_flight_after_backward"] == [5, 5, 5]
     assert seen["gathers_issued_by_stepped"] == [[True] * 5] * 3
-    assert "'sync.async_collectives' needs the gradients dropped" in seen["refused"]
+    assert f"'sync.fsdp2_collectives: {mode}' needs the gradients dropped" in seen["refused"]

@@ -631,7 +631,7 @@ def test_fsdp2_on_a_cpu_device_adds_every_collective_and_with_streams_overlaps_t
     """fsdp2: one bucket per unit (the layer and the root); a reduce-scatter and an all-gather each cost the latency
     and half the rest of an all-reduce. Without device streams every one adds to the step, the gathers again in
     backward with reshard_after_forward (all but the root's); with streams backward hides some of them, and so it
-    does on a CPU device with `sync.async_collectives`."""
+    does on a CPU device with collectives that do not wait (`sync.fsdp2_collectives`)."""
     _write_run(tmp_path / "run", strategy="sharded")
     run = load_run(tmp_path / "run")
     ref = sim.reference_step(run)
@@ -656,10 +656,10 @@ def test_fsdp2_on_a_cpu_device_adds_every_collective_and_with_streams_overlaps_t
         cal.streams = True
         overlapped = sim.predict(cfg, ref, curve, _Flat(), cal, "fsdp2", None, run.vocab)
         assert overlapped.comm_ms == pytest.approx(serial.comm_ms) and overlapped.step_ms < serial.step_ms
-        # on a CPU device, its collectives issued without waiting (`sync.async_collectives`) play as with streams
+        # on a CPU device, its collectives issued without waiting (`sync.fsdp2_collectives`) play as with streams
         cal.streams = False
         unwaited = config_mod.from_dict({**cfg.to_dict(), "sync": {**cfg.to_dict()["sync"],
-                                                                   "async_collectives": True}}, "test")
+                                                                   "fsdp2_collectives": "async"}}, "test")
         played = sim.predict(unwaited, ref, curve, _Flat(), cal, "fsdp2", None, run.vocab)
         assert played.step_ms == pytest.approx(overlapped.step_ms) and played.comm_ms == pytest.approx(serial.comm_ms)
 
@@ -667,7 +667,8 @@ def test_fsdp2_on_a_cpu_device_adds_every_collective_and_with_streams_overlaps_t
 def test_fsdp2_costs_the_reduce_scatters_and_all_gathers_the_benchmark_measured(tmp_path):
     """A model fitted on reduce-scatter and all-gather too (the benchmark's `--collective`) costs fsdp2's
     collectives by their own fits, not as half an all-reduce: FSDP2 calls torch's reduce_scatter_tensor and
-    all_gather_into_tensor, whose cost on gloo is their own."""
+    all_gather_into_tensor, whose cost on gloo is their own; with `sharded`'s exchanges in its hooks, half an
+    all-reduce."""
     _write_run(tmp_path / "run", strategy="sharded")
     run = load_run(tmp_path / "run")
     ref = sim.reference_step(run)
@@ -685,7 +686,12 @@ def test_fsdp2_costs_the_reduce_scatters_and_all_gathers_the_benchmark_measured(
     gather = sum(0.1 + b.nbytes / 0.25e6 for b in plan)
     assert p.comm_ms == pytest.approx(scatter + gather)
     only_allreduce = cm.FittedModel({"raw": flat}, "allreduce", 2)
-    assert sim.predict(cfg, ref, curve, only_allreduce, cal, "fsdp2", None, run.vocab).comm_ms < p.comm_ms / 3
+    halves = sim.predict(cfg, ref, curve, only_allreduce, cal, "fsdp2", None, run.vocab).comm_ms
+    assert halves < p.comm_ms / 3
+    # `sharded`'s point-to-point exchanges in FSDP2's hooks: not torch's collectives, half an all-reduce each
+    p2p = config_mod.from_dict({**cfg.to_dict(), "sync": {**cfg.to_dict()["sync"], "fsdp2_collectives": "p2p"}},
+                               "test")
+    assert sim.predict(p2p, ref, curve, fitted, cal, "fsdp2", None, run.vocab).comm_ms == pytest.approx(halves)
 
 
 class _Flat4(_Flat):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from dtrain.collectives import hooks
+from dtrain.collectives.fsdp2_collectives import MODES as FSDP2_COLLECTIVES
 from dtrain.collectives.nccl.settings import validate_config
 from dtrain.collectives.settings import CollectivesConfig, DistConfig, SyncConfig
 from dtrain.collectives.strategies import available, get, unused_keys
@@ -48,6 +49,8 @@ def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check:
     check(s.powersgd_start_iter >= 2, "sync.powersgd_start_iter",
           f"must be at least 2 (DDP rebuilds its buckets after iteration 1), got {s.powersgd_start_iter}")
     check(s.gather_dtype in (None, "bf16"), "sync.gather_dtype", f"must be bf16 or null, got '{s.gather_dtype}'")
+    check(s.fsdp2_collectives in FSDP2_COLLECTIVES, "sync.fsdp2_collectives",
+          f"must be one of {', '.join(FSDP2_COLLECTIVES)}, got '{s.fsdp2_collectives}'")
     t = s.tune
     for key, ok, need in (("budget_steps", t.budget_steps > 0, "positive"), ("top_k", t.top_k > 0, "positive"),
                           ("probe_steps", t.probe_steps > 0, "positive"),

@@ -104,11 +104,10 @@ class SyncConfig:
     # fsdp2: free a unit's gathered parameters after its forward and gather them again for its backward (FSDP2's
     # default); false: keep them from forward to backward
     reshard_after_forward: bool = True
-    # fsdp2 on a CPU device: its collectives issued without waiting, through FSDP2's own hooks (every unit's
-    # all-gather as the optimizer step ends, each waited for as its unit runs; each reduce-scatter waited for at the
-    # end of backward), so that they run on gloo's threads beside the computation; false: stock FSDP2, which on a
-    # CPU device waits for each collective on the thread that computes
-    async_collectives: bool = False
+    # fsdp2 on a CPU device: "stock", FSDP2's own collectives, each waited for on the thread that computes; "async",
+    # torch's issued without waiting through FSDP2's hooks; "p2p", `sharded`'s point-to-point exchanges so issued
+    # (dtrain.collectives.fsdp2_collectives)
+    fsdp2_collectives: str = "stock"
     # bucketed, flat, per_tensor: each bucket reduce-scattered inside the node, its shard all-reduced between the
     # nodes (the ranks of one local index), the sums all-gathered inside the node; a process group per level
     hierarchical: bool = False

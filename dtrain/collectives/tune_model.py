@@ -116,7 +116,7 @@ def predict_ms(sync, model: torch.nn.Module, probe: Probe, net: FittedModel, wor
     if sharded:  # a reduce-scatter (an all-gather) moves half an all-reduce's bytes
         exchanges = exchange_plan(sync, model, plan.buckets, world)
         ready, dur = sharded_times(exchanges, ready, dur, lambda i, d: d / 2)
-    if cls.plans_like is Fsdp2Units and backend == "gloo" and not sync.async_collectives:
+    if cls.plans_like is Fsdp2Units and backend == "gloo" and sync.fsdp2_collectives == "stock":
         # Stock FSDP2 on a CPU device waits for each collective on the computing thread: nothing overlaps. `dur` holds
         # each unit's reduce-scatter; its all-gather costs as much, and reshard_after_forward gathers every unit but
         # the root (the last) again in backward.

@@ -244,16 +244,17 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     bf16 with `gather_dtype`, FSDP2's mixed precision) and, with `reshard_after_forward`, gathered again in backward
     (all but the root, the last bucket, which keeps its parameters). A reduce-scatter or all-gather costs what the
     benchmark measured for that collective where the model was fitted on it (FSDP2 calls torch's own, which on gloo
-    is not half an all-reduce), else its latency and half the rest of an all-reduce of its bytes. Without device
+    is not half an all-reduce), else, and for `sharded`'s point-to-point exchanges (`fsdp2_collectives: p2p`), its
+    latency and half the rest of an all-reduce of its bytes. Without device
     streams (`calib.streams`: a CPU device) every collective blocks the computing thread, so they add up to the
-    step, unless they are issued without waiting (`sync.async_collectives`); with streams or those, the reduce-scatters and the backward gathers (each issued as the unit before starts its
+    step, unless they are issued without waiting (`sync.fsdp2_collectives`); with streams or those, the reduce-scatters and the backward gathers (each issued as the unit before starts its
     backward, FSDP2's prefetch) are played on the timeline as `sharded`'s, and the forward waits for its gathers as
     `sharded`'s does. Not modeled: FSDP2's copies into and out of its flat buffers and the DTensor optimizer's
     overhead; the optimizer is charged for 1/world of the parameters, as `sharded`'s."""
     sync = sync_for(cfg, strategy, classes=classes)
     plan = bucket_plan(cfg, strategy, classes=classes, vocab=vocab).buckets
     allreduce, latency, _ = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, False))
-    fitted = getattr(model, "colls", ()) if cost is None else ()
+    fitted = getattr(model, "colls", ()) if cost is None and sync.fsdp2_collectives != "p2p" else ()
 
     def collective(b, nbytes: int, coll: str) -> float:
         if coll in fitted:  # the benchmark measured this collective itself (`--collective`)
@@ -267,7 +268,7 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     world = getattr(model, "ranks", None) or 2
     compute = (_compute_ms(ref, model, vocab, split=False) - (calib.host_base_ms or 0.0)
                - optimizer_saving(plan, ref.optimizer_ms, world))
-    if not (calib.streams or sync.async_collectives):
+    if not calib.streams and sync.fsdp2_collectives == "stock":
         exposed = sum(scatter) + sum(regather)
         compute += sum(gather)
     else:

@@ -13,21 +13,20 @@ parameters that autocast would keep in fp32 too (layer norms, the embedding): a 
 exchange.
 
 FSDP2 overlaps its collectives with computation through CUDA streams. On a CPU device it issues each one on the
-thread that computes and waits for it there: on gloo its communication overlaps nothing. `sync.async_collectives`
-(CPU only) gives FSDP2 collectives that do not wait, through its own public hooks (`set_custom_all_gather`,
-`set_custom_reduce_scatter`, `unshard(async_op=True)`): every unit's all-gather is issued as the optimizer step ends
-(`stepped`), root first, and FSDP2 waits for each where it copies the unit's parameters out, as the unit is about to
-run (with `reshard_after_forward`, FSDP2's own backward prefetch issues each unit's gather again as the unit after it
-starts its backward); each reduce-scatter is left in flight, to be waited for by `wait()` after backward. FSDP2 then
-only views a reduce-scatter's output as the shards' gradients (an fp32 reduction of fp32 parameters, averaged by the
-collective itself); it would read it at once to add it to a gradient already there, so a training forward with
-gradients left from an earlier step is refused.
+thread that computes and waits for it there: on gloo its communication overlaps nothing. `sync.fsdp2_collectives`
+(`dtrain.collectives.fsdp2_collectives`; CPU only) gives FSDP2 collectives that do not wait, through its own public
+hooks: `async`, torch's own; `p2p`, the point-to-point exchanges `sharded` runs. Every unit's all-gather is then
+issued as the optimizer step ends (`stepped`, `unshard(async_op=True)`; else as the next forward starts), root first,
+and FSDP2 waits for each as the unit is about to run (with `reshard_after_forward`, FSDP2's own backward prefetch issues each unit's gather again as
+the unit after it starts its backward); each reduce-scatter is left in flight, to be waited for by `wait()` after
+backward.
 
 Through the seam: the loop's optimizer is built over the model's own (sharded) parameters; `grad_norm` all-reduces the
 shards' sums of squares; `no_sync` is FSDP2's `set_requires_gradient_sync(False)`; checkpoints hold the whole model and
 the optimizer state as if one rank had updated it (`torch.distributed.checkpoint.state_dict` for the model), so they
-resume under any strategy and world size. FSDP2 waits for its reduce-scatters at the end of backward itself: its
-communication not hidden by backward shows in backward time, as DDP's does, and `wait()` has nothing left to do.
+resume under any strategy and world size. Stock FSDP2 waits for its reduce-scatters at the end of backward itself:
+its communication not hidden by backward shows in backward time, as DDP's does, and `wait()` has nothing left to do
+(with `fsdp2_collectives`, `wait()` waits for them).
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.collectives.fsdp2_collectives import AsyncAllGather, Exchanges, ReduceScatters
 from dtrain.collectives.plan import BucketingStrategy, pack
 from dtrain.collectives.strategies import register
 from dtrain.collectives.sync import GradSync, total_norm
@@ -78,42 +78,6 @@ def fsdp2_api() -> SimpleNamespace:
         whole=StateDictOptions(full_state_dict=True))  # every rank gets (and gives) the whole model's tensors
 
 
-class AsyncAllGather:
-    """FSDP2's all-gather (the interface of its `set_custom_all_gather` hook: `allocate` and the call), issued
-    without waiting whatever FSDP2 asks: FSDP2 waits for the returned work where it copies the gathered parameters
-    out, when their unit is about to run."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> dist.Work:
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
-
-
-class DeferredReduceScatter:
-    """FSDP2's reduce-scatter (its `set_custom_reduce_scatter` hook) left in flight until `wait()`. FSDP2 drops its
-    reference to the input (the unit's gradients, cut and padded per rank: (world x shard,)) as the call returns;
-    it is kept here until the collective is done."""
-
-    def __init__(self):
-        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op, async_op: bool = False) -> dist.Work:
-        work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True)
-        self.pending.append((work, input_tensor))
-        return work
-
-    def wait(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
-
-
 class Fsdp2Units(BucketingStrategy):
     """FSDP2's communication as a bucket plan, for the cost model and the simulator (never executed: FSDP2 runs itself):
     one bucket per unit, reduce-scattered when its last gradient is ready, the root's last (its post-backward runs
@@ -134,7 +98,7 @@ class Fsdp2Units(BucketingStrategy):
 
 @register("fsdp2")
 class Fsdp2Sync(GradSync):
-    sync_keys = ("reshard_after_forward", "gather_dtype", "async_collectives")
+    sync_keys = ("reshard_after_forward", "gather_dtype", "fsdp2_collectives")
     plans_like = Fsdp2Units
     switchable = False
     gather_dtype_exact = False
@@ -149,20 +113,29 @@ class Fsdp2Sync(GradSync):
         policy = api.MixedPrecisionPolicy()
         if cfg.gather_dtype == "bf16":
             policy = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if cfg.async_collectives and device.type != "cpu":
-            raise UserError(f"'sync.async_collectives' is for a CPU device: on {device.type} FSDP2 overlaps its "
-                            f"collectives through its own streams")
+        if cfg.fsdp2_collectives != "stock" and device.type != "cpu":
+            raise UserError(f"'sync.fsdp2_collectives: {cfg.fsdp2_collectives}' is for a CPU device: on "
+                            f"{device.type} FSDP2 overlaps its collectives through its own streams")
         self.units = units(model)
         for unit in self.units:
             api.fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
         # The root never reshards after forward (FSDP2's own rule when not told: backward needs it at once).
         api.fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-        self.scatters = DeferredReduceScatter() if cfg.async_collectives else None
-        if cfg.async_collectives:
+        # FSDP2's collectives where they are not its own (`sync.fsdp2_collectives`); None: stock
+        self.collectives: ReduceScatters | Exchanges | None = None
+        if cfg.fsdp2_collectives == "async":
+            self.collectives = ReduceScatters()
+            gather, scatter = AsyncAllGather(), self.collectives
+        elif cfg.fsdp2_collectives == "p2p":
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            self.collectives = Exchanges(dist.new_group(ranks))  # its point-to-point traffic, apart from FSDP2's
+            gather, scatter = self.collectives.gather, self.collectives.scatter
+        if self.collectives is not None:
             for m in (*self.units, model):
-                m.set_custom_all_gather(AsyncAllGather())
-                m.set_custom_reduce_scatter(self.scatters)
+                m.set_custom_all_gather(gather)
+                m.set_custom_reduce_scatter(scatter)
         self._gathered = False  # `wait_params` left every unit's parameters gathered
+        self._ahead = False  # with `fsdp2_collectives`: this step's all-gathers are issued
         model.register_forward_pre_hook(self._before_forward, prepend=True)
 
     @contextmanager
@@ -174,19 +147,31 @@ class Fsdp2Sync(GradSync):
             self.model.set_requires_gradient_sync(True)
 
     def wait(self) -> None:
-        """With `async_collectives`, the reduce-scatters left in flight (stock FSDP2 waited for each in backward)."""
-        if self.scatters is not None:
-            self.scatters.wait()
+        """With `fsdp2_collectives`, the reduce-scatters left in flight (stock FSDP2 waited for each in backward)."""
+        if self.collectives is not None:
+            self.collectives.wait()
+            self._ahead = False
+
+    def close(self) -> None:
+        """With `p2p`, the exchanges' thread ended and their group destroyed."""
+        if isinstance(self.collectives, Exchanges):
+            self.collectives.close()
+            dist.destroy_process_group(self.collectives.group)
+        self.collectives = None
 
     def stepped(self, optimizer: torch.optim.Optimizer | None = None, loss: float | None = None) -> None:
-        """With `async_collectives`, every unit's updated shards all-gathered from now, in the order the forward
+        """With `fsdp2_collectives`, every unit's updated shards all-gathered from now, in the order the forward
         needs them (the root holds the embedding, which the forward reads first)."""
-        if self.scatters is not None:
+        if self.collectives is not None:
             self._gather_ahead()
 
     def _gather_ahead(self) -> None:
-        for m in (self.model, *self.units):
-            m.unshard(async_op=True)  # FSDP2's own pre-forward waits for it, and does not issue it again
+        """Every unit's all-gather issued, root first, unless this step's are already (FSDP2's own pre-forward
+        waits for each, and does not issue it again)."""
+        if not self._ahead:
+            for m in (self.model, *self.units):
+                m.unshard(async_op=True)
+            self._ahead = True
 
     def grad_norm(self, exact: bool = False) -> torch.Tensor:
         """Each rank's shards' sums of squares, all-reduced (float64 with `exact`)."""
@@ -216,14 +201,15 @@ class Fsdp2Sync(GradSync):
         """A forward with gradients (training) gathers what the optimizer has updated since `wait_params`
         (FSDP2's own pre-forward keeps what is already gathered); one without (validation) reads the copies."""
         if torch.is_grad_enabled():
-            if self.scatters is not None and any(p.grad is not None for p in self.model.parameters()):
-                raise UserError("'sync.async_collectives' needs the gradients dropped after each update "
-                                "(optimizer.zero_grad(set_to_none=True)): FSDP2 would add a reduce-scatter still in "
-                                "flight to them")
+            if self.collectives is not None and any(p.grad is not None for p in self.model.parameters()):
+                raise UserError(f"'sync.fsdp2_collectives: {self.cfg.fsdp2_collectives}' needs the gradients "
+                                "dropped after each update (optimizer.zero_grad(set_to_none=True)): FSDP2 would add a "
+                                "reduce-scatter still in flight to them")
             if self._gathered:
                 self._drop_gathered()
-                if self.scatters is not None:
-                    self._gather_ahead()
+                self._ahead = False
+            if self.collectives is not None:  # where `stepped` did not (a loop taking turns with others), now
+                self._gather_ahead()
 
     def model_state(self) -> dict:
         return self.api.get_model_state_dict(self.model, options=self.api.whole)
@@ -258,5 +244,5 @@ class Fsdp2Sync(GradSync):
     def stats(self) -> dict:
         return {**super().stats(), "units": len(self.units) + 1,
                 "reshard_after_forward": self.cfg.reshard_after_forward,
-                "async_collectives": self.cfg.async_collectives,
+                "collectives": self.cfg.fsdp2_collectives,
                 "param_dtype": "bf16" if self.cfg.gather_dtype == "bf16" else "fp32"}
