@@ -98,15 +98,21 @@ def test_a_whole_state_goes_in_and_out_of_the_shards_of_three_ranks(tmp_path, st
     mp.spawn(_round_trip_on_three_ranks, args=(str(tmp_path / "init"), strategy), nprocs=3, join=True)
 
 
+SPLIT_P2P = ("--set", "sync.classes.embedding.tied_split=true", "--set", "sync.fsdp2_collectives=p2p")
+
+
 @pytest.mark.slow
-def test_fsdp2_trains_as_ddp_and_its_checkpoints_resume_under_ddp_on_three_ranks(tmp_path):
+@pytest.mark.parametrize("extra", [(), SPLIT_P2P], ids=["stock", "split-p2p"])
+def test_fsdp2_trains_as_ddp_and_its_checkpoints_resume_under_ddp_on_three_ranks(tmp_path, extra):
     """10 steps clipped by the global norm, 2 micro-batches a step: fsdp2's gradient norms are DDP's to rounding
     (its local gradients are rounded differently: not bit for bit), and the clip was active. Its step-5 checkpoint
-    resumes under ddp on 3 ranks. (A whole state going into fsdp2's shards on 3 ranks: the test above.)"""
+    resumes under ddp on 3 ranks. (A whole state going into fsdp2's shards on 3 ranks: the test above.) Stock, and
+    with the split tied embedding (whole on every rank, outside FSDP2) and `sharded`'s exchanges in FSDP2's hooks."""
     same = ("--set", "optim.clip_norm=0.5", "--set", "train.accum_steps=2", "--set", "train.ckpt_every=5", *NO_EVAL)
     runs = {s: tmp_path / s for s in ("ddp", "fsdp2")}
     for s, run in runs.items():
-        r = train_ranks("--run-dir", str(run), "--set", f"sync.strategy={s}", "--set", "train.max_steps=10", *same)
+        r = train_ranks("--run-dir", str(run), "--set", f"sync.strategy={s}", "--set", "train.max_steps=10", *same,
+                        *(extra if s == "fsdp2" else ()))
         assert "FutureWarning" not in r.stderr and "DeprecationWarning" not in r.stderr, r.stderr[-2000:]
     norms = {s: [x["grad_norm"] for x in records(run / "steps.jsonl")] for s, run in runs.items()}
     assert len(norms["fsdp2"]) == 10 and max(norms["ddp"]) > 0.5
@@ -198,3 +204,17 @@ def test_unwaited_collectives_train_as_stock_fsdp2_with_them_in_flight(tmp_path,
     assert seen["in_flight_after_backward"] == [5, 5, 5]
     assert seen["gathers_issued_by_stepped"] == [[True] * 5] * 3
     assert f"'sync.fsdp2_collectives: {mode}' needs the gradients dropped" in seen["refused"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_fsdp2_with_the_split_matches_the_reference(nproc):
+    """The tied embedding outside FSDP2 (`ignored_params`), whole on every rank and reduced by the split (its
+    projection part all-reduced as backward completes it, its looked-up rows as each lookup's backward ends), with
+    each kind of FSDP2 collectives: the per-tensor reference's mean within verify's tolerance, with and without
+    accumulation."""
+    for mode in ("stock", "async", "p2p"):
+        results = verify.run(nproc, ["fsdp2"], accums=(1, 2), steps=3, overrides=[
+            "sync.classes.embedding.tied_split=true", f"sync.fsdp2_collectives={mode}"])
+        for accum, r in results.items():
+            assert r["fsdp2"]["lossless"] and r["fsdp2"]["max_rel"] <= verify.TOLERANCE, (mode, accum, r)

@@ -664,6 +664,31 @@ def test_fsdp2_on_a_cpu_device_adds_every_collective_and_with_streams_overlaps_t
         assert played.step_ms == pytest.approx(overlapped.step_ms) and played.comm_ms == pytest.approx(serial.comm_ms)
 
 
+def test_fsdp2_with_the_split_all_reduces_the_embedding_outside_its_units(tmp_path):
+    """fsdp2 with a split tied embedding (`tied_split`: outside FSDP2, whole on every rank): the embedding a bucket of
+    its own, first, all-reduced (no reduce-scatter, no all-gather, no saving in the optimizer); the units as without
+    the split, less the embedding."""
+    _write_run(tmp_path / "run", strategy="sharded")
+    run = load_run(tmp_path / "run")
+    ref = sim.reference_step(run)
+    curve, cal = sim.ready_curve(run, ref), Calibration()
+    sync = {"strategy": "fsdp2", "reshard_after_forward": False, "fsdp2_collectives": "p2p"}
+    plain = config_mod.from_dict({**run.cfg.to_dict(), "sync": sync}, "test")
+    split = config_mod.from_dict({**run.cfg.to_dict(), "sync": {**sync, "classes": {"embedding": {
+        "tied_split": True}}}}, "test")
+    plan = bucket_plan(split, "fsdp2").buckets
+    assert list(plan[0].names) == ["embed.weight"] and all("embed.weight" not in b.names for b in plan[1:])
+    assert sum(b.numel for b in plan) == sum(b.numel for b in bucket_plan(plain, "fsdp2").buckets)
+
+    def half(nbytes):
+        whole, alpha = _Flat().allreduce_ms(nbytes), _Flat().allreduce_latency_ms(nbytes)
+        return alpha + (whole - alpha) / 2
+
+    p = sim.predict(split, ref, curve, _Flat(), cal, "fsdp2", None, run.vocab)
+    assert p.split and p.label == "fsdp2+split+keep"
+    assert p.comm_ms == pytest.approx(_Flat().allreduce_ms(plan[0].nbytes) + 2 * sum(half(b.nbytes) for b in plan[1:]))
+
+
 def test_fsdp2_costs_the_reduce_scatters_and_all_gathers_the_benchmark_measured(tmp_path):
     """A model fitted on reduce-scatter and all-gather too (the benchmark's `--collective`) costs fsdp2's
     collectives by their own fits, not as half an all-reduce: FSDP2 calls torch's reduce_scatter_tensor and

@@ -329,9 +329,13 @@ class Trainer:
         finite = math.isfinite(norm)
         if finite:
             if self.cfg.optim.clip_norm:
-                # Takes the parameters and scales their .grad (given bare gradient tensors it scales nothing).
-                torch.nn.utils.clip_grads_with_norm_(self.sync.optimizer_params(), self.cfg.optim.clip_norm,
-                                                     grad_norm)
+                # Takes the parameters and scales their .grad (given bare gradient tensors it scales nothing); one
+                # kind of tensor per call, which its foreach path needs (fsdp2 with the split: DTensors and the
+                # whole embedding)
+                params = self.sync.optimizer_params()
+                for kind in dict.fromkeys(type(p) for p in params):
+                    torch.nn.utils.clip_grads_with_norm_([p for p in params if type(p) is kind],
+                                                         self.cfg.optim.clip_norm, grad_norm)
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -245,12 +245,15 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     (all but the root, the last bucket, which keeps its parameters). A reduce-scatter or all-gather costs what the
     benchmark measured for that collective where the model was fitted on it (FSDP2 calls torch's own, which on gloo
     is not half an all-reduce), else, and for `sharded`'s point-to-point exchanges (`fsdp2_collectives: p2p`), its
-    latency and half the rest of an all-reduce of its bytes. Without device
-    streams (`calib.streams`: a CPU device) every collective blocks the computing thread, so they add up to the
-    step, unless they are issued without waiting (`sync.fsdp2_collectives`); with streams or those, the reduce-scatters and the backward gathers (each issued as the unit before starts its
-    backward, FSDP2's prefetch) are played on the timeline as `sharded`'s, and the forward waits for its gathers as
-    `sharded`'s does. Not modeled: FSDP2's copies into and out of its flat buffers and the DTensor optimizer's
-    overhead; the optimizer is charged for 1/world of the parameters, as `sharded`'s."""
+    latency and half the rest of an all-reduce of its bytes. Stock FSDP2 on a CPU device (no `calib.streams`)
+    waits for every collective on the computing thread, so they add up to the step. With device streams, or
+    collectives that do not wait (`fsdp2_collectives`), the reduce-scatters and the backward gathers (each issued as
+    the unit before starts its backward, FSDP2's prefetch) are played on the timeline as `sharded`'s, and the
+    forward waits for its gathers as `sharded`'s does. A split tied embedding (`tied_split`, outside FSDP2) is
+    all-reduced by its own hooks in any case: its projection part as backward completes it, each lookup's rows as
+    the profiled step recorded them, on the timeline. Not modeled: FSDP2's copies into and out of its flat buffers
+    and the DTensor optimizer's overhead; the optimizer is charged for 1/world of the sharded parameters, as
+    `sharded`'s."""
     sync = sync_for(cfg, strategy, classes=classes)
     plan = bucket_plan(cfg, strategy, classes=classes, vocab=vocab).buckets
     allreduce, latency, _ = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, False))
@@ -261,29 +264,40 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
             return calib.comm_scale * model.time_us(nbytes, coll) / 1000.0
         return exchange_ms(allreduce(b, nbytes), latency(nbytes))
 
+    split = _split_classes(cfg, strategy, classes)
+    whole = [b.tensor_class in split for b in plan]  # the split embedding's bucket, outside FSDP2
+    units = [b for b, w in zip(plan, whole) if not w]
     low = WIRE_DTYPES[sync.gather_dtype].itemsize if sync.gather_dtype else None
-    scatter = [collective(b, b.nbytes, "reducescatter") for b in plan]
-    gather = [collective(b, b.numel * low if low else b.nbytes, "allgather") for b in plan]
+    scatter = [collective(b, b.nbytes, "reducescatter") for b in units]
+    gather = [collective(b, b.numel * low if low else b.nbytes, "allgather") for b in units]
     regather = gather[:-1] if sync.reshard_after_forward else []
     world = getattr(model, "ranks", None) or 2
-    compute = (_compute_ms(ref, model, vocab, split=False) - (calib.host_base_ms or 0.0)
-               - optimizer_saving(plan, ref.optimizer_ms, world))
+    compute = (_compute_ms(ref, model, vocab, split=bool(split)) - (calib.host_base_ms or 0.0)
+               - optimizer_saving(plan, ref.optimizer_ms, world, [not w for w in whole]))
+    # the split's all-reduces, issued by its own hooks without waiting: the projection part, then each lookup's rows
+    reduced = [(ref.split_ready_ms(curve), allreduce(b, b.nbytes)) for b, w in zip(plan, whole) if w]
+    if reduced:
+        reduced += [(r["ready_ms"], allreduce(plan[0], r["bytes"])) for r in ref.records
+                    if r.get("part") == "lookup" and r.get("ready_ms") is not None]
+    entries = list(reduced)
+    exposed = 0.0
     if not calib.streams and sync.fsdp2_collectives == "stock":
         exposed = sum(scatter) + sum(regather)
         compute += sum(gather)
     else:
-        ready = [curve.at(x) for x in through(plan, ready_params(cfg, vocab))]
+        ready = [curve.at(x) for x in through(units, ready_params(cfg, vocab))]
         prefetch = [curve.at(0)] * 2 + ready  # unit i's gather, as unit i - 1 starts its backward
-        prefetch = prefetch[:len(regather)]
-        entries = sorted(zip(ready + prefetch, scatter + regather))
+        entries += list(zip(ready + prefetch[:len(regather)], scatter + regather))
+        compute += gather_stall(units, gather, ref.forward_ms / ref.accum_steps) + (regather[0] if regather else 0.0)
+    if entries:
+        entries.sort()
         tl = play_timeline([r for r, _ in entries], [d for _, d in entries], ref.sync_backward_ms, True,
                            calib.slowdown, calib.lanes, None, None, model.link_efficiency, ref.compute_end_ms,
                            lockstep(model))
-        exposed = tl.exposed_ms + calib.post_ms
-        compute += gather_stall(plan, gather, ref.forward_ms / ref.accum_steps) + (regather[0] if regather else 0.0)
-    return Prediction(strategy, None, len(plan), sum(scatter) + sum(gather) + sum(regather), exposed,
-                      compute + exposed, lossless=sync.gather_dtype is None, narrowed=sync.gather_dtype,
-                      keep=not sync.reshard_after_forward)
+        exposed += tl.exposed_ms + calib.post_ms
+    return Prediction(strategy, None, len(plan), sum(scatter) + sum(gather) + sum(regather) + sum(d for _, d in reduced),
+                      exposed, compute + exposed, lossless=sync.gather_dtype is None, split=bool(split),
+                      narrowed=sync.gather_dtype, keep=not sync.reshard_after_forward)
 
 
 def split_cost_ms(ref: ReferenceStep, model, vocab: int | None) -> float:

@@ -44,7 +44,8 @@ from dtrain.collectives.fsdp2_collectives import AsyncAllGather, Exchanges, Redu
 from dtrain.collectives.plan import BucketingStrategy, pack
 from dtrain.collectives.strategies import register
 from dtrain.collectives.sync import GradSync, total_norm
-from dtrain.collectives.tensor_classes import CollectiveSettings
+from dtrain.collectives.tensor_classes import CollectiveSettings, from_config
+from dtrain.collectives.tied_split import TiedEmbeddingSplit
 from dtrain.common.errors import UserError
 
 _BLOCK = re.compile(r"^((?:[^.]+\.)*?\d+)\.")  # a parameter's path up to its first numbered module: "decoder.3."
@@ -61,6 +62,21 @@ def units(model: nn.Module) -> list[nn.Module]:
     """The modules `fully_shard` wraps before the root: each numbered child on a parameter's path (`unit_of`), once."""
     names = dict.fromkeys(unit_of(n) for n, _ in model.named_parameters())
     return [model.get_submodule(n) for n in names if n]
+
+
+def tied_split_names(cfg, model: nn.Module) -> list[str]:
+    """The parameters whose class sets `tied_split` (`sync.classes.<class>.tied_split`), one per such class."""
+    classes = from_config(cfg)
+    class_of = classes.assign(model.named_parameters())
+    names = []
+    for c in dict.fromkeys(class_of.values()):
+        if classes.setting(c).tied_split:
+            held = [n for n, k in class_of.items() if k == c]
+            if len(held) != 1:
+                raise UserError(f"'sync.classes.{c}.tied_split': class '{c}' holds {len(held)} parameters; the "
+                                "split applies to a class of one tied embedding weight")
+            names += held
+    return names
 
 
 def fsdp2_api() -> SimpleNamespace:
@@ -81,7 +97,7 @@ def fsdp2_api() -> SimpleNamespace:
 class Fsdp2Units(BucketingStrategy):
     """FSDP2's communication as a bucket plan, for the cost model and the simulator (never executed: FSDP2 runs itself):
     one bucket per unit, reduce-scattered when its last gradient is ready, the root's last (its post-backward runs
-    when backward ends)."""
+    when backward ends). A split tied embedding (`tied_split`), outside FSDP2, is a bucket of its own, first."""
 
     name = "fsdp2"
     shards = True
@@ -89,16 +105,19 @@ class Fsdp2Units(BucketingStrategy):
 
     def plan(self, named_params, classes, settings):
         fp32 = CollectiveSettings(bucket_cap_mb=2.0**30)  # 1 PiB: a unit's bucket never closes early
-        blocks = pack([(n, p) for n, p in named_params if unit_of(n)], classes, key=lambda n, p: unit_of(n),
+        split = [(n, p) for n, p in named_params if settings[classes[n]].tied_split]
+        rest = [(n, p) for n, p in named_params if not settings[classes[n]].tied_split]
+        whole = pack(split, classes, key=lambda n, p: n, settings_of=lambda k: fp32)
+        blocks = pack([(n, p) for n, p in rest if unit_of(n)], classes, key=lambda n, p: unit_of(n),
                       settings_of=lambda k: fp32)
-        root = pack([(n, p) for n, p in named_params if not unit_of(n)], classes, key=lambda n, p: "",
+        root = pack([(n, p) for n, p in rest if not unit_of(n)], classes, key=lambda n, p: "",
                     settings_of=lambda k: fp32)
-        return [dataclasses.replace(b, index=i) for i, b in enumerate(blocks + root)]
+        return [dataclasses.replace(b, index=i) for i, b in enumerate(whole + blocks + root)]
 
 
 @register("fsdp2")
 class Fsdp2Sync(GradSync):
-    sync_keys = ("reshard_after_forward", "gather_dtype", "fsdp2_collectives")
+    sync_keys = ("reshard_after_forward", "gather_dtype", "fsdp2_collectives", "classes.tied_split")
     plans_like = Fsdp2Units
     switchable = False
     gather_dtype_exact = False
@@ -117,10 +136,25 @@ class Fsdp2Sync(GradSync):
             raise UserError(f"'sync.fsdp2_collectives: {cfg.fsdp2_collectives}' is for a CPU device: on "
                             f"{device.type} FSDP2 overlaps its collectives through its own streams")
         self.units = units(model)
+        named = dict(model.named_parameters())
+        split = tied_split_names(cfg, model)  # FSDP2 leaves these whole on every rank; the split reduces them
+        if split and device.type != "cpu":
+            raise UserError(f"'tied_split' under fsdp2 is for a CPU device: on {device.type} torch's foreach "
+                            "optimizers would get DTensors and the whole embedding in one list (not tested there)")
         for unit in self.units:
             api.fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
         # The root never reshards after forward (FSDP2's own rule when not told: backward needs it at once).
-        api.fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        api.fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
+                        ignored_params={named[n] for n in split})
+        self.world = dist.get_world_size(process_group)
+        self._sync = True  # not inside `no_sync`
+        self._armed = True  # this micro-batch's backward synchronizes (set at its forward, as DDP reads no_sync)
+        self.splits = [TiedEmbeddingSplit(model, n, process_group, self.world, lambda: self._armed) for n in split]
+        self._projections: list = []  # the splits' projection parts' all-reduces in flight: (split, work)
+        for s in self.splits:
+            s.param.register_post_accumulate_grad_hook(self._projection_ready(s))
+        whole = {id(s.param) for s in self.splits}
+        self._sharded = [p for p in model.parameters() if id(p) not in whole]  # FSDP2's DTensors
         # FSDP2's collectives where they are not its own (`sync.fsdp2_collectives`); None: stock
         self.collectives: ReduceScatters | Exchanges | None = None
         if cfg.fsdp2_collectives == "async":
@@ -141,23 +175,42 @@ class Fsdp2Sync(GradSync):
     @contextmanager
     def no_sync(self):
         self.model.set_requires_gradient_sync(False)
+        self._sync = False
         try:
             yield
         finally:
             self.model.set_requires_gradient_sync(True)
+            self._sync = True
+
+    def _projection_ready(self, split: TiedEmbeddingSplit):
+        """A split matrix's `.grad`, complete as soon as the projection's gradient is in it (the lookups' go apart in
+        a synchronized backward): its sum over the ranks started, on the split's own group."""
+        def hook(param: torch.Tensor) -> None:
+            if self._armed and split.masks:
+                self._projections.append((split, dist.all_reduce(param.grad, group=split.group, async_op=True)))
+        return hook
 
     def wait(self) -> None:
         """With `fsdp2_collectives`, the reduce-scatters left in flight (stock FSDP2 waited for each in backward)."""
         if self.collectives is not None:
             self.collectives.wait()
             self._ahead = False
+        for split, work in self._projections:  # the projection part's mean, then the looked-up rows' own
+            work.wait()
+            split.param.grad.div_(self.world)
+            split.finish()
+        self._projections = []
 
     def close(self) -> None:
-        """With `p2p`, the exchanges' thread ended and their group destroyed."""
+        """With `p2p`, the exchanges' thread ended and their group destroyed; the splits' hooks and groups too."""
         if isinstance(self.collectives, Exchanges):
             self.collectives.close()
             dist.destroy_process_group(self.collectives.group)
         self.collectives = None
+        for split in self.splits:
+            split.remove()
+            dist.destroy_process_group(split.group)
+        self.splits = []
 
     def stepped(self, optimizer: torch.optim.Optimizer | None = None, loss: float | None = None) -> None:
         """With `fsdp2_collectives`, every unit's updated shards all-gathered from now, in the order the forward
@@ -175,7 +228,10 @@ class Fsdp2Sync(GradSync):
 
     def grad_norm(self, exact: bool = False) -> torch.Tensor:
         """Each rank's shards' sums of squares, all-reduced (float64 with `exact`)."""
-        local = [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
+        local = [p.grad.to_local() for p in self._sharded if p.grad is not None]
+        # a split matrix's gradient is the same on every rank: its squares counted once, on rank 0
+        if dist.get_rank(self.process_group) == 0:
+            local += [s.param.grad for s in self.splits if s.param.grad is not None]
         return total_norm(local, exact=exact, group=self.process_group, sharded=True)
 
     def wait_params(self) -> None:
@@ -201,7 +257,7 @@ class Fsdp2Sync(GradSync):
         """A forward with gradients (training) gathers what the optimizer has updated since `wait_params`
         (FSDP2's own pre-forward keeps what is already gathered); one without (validation) reads the copies."""
         if torch.is_grad_enabled():
-            if self.collectives is not None and any(p.grad is not None for p in self.model.parameters()):
+            if self.collectives is not None and any(p.grad is not None for p in self._sharded):
                 raise UserError(f"'sync.fsdp2_collectives: {self.cfg.fsdp2_collectives}' needs the gradients "
                                 "dropped after each update (optimizer.zero_grad(set_to_none=True)): FSDP2 would add a "
                                 "reduce-scatter still in flight to them")
@@ -210,6 +266,10 @@ class Fsdp2Sync(GradSync):
                 self._ahead = False
             if self.collectives is not None:  # where `stepped` did not (a loop taking turns with others), now
                 self._gather_ahead()
+            self._armed = self._sync
+            if self._armed:
+                for split in self.splits:
+                    split.prepare()
 
     def model_state(self) -> dict:
         return self.api.get_model_state_dict(self.model, options=self.api.whole)
@@ -237,6 +297,9 @@ class Fsdp2Sync(GradSync):
         shards = {}
         for i, s in state["state"].items():
             p = by_id[i]
+            if not isinstance(p, self.api.DTensor):  # a split matrix, whole on every rank
+                shards[i] = s
+                continue
             shards[i] = {k: self.api.distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
                          if isinstance(v, torch.Tensor) and v.shape == p.shape else v for k, v in s.items()}
         optimizer.load_state_dict({**state, "state": shards})
