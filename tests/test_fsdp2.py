@@ -131,18 +131,20 @@ def test_fsdp2_collectives_is_a_setting_only_fsdp2_reads():
         "sync.fsdp2_collectives"]
 
 
-def _stock_and_unwaited_on_two_ranks(rank: int, init: str, mode: str, reshard: bool, out: str) -> None:
-    """Stock FSDP2 and FSDP2 with `fsdp2_collectives: mode` trained side by side from the same model on the same
-    batches, 3 Adam steps of 2 micro-batches; what the second left in flight at each point."""
+def _stock_and_unwaited_on_two_ranks(rank: int, init: str, mode: str, reshard: bool, split: bool, out: str) -> None:
+    """Stock FSDP2 and FSDP2 with `fsdp2_collectives: mode` (and the split tied embedding) trained side by side from
+    the same model on the same batches, 3 Adam steps of 2 micro-batches; what the second left in flight."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
         model = verify.tiny_model()
         handles = {m: attach(copy.deepcopy(model), verify.sync_config("fsdp2", 0.01, [
-            f"sync.fsdp2_collectives={m}", f"sync.reshard_after_forward={str(reshard).lower()}"]))
+            f"sync.fsdp2_collectives={m}", f"sync.reshard_after_forward={str(reshard).lower()}",
+            *(["sync.classes.embedding.tied_split=true"] if split and m == mode else [])]))
             for m in ("stock", mode)}
         opts = {m: torch.optim.Adam(h.optimizer_params(), lr=1e-2) for m, h in handles.items()}
-        seen = {"in_flight_after_backward": [], "gathers_issued_by_stepped": []}
+        seen = {"in_flight_after_backward": [], "gathers_issued_by_stepped": [], "projections": [],
+                "embedding_whole": type(dict(handles[mode].model.named_parameters())["embed.weight"]).__name__}
         issued = []
         module, name = (dist, "all_gather_into_tensor") if mode == "async" else (fsdp2_collectives, "exchange")
         issue = getattr(module, name)
@@ -160,6 +162,7 @@ def _stock_and_unwaited_on_two_ranks(rank: int, init: str, mode: str, reshard: b
                         verify.loss_fn(h.module(src, tgt_in), tgt_out, 2).backward()
                 if m == mode:
                     seen["in_flight_after_backward"].append(len(h.collectives.pending))
+                    seen["projections"].append(len(h._projections))
                 h.wait()
                 opts[m].step()
                 opts[m].zero_grad(set_to_none=True)
@@ -190,19 +193,26 @@ def _stock_and_unwaited_on_two_ranks(rank: int, init: str, mode: str, reshard: b
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,reshard", [("async", True), ("async", False), ("p2p", True), ("p2p", False)])
-def test_unwaited_collectives_train_as_stock_fsdp2_with_them_in_flight(tmp_path, mode, reshard):
+@pytest.mark.parametrize("mode,reshard,split", [("async", True, False), ("async", False, False), ("p2p", True, False),
+                                               ("p2p", False, False), ("p2p", False, True)])
+def test_unwaited_collectives_train_as_stock_fsdp2_with_them_in_flight(tmp_path, mode, reshard, split):
     """On 2 gloo CPU ranks, 3 steps of 2 micro-batches: the same parameters as stock FSDP2, bit for bit (`p2p` sums
     a + b in rank order and halves, as gloo's average does). After each backward every unit's reduce-scatter (4
     layers and the root) is still in flight for `wait()`; after each update `stepped` has issued every unit's
-    all-gather without waiting. A training forward with gradients left over is a one-line error."""
+    all-gather without waiting. With the split, the tied embedding stays a plain tensor outside FSDP2, its
+    projection part is all-reduced apart, and the parameters are still stock FSDP2's bit for bit: the split adds each
+    row as autograd does, and two ranks' mean is exact. A training forward with gradients left over is a one-line
+    error."""
     out = tmp_path / "seen.json"
-    mp.spawn(_stock_and_unwaited_on_two_ranks, args=(str(tmp_path / "init"), mode, reshard, str(out)), nprocs=2,
-             join=True)
+    mp.spawn(_stock_and_unwaited_on_two_ranks, args=(str(tmp_path / "init"), mode, reshard, split, str(out)),
+             nprocs=2, join=True)
     seen = json.loads(out.read_text())
     assert seen["max_diff"] == 0.0, seen
-    assert seen["in_flight_after_backward"] == [5, 5, 5]
-    assert seen["gathers_issued_by_stepped"] == [[True] * 5] * 3
+    units = 4 if split else 5  # the root holds the embedding alone: outside FSDP2 with the split
+    assert seen["in_flight_after_backward"] == [units] * 3
+    assert seen["gathers_issued_by_stepped"] == [[True] * units] * 3
+    assert seen["projections"] == ([1, 1, 1] if split else [0, 0, 0])
+    assert seen["embedding_whole"] == ("Parameter" if split else "DTensor")
     assert f"'sync.fsdp2_collectives: {mode}' needs the gradients dropped" in seen["refused"]
 
 

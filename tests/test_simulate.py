@@ -685,7 +685,7 @@ def test_fsdp2_with_the_split_all_reduces_the_embedding_outside_its_units(tmp_pa
         return alpha + (whole - alpha) / 2
 
     p = sim.predict(split, ref, curve, _Flat(), cal, "fsdp2", None, run.vocab)
-    assert p.split and p.label == "fsdp2+split+keep"
+    assert p.split and p.label == "fsdp2+split+keep+p2p"
     assert p.comm_ms == pytest.approx(_Flat().allreduce_ms(plan[0].nbytes) + 2 * sum(half(b.nbytes) for b in plan[1:]))
 
 

@@ -46,13 +46,14 @@ class Prediction:
     narrowed: str | None = None  # `sharded` with `gather_dtype`: the Linear members' dtype in the exchanges
     keep: bool = False  # fsdp2 with `reshard_after_forward: false`: the units keep their parameters until backward
     hierarchical: bool = False  # the hierarchical plan (`sync.hierarchical`)
+    collectives: str | None = None  # fsdp2's collectives where not its own (`sync.fsdp2_collectives`: async, p2p)
 
     @property
     def label(self) -> str:
         return (self.strategy + (f"@{self.cap_mb:g}M" if self.cap_mb is not None else "")
                 + ("+split" if self.split else "") + ("+rows" if self.rows else "")
                 + (f"+{self.narrowed}" if self.narrowed else "") + ("+keep" if self.keep else "")
-                + ("+hier" if self.hierarchical else ""))
+                + ("+hier" if self.hierarchical else "") + (f"+{self.collectives}" if self.collectives else ""))
 
 
 def requested_nccl(cfg, class_groups: bool):
@@ -295,9 +296,10 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
                            calib.slowdown, calib.lanes, None, None, model.link_efficiency, ref.compute_end_ms,
                            lockstep(model))
         exposed += tl.exposed_ms + calib.post_ms
-    return Prediction(strategy, None, len(plan), sum(scatter) + sum(gather) + sum(regather) + sum(d for _, d in reduced),
-                      exposed, compute + exposed, lossless=sync.gather_dtype is None, split=bool(split),
-                      narrowed=sync.gather_dtype, keep=not sync.reshard_after_forward)
+    comm = sum(scatter) + sum(gather) + sum(regather) + sum(d for _, d in reduced)
+    return Prediction(strategy, None, len(plan), comm, exposed, compute + exposed, lossless=sync.gather_dtype is None, split=bool(split),
+                      narrowed=sync.gather_dtype, keep=not sync.reshard_after_forward,
+                      collectives=None if sync.fsdp2_collectives == "stock" else sync.fsdp2_collectives)
 
 
 def split_cost_ms(ref: ReferenceStep, model, vocab: int | None) -> float:
