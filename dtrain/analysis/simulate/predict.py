@@ -297,8 +297,8 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
                            lockstep(model))
         exposed += tl.exposed_ms + calib.post_ms
     comm = sum(scatter) + sum(gather) + sum(regather) + sum(d for _, d in reduced)
-    return Prediction(strategy, None, len(plan), comm, exposed, compute + exposed, lossless=sync.gather_dtype is None, split=bool(split),
-                      narrowed=sync.gather_dtype, keep=not sync.reshard_after_forward,
+    return Prediction(strategy, None, len(plan), comm, exposed, compute + exposed, lossless=sync.gather_dtype is None,
+                      split=bool(split), narrowed=sync.gather_dtype, keep=not sync.reshard_after_forward,
                       collectives=None if sync.fsdp2_collectives == "stock" else sync.fsdp2_collectives)
 
 

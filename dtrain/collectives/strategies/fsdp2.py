@@ -17,9 +17,14 @@ thread that computes and waits for it there: on gloo its communication overlaps 
 (`dtrain.collectives.fsdp2_collectives`; CPU only) gives FSDP2 collectives that do not wait, through its own public
 hooks: `async`, torch's own; `p2p`, the point-to-point exchanges `sharded` runs. Every unit's all-gather is then
 issued as the optimizer step ends (`stepped`, `unshard(async_op=True)`; else as the next forward starts), root first,
-and FSDP2 waits for each as the unit is about to run (with `reshard_after_forward`, FSDP2's own backward prefetch issues each unit's gather again as
-the unit after it starts its backward); each reduce-scatter is left in flight, to be waited for by `wait()` after
-backward.
+and FSDP2 waits for each as the unit is about to run (with `reshard_after_forward`, FSDP2's own backward prefetch
+issues each unit's gather again as the unit after it starts its backward); each reduce-scatter is left in flight, to
+be waited for by `wait()` after backward.
+
+With `sync.classes.<class>.tied_split` (CPU only) the tied embedding stays outside FSDP2 (`ignored_params`), whole on
+every rank, and is reduced as `bucketed` reduces it with the split (`dtrain.collectives.tied_split`): its projection
+part all-reduced as soon as backward completes it, each lookup's rows as that lookup's backward ends; every rank
+updates the whole matrix. The loop's optimizer then holds FSDP2's DTensors and that plain tensor.
 
 Through the seam: the loop's optimizer is built over the model's own (sharded) parameters; `grad_norm` all-reduces the
 shards' sums of squares; `no_sync` is FSDP2's `set_requires_gradient_sync(False)`; checkpoints hold the whole model and
@@ -191,7 +196,8 @@ class Fsdp2Sync(GradSync):
         return hook
 
     def wait(self) -> None:
-        """With `fsdp2_collectives`, the reduce-scatters left in flight (stock FSDP2 waited for each in backward)."""
+        """With `fsdp2_collectives`, the reduce-scatters left in flight (stock FSDP2 waited for each in backward);
+        with the split, the embedding's mean: its projection part's, then its looked-up rows'."""
         if self.collectives is not None:
             self.collectives.wait()
             self._ahead = False
@@ -307,5 +313,5 @@ class Fsdp2Sync(GradSync):
     def stats(self) -> dict:
         return {**super().stats(), "units": len(self.units) + 1,
                 "reshard_after_forward": self.cfg.reshard_after_forward,
-                "collectives": self.cfg.fsdp2_collectives,
+                "collectives": self.cfg.fsdp2_collectives, "split": [s.name for s in self.splits],
                 "param_dtype": "bf16" if self.cfg.gather_dtype == "bf16" else "fp32"}
