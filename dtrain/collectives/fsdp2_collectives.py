@@ -35,8 +35,12 @@ from dtrain.common.errors import UserError
 MODES = ("stock", "async", "p2p")  # `sync.fsdp2_collectives`
 
 
-def _empty(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device=device)
+class _Hook:
+    """What FSDP2's collective hooks must also offer: the buffers it fills and sends, plain tensors here."""
+
+    @staticmethod
+    def allocate(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
 
 
 class AllOf(dist.Work):
@@ -52,21 +56,17 @@ class AllOf(dist.Work):
         return True
 
 
-class AsyncAllGather:
+class AsyncAllGather(_Hook):
     """torch's all-gather, issued without waiting whatever FSDP2 asks."""
-
-    allocate = staticmethod(_empty)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work:
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
 
 
-class ReduceScatters:
+class ReduceScatters(_Hook):
     """Reduce-scatters left in flight until `wait()`. FSDP2 drops its reference to the input (the unit's gradients,
     cut and padded per rank: (world x shard,)) as the call returns; it is kept here until the collective is done."""
-
-    allocate = staticmethod(_empty)
 
     def __init__(self):
         self.pending: list = []
@@ -80,9 +80,6 @@ class ReduceScatters:
         for work, _ in self.pending:
             work.wait()
         self.pending.clear()
-
-    def close(self) -> None:
-        self.wait()
 
 
 class Exchanges:
@@ -110,9 +107,7 @@ class Exchanges:
         self.completions.close()
 
 
-class _Gather:
-    allocate = staticmethod(_empty)
-
+class _Gather(_Hook):
     def __init__(self, ex: Exchanges):
         self.ex = ex
 
@@ -126,9 +121,7 @@ class _Gather:
                               [(chunks[j], ex.peers[j]) for j in ex.others], ex.group, next(ex.tags)))
 
 
-class _Scatter:
-    allocate = staticmethod(_empty)
-
+class _Scatter(_Hook):
     def __init__(self, ex: Exchanges):
         self.ex = ex
 
@@ -148,7 +141,10 @@ class _Scatter:
 
         def reduce() -> None:
             total = rank_order_sum(chunks[ex.rank], received, ex.rank)
-            torch.div(total, divisor, out=output_tensor) if divisor > 1 else output_tensor.copy_(total)
+            if divisor > 1:
+                torch.div(total, divisor, out=output_tensor)
+            else:
+                output_tensor.copy_(total)
 
         done = threading.Event()
         ex.completions.put(works, reduce, done)

@@ -244,8 +244,7 @@ class PerClassState:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         of_name = classes.assign(named)
         self.class_of = {p: of_name[n] for n, p in named}  # keyed by the parameter tensor itself
-        used = [r.name for r in classes.rules if r.name in set(of_name.values())]
-        self.settings = {c: classes.setting(c) for c in used}
+        self.settings = classes.used(of_name)
         for c, s in self.settings.items():
             if s.tied_split:
                 raise UserError(f"'sync.classes.{c}.tied_split' does not apply to the per_class comm hook: DDP "
@@ -253,7 +252,7 @@ class PerClassState:
         self.wire = {c: s.torch_wire_dtype for c, s in self.settings.items()}
         self.world = dist.get_world_size(process_group)
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        self.groups = {c: nccl.class_group(c, self.settings[c], ranks) for c in used}
+        self.groups = {c: nccl.class_group(c, self.settings[c], ranks) for c in self.settings}
         self.lossless = all(s.wire_dtype == "fp32" for s in self.settings.values())
 
 

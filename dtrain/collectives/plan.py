@@ -44,8 +44,7 @@ def plan_params(strategy: "BucketingStrategy", classes: TensorClasses, named_par
     `named_params` in expected ready order. Training (`PlannedSync`) and the profile's modeled plan
     (`dtrain.collectives.strategies.plan_for`) both go through here."""
     class_of = classes.assign(named_params)
-    used = [r.name for r in classes.rules if r.name in set(class_of.values())]  # rule order
-    settings = {c: classes.setting(c) for c in used}
+    settings = classes.used(class_of)
     return strategy.plan(named_params, class_of, settings), class_of, settings
 
 

@@ -109,6 +109,11 @@ class TensorClasses:
         """{parameter name: class name} for (name, tensor) pairs; meta tensors do (only numel is read)."""
         return {name: self.classify(name, p.numel()) for name, p in named_params}
 
+    def used(self, class_of: dict[str, str]) -> dict[str, CollectiveSettings]:
+        """The settings of the classes `class_of` (an `assign`) uses, in rule order."""
+        held = set(class_of.values())
+        return {r.name: self.setting(r.name) for r in self.rules if r.name in held}
+
 
 def from_config(sync_cfg) -> TensorClasses:
     """The classes of a `SyncConfig`: each `sync.classes.<name>` (a `ClassSettings`) gives a rule (match, min_numel,

@@ -41,6 +41,21 @@ from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
 
 
+def split_params(class_of: dict[str, str], settings: dict) -> list[str]:
+    """The parameters to split: those of each class whose settings set `tied_split` (`class_of`: parameter name ->
+    class; `settings`: class -> its `CollectiveSettings`), in rule order; such a class must hold exactly one."""
+    names = []
+    for c, s in settings.items():
+        if not s.tied_split:
+            continue
+        held = [n for n, k in class_of.items() if k == c]
+        if len(held) != 1:
+            raise UserError(f"'sync.classes.{c}.tied_split': class '{c}' holds {len(held)} parameters; the "
+                            "split applies to a class of one tied embedding weight")
+        names += held
+    return names
+
+
 @dataclass
 class Rows:
     """One lookup's part: the rows any rank looked up, their summed gradient, and its all-reduce."""

@@ -92,10 +92,8 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     plan, overlap, class_groups = bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
     split = _split_classes(cfg, strategy, classes)
     compute = _compute_ms(ref, model, vocab, bool(split))
-    rows = []  # a split embedding's lookups' rows, where the profiled step recorded them: (ready ms, bytes)
-    if split and overlap:
-        rows = [(r["ready_ms"], r["bytes"]) for r in ref.records
-                if r.get("part") == "lookup" and r.get("ready_ms") is not None]
+    # a split embedding's lookups' rows, where the profiled step recorded them: (ready ms, bytes)
+    rows = ref.lookup_rows if split and overlap else []
     if rows:
         plan, ready = _split_first(cfg, strategy, cap_mb, classes, vocab, curve, split, ref.split_ready_ms(curve))
     else:
@@ -278,8 +276,7 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     # the split's all-reduces, issued by its own hooks without waiting: the projection part, then each lookup's rows
     reduced = [(ref.split_ready_ms(curve), allreduce(b, b.nbytes)) for b, w in zip(plan, whole) if w]
     if reduced:
-        reduced += [(r["ready_ms"], allreduce(plan[0], r["bytes"])) for r in ref.records
-                    if r.get("part") == "lookup" and r.get("ready_ms") is not None]
+        reduced += [(at, allreduce(plan[0], nbytes)) for at, nbytes in ref.lookup_rows]
     entries = list(reduced)
     exposed = 0.0
     if not calib.streams and sync.fsdp2_collectives == "stock":

@@ -83,6 +83,13 @@ class ReferenceStep:
         return sum(r.get("part") == "lookup" for r in self.records)
 
     @property
+    def lookup_rows(self) -> list[tuple[float, int]]:
+        """A split tied embedding's lookups' rows as this step recorded them: (ready ms, bytes) per lookup that sent
+        any."""
+        return [(r["ready_ms"], r["bytes"]) for r in self.records
+                if r.get("part") == "lookup" and r.get("ready_ms") is not None]
+
+    @property
     def split_host_ms(self) -> float:
         """The split's own work on the computing thread in this step (`tied_split`'s records: each lookup's mask in
         forward, its rows in backward, adding them), which the same model without the split does not do; 0 where

@@ -50,7 +50,7 @@ from dtrain.collectives.plan import BucketingStrategy, pack
 from dtrain.collectives.strategies import register
 from dtrain.collectives.sync import GradSync, total_norm
 from dtrain.collectives.tensor_classes import CollectiveSettings, from_config
-from dtrain.collectives.tied_split import TiedEmbeddingSplit
+from dtrain.collectives.tied_split import TiedEmbeddingSplit, split_params
 from dtrain.common.errors import UserError
 
 _BLOCK = re.compile(r"^((?:[^.]+\.)*?\d+)\.")  # a parameter's path up to its first numbered module: "decoder.3."
@@ -67,21 +67,6 @@ def units(model: nn.Module) -> list[nn.Module]:
     """The modules `fully_shard` wraps before the root: each numbered child on a parameter's path (`unit_of`), once."""
     names = dict.fromkeys(unit_of(n) for n, _ in model.named_parameters())
     return [model.get_submodule(n) for n in names if n]
-
-
-def tied_split_names(cfg, model: nn.Module) -> list[str]:
-    """The parameters whose class sets `tied_split` (`sync.classes.<class>.tied_split`), one per such class."""
-    classes = from_config(cfg)
-    class_of = classes.assign(model.named_parameters())
-    names = []
-    for c in dict.fromkeys(class_of.values()):
-        if classes.setting(c).tied_split:
-            held = [n for n, k in class_of.items() if k == c]
-            if len(held) != 1:
-                raise UserError(f"'sync.classes.{c}.tied_split': class '{c}' holds {len(held)} parameters; the "
-                                "split applies to a class of one tied embedding weight")
-            names += held
-    return names
 
 
 def fsdp2_api() -> SimpleNamespace:
@@ -142,7 +127,9 @@ class Fsdp2Sync(GradSync):
                             f"{device.type} FSDP2 overlaps its collectives through its own streams")
         self.units = units(model)
         named = dict(model.named_parameters())
-        split = tied_split_names(cfg, model)  # FSDP2 leaves these whole on every rank; the split reduces them
+        classes = from_config(cfg)
+        class_of = classes.assign(named.items())
+        split = split_params(class_of, classes.used(class_of))  # FSDP2 leaves these whole; the split reduces them
         if split and device.type != "cpu":
             raise UserError(f"'tied_split' under fsdp2 is for a CPU device: on {device.type} torch's foreach "
                             "optimizers would get DTensors and the whole embedding in one list (not tested there)")
@@ -258,6 +245,7 @@ class Fsdp2Sync(GradSync):
             for m in (*self.units, self.model):
                 m.reshard()
             self._gathered = False
+            self._ahead = False  # what was gathered ahead went with them
 
     def _before_forward(self, module, args) -> None:
         """A forward with gradients (training) gathers what the optimizer has updated since `wait_params`
@@ -267,9 +255,7 @@ class Fsdp2Sync(GradSync):
                 raise UserError(f"'sync.fsdp2_collectives: {self.cfg.fsdp2_collectives}' needs the gradients "
                                 "dropped after each update (optimizer.zero_grad(set_to_none=True)): FSDP2 would add a "
                                 "reduce-scatter still in flight to them")
-            if self._gathered:
-                self._drop_gathered()
-                self._ahead = False
+            self._drop_gathered()
             if self.collectives is not None:  # where `stepped` did not (a loop taking turns with others), now
                 self._gather_ahead()
             self._armed = self._sync

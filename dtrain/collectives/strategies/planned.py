@@ -21,7 +21,7 @@ from dtrain.collectives.hierarchy import HierarchicalReducer, Levels, ranks_per_
 from dtrain.collectives.plan import BucketingStrategy, plan_params, ready_order
 from dtrain.collectives.reducer import Reducer
 from dtrain.collectives.sync import Front, GradSync
-from dtrain.collectives.tied_split import TiedEmbeddingSplit
+from dtrain.collectives.tied_split import TiedEmbeddingSplit, split_params
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
 
@@ -122,18 +122,9 @@ class PlannedSync(GradSync):
         self.reducer.restore()
 
     def _tied_splits(self, model: nn.Module, process_group) -> list[TiedEmbeddingSplit]:
-        """One split per class with `tied_split`, which must hold exactly one parameter (created in rule order on
-        every rank: each makes a process group)."""
-        splits = []
-        for c, s in self.settings.items():
-            if not s.tied_split:
-                continue
-            names = [n for n, k in self.class_of.items() if k == c]
-            if len(names) != 1:
-                raise UserError(f"'sync.classes.{c}.tied_split': class '{c}' holds {len(names)} parameters; the "
-                                "split applies to a class of one tied embedding weight")
-            splits.append(self._make_split(model, names[0], process_group))
-        return splits
+        """One split per class with `tied_split` (created in rule order on every rank: each makes a process
+        group)."""
+        return [self._make_split(model, n, process_group) for n in split_params(self.class_of, self.settings)]
 
     def _make_split(self, model: nn.Module, name: str, process_group) -> TiedEmbeddingSplit:
         return TiedEmbeddingSplit(model, name, process_group, self.world, lambda: self.reducer.armed)
