@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import NO_EVAL, cut_back, records, train_ranks
 
+from dtrain.collectives import dist as ddist
 from dtrain.collectives import attach, fsdp2_collectives, strategies
 from dtrain.collectives.plan import ready_order
 from dtrain.collectives.settings import SyncConfig
@@ -54,7 +55,7 @@ def _whole_state():
 def _round_trip_on_three_ranks(rank: int, init: str, strategy: str) -> None:
     """Load a whole state into `strategy` on 3 ranks and read it back through the seam: the same tensors."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=3)
-    try:
+    with ddist.rank_process():
         model_sd, opt_sd = _whole_state()
         handle = attach(verify.tiny_model(), verify.sync_config(strategy, 0.01, []))
         opt = torch.optim.Adam(handle.optimizer_params(), lr=1e-3)
@@ -85,8 +86,6 @@ def _round_trip_on_three_ranks(rank: int, init: str, strategy: str) -> None:
         stepped = handle.model_state()
         worst = max((stepped[n] - one.state_dict()[n]).abs().max().item() for n in compared)
         assert len(compared) > 0.8 * len(model_sd) and worst < 1e-6, (strategy, worst)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -135,7 +134,7 @@ def _stock_and_unwaited_on_two_ranks(rank: int, init: str, mode: str, reshard: b
     """Stock FSDP2 and FSDP2 with `fsdp2_collectives: mode` (and the split tied embedding) trained side by side from
     the same model on the same batches, 3 Adam steps of 2 micro-batches; what the second left in flight."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    try:
+    with ddist.rank_process():
         torch.manual_seed(0)
         model = verify.tiny_model()
         handles = {m: attach(copy.deepcopy(model), verify.sync_config("fsdp2", 0.01, [
@@ -188,8 +187,6 @@ def _stock_and_unwaited_on_two_ranks(rank: int, init: str, mode: str, reshard: b
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(seen, f)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -218,13 +215,13 @@ def test_unwaited_collectives_train_as_stock_fsdp2_with_them_in_flight(tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_fsdp2_with_the_split_matches_the_reference(nproc):
+@pytest.mark.parametrize("mode", ["stock", "async", "p2p"])
+def test_fsdp2_with_the_split_matches_the_reference(nproc, mode):
     """The tied embedding outside FSDP2 (`ignored_params`), whole on every rank and reduced by the split (its
     projection part all-reduced as backward completes it, its looked-up rows as each lookup's backward ends), with
-    `sharded`'s exchanges in FSDP2's hooks: the per-tensor reference's mean within verify's tolerance, with and
-    without accumulation. One mode only: each spawned job with the split risks a rare abort at exit (see
-    docs/notebook.md, "An abort at exit with the split")."""
+    FSDP2's own collectives and with each of `fsdp2_collectives`' modes in its hooks: the per-tensor reference's mean
+    within verify's tolerance, with and without accumulation."""
     results = verify.run(nproc, ["fsdp2"], accums=(1, 2), steps=3, overrides=[
-        "sync.classes.embedding.tied_split=true", "sync.fsdp2_collectives=p2p"])
+        "sync.classes.embedding.tied_split=true", f"sync.fsdp2_collectives={mode}"])
     for accum, r in results.items():
         assert r["fsdp2"]["lossless"] and r["fsdp2"]["max_rel"] <= verify.TOLERANCE, (accum, r)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dtrain.collectives import dist as ddist
 from dtrain.collectives import attach
 from dtrain.collectives.hierarchy import HierarchicalReducer, ranks_per_node
 from dtrain.collectives.reducer import allreduce_each
@@ -40,7 +41,7 @@ def test_only_the_planned_strategies_without_class_groups_read_it():
 
 def _two_by_two(rank: int, init: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=4)
-    try:
+    with ddist.rank_process():
         threads, groups = threading.active_count(), len(dist.distributed_c10d._world.pg_map)
         model = verify.tiny_model()
         reference = verify.tiny_model()
@@ -70,8 +71,6 @@ def _two_by_two(rank: int, init: str) -> None:
         handle.close()
         assert threading.active_count() == threads  # the reducer's pipeline thread ended
         assert len(dist.distributed_c10d._world.pg_map) == groups  # both levels' groups destroyed
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dtrain.collectives import dist as ddist
 from dtrain.collectives import config, nccl
 from dtrain.common.errors import UserError
 
@@ -162,7 +163,7 @@ def test_gloo_records_requested_not_applied_and_sets_nothing():
 
 def _two_rank_gloo(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
+    with ddist.rank_process():
         cfg = config.load("dtrain/profiles/per_group.yaml")
         nccl.apply_global(cfg, backend="gloo")
         import torch
@@ -175,8 +176,6 @@ def _two_rank_gloo(rank, init_file, out_dir):
         # A file per rank, not a multiprocessing.Manager: its server process is forked from a parent that may run
         # threads by now (other tests' compile workers), which a fork does not survive reliably.
         (Path(out_dir) / f"record-{rank}.json").write_text(json.dumps(nccl.run_record()))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from test_examples import per_class_run, plain_loop  # noqa: F401 - per_class_run: the reference fixture
 from test_strategies import one_rank  # noqa: F401 - the one-rank gloo group fixture
 
+from dtrain.collectives import dist as ddist
 from dtrain.collectives import attach
 from dtrain.collectives.settings import SyncConfig, TuneConfig
 from dtrain.collectives.strategies.auto import NCCL_SPACE, ONLINE_SPACE, OnlineSearch, candidate_sync
@@ -191,7 +192,7 @@ def _relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def _ranks(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
+    with ddist.rank_process():
         threads, groups = threading.active_count(), len(dist.distributed_c10d._world.pg_map)
         searched = verify.tiny_model()
         handle = attach(searched, auto(SHARDED, budget_steps=40, warmup_rounds=1, min_rounds=2))
@@ -228,8 +229,6 @@ def _ranks(rank: int, world: int, init: str, out: str) -> None:
         if rank == 0:
             torch.save({"winner": winner, "worst": worst, "moments": moments, "switched": switched,
                         "sequence": names, "spent": (spent, timing, moves)}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 import torch.multiprocessing as mp
 
+from dtrain.collectives import dist as ddist
 from dtrain.collectives import attach, strategies
 from dtrain.collectives.plan import ready_order
 from dtrain.collectives.settings import SyncConfig
@@ -100,7 +101,7 @@ def _fetch_on_two_ranks(rank: int, init: str) -> None:
     """Each rank's rows updated and not all-gathered yet: a lookup's fetch brings exactly the rows any rank looks
     up from their owner, and leaves the peer's other rows as they were."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    try:
+    with ddist.rank_process():
         model = verify.tiny_model()
         handle = attach(model, SyncConfig(strategy="sharded", shard_tied_split=True,
                                           classes={"embedding": {"tied_split": True}}))
@@ -123,8 +124,6 @@ def _fetch_on_two_ranks(rank: int, init: str) -> None:
         assert fetched.numel() > 0 and torch.all(fetched == (1 - rank) + 1.0)
         assert torch.equal(t.table[peer & ~looked_up], before[peer & ~looked_up])
         assert torch.all(t.table[~peer] == rank + 1.0)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -137,7 +136,7 @@ def _narrowed_gather_on_two_ranks(rank: int, init: str) -> None:
     (LayerNorm) exact; a forward outside bf16 autocast refuses to read it; `wait_params` brings the exact values; a
     synchronized forward outside that autocast is refused even then (its gradients would be narrowed)."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    try:
+    with ddist.rank_process():
         model = verify.tiny_model()
         handle = attach(model, SyncConfig(strategy="sharded", bucket_cap_mb=0.05, gather_dtype="bf16"))
         reducer = handle.reducer
@@ -175,8 +174,6 @@ def _narrowed_gather_on_two_ranks(rank: int, init: str) -> None:
             handle.module(src, tgt_in)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             handle.module(src, tgt_in)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -260,7 +257,7 @@ def test_clipping_changes_the_update(tmp_path, straight_run):
 
 def _close_on_two_ranks(rank: int, init: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    try:
+    with ddist.rank_process():
         groups = distributed_c10d._world.pg_map  # torch's registry of live process groups
         before = (len(groups), {t.name for t in threading.enumerate()})
         split = {"embedding": {"tied_split": True}}
@@ -283,8 +280,6 @@ def _close_on_two_ranks(rank: int, init: str) -> None:
             assert (len(groups), {t.name for t in threading.enumerate()}) == before, sync
             src, tgt_in, tgt_out = verify.batch(rank, 2, 0)
             verify.loss_fn(model(src, tgt_in), tgt_out, 1).backward()  # the model runs on without the hooks
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

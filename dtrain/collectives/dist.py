@@ -5,6 +5,10 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -119,3 +123,32 @@ def cleanup() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def end_rank() -> NoReturn:
+    """End a spawned rank's process once its work is done and written: `cleanup()`, then exit at once, without the
+    interpreter's finalization.
+
+    A synchronous gloo collective returns as soon as its result is ready; the backend's worker thread then releases
+    the work, and with it the tensors, which needs the GIL. If the interpreter has begun finalizing by then, the
+    thread is ended inside that release and the process aborts ("terminate called without an active exception"),
+    after its results were written: pytorch/pytorch#190489. A rank that exits within a few milliseconds of its last
+    collective (a spawned check, a test) meets it now and then. Output is flushed first; nothing else is left to run
+    in such a process."""
+    cleanup()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@contextmanager
+def rank_process() -> Iterator[None]:
+    """The body of a spawned rank (`torch.multiprocessing.spawn`), after it joined the process group: on success the
+    process ends there (`end_rank`); on an error the groups are destroyed and the error goes on to spawn, which
+    reports it."""
+    try:
+        yield
+    except BaseException:
+        cleanup()
+        raise
+    end_rank()

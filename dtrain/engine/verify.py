@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from dtrain.collectives import attach
+from dtrain.collectives import dist as ddist
 from dtrain.collectives.hierarchy import ranks_per_node
 from dtrain.collectives.reducer import allreduce_each
 from dtrain.collectives.strategies import attachable, get
@@ -123,6 +124,7 @@ def check_strategy(name: str, accum: int, steps: int, bucket_mb: float, override
             p.grad = None
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
+    handle.close()
     worst = torch.tensor([max_abs, max_rel], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return {"max_abs": worst[0].item(), "max_rel": worst[1].item(), "lossless": bool(handle.lossless),
@@ -134,14 +136,12 @@ def _worker(rank: int, world: int, init_file: str, out_file: str, strategies: li
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    try:
+    with ddist.rank_process():
         results = {str(a): {s: check_strategy(s, a, steps, bucket_mb, overrides) for s in strategies}
                    for a in accums}
         if rank == 0:
             with open(out_file, "w") as f:
                 json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def run(nproc: int, strategies: list[str], accums: list[int] = (1,), steps: int = 3, bucket_mb: float = 0.01,
