@@ -285,6 +285,13 @@ def test_the_benchmarks_groups_rows_give_the_links_share_and_are_not_fitted(tmp_
     # without the one-group row there is nothing to compare with
     (tmp_path / "c.json").write_text(json.dumps(rows[:len(sizes)] + rows[-2:]))
     assert cm.read_measurements(tmp_path / "c.json").link_efficiency is None
+    # groups that reach more together than one (each CPU-starved alone): kept as measured, played as one group's rate
+    faster = rows[:len(sizes)] + [{"path": "groups", "size": 8 << 20, "time_us": t, "median_us": t, "groups": k}
+                                  for k, t in ((1, 400.0), (2, 420.0), (3, 900.0))]
+    (tmp_path / "d.json").write_text(json.dumps(faster))
+    fm = cm.FittedModel.from_measurements(cm.read_measurements(tmp_path / "d.json"))
+    assert fm.together[2] == pytest.approx(2 * 400 / 420, rel=1e-3)
+    assert [fm.link_efficiency(k) for k in (2, 3, 5)] == [1.0, 1.0, 1.0]
 
 
 def test_read_nccl_tests_sample_and_fit():

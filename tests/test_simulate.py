@@ -873,3 +873,35 @@ def test_a_split_embeddings_bucket_is_ready_when_the_profiled_step_made_its_proj
                                   classes=split).exposed_ms
     # Ready at 9.5 ms, the matrix's 1.128 ms all-reduce ends at 10.628, beside the lookup's rows from 10 ms
     assert exposed[0.1] == pytest.approx(1.0004) and exposed[9.5] > exposed[0.1] + 0.1
+
+
+def test_also_topology_lists_the_pairs_another_fit_orders_the_other_way(tmp_path, capsys):
+    """The same predictions under a second cost model of the machine: the best choice under it, and the pairs it
+    orders oppositely. Many small overlapped buckets win on a link with little latency per collective; one
+    all-reduce after backward wins where every collective costs a large fixed time."""
+    _write_run(tmp_path / "a", "bucketed", 0.25)
+
+    def fit(name: str, latency_us: float) -> str:  # 100 bytes per us
+        rows = [{"path": "reducer", "size": 8 * 4 ** k, "time_us": latency_us + 8 * 4 ** k / 100.0}
+                for k in range(12)]
+        (tmp_path / name).write_text(json.dumps(rows))
+        return f"fit:{tmp_path / name}"
+
+    cheap, costly = fit("cheap.json", 5.0), fit("costly.json", 8000.0)
+    # uncalibrated: the profiled step's own collectives would scale both fits to its measured completions
+    argv = ["--run", str(tmp_path / "a"), "--topology", cheap, "--strategies", "flat,bucketed",
+            "--bucket-sizes", "0.01", "--no-calibrate", "--json"]
+    main([*argv, "--also-topology", cheap, costly])
+    doc = json.loads(capsys.readouterr().out)
+    steps = {r["label"]: r["step_ms"] for r in doc["rows"]}
+    assert steps["bucketed@0.01M"] < steps["flat"]  # under the cheap fit
+    same, other = doc["also_topologies"]
+    assert same["order_changes"] == [] and same["best"] == "bucketed@0.01M"
+    assert other["order_changes"] == [["bucketed@0.01M", "flat"]] and other["best"] == "flat"
+    main(argv[:-1] + ["--also-topology", costly])
+    text = capsys.readouterr().out
+    assert f"under --also-topology {costly} (MODELED): best lossless choice flat" in text
+    assert "(under --topology: bucketed@0.01M)" in text and "1 of 1 pairs" in text
+    with pytest.raises(SystemExit) as e:
+        main(["--paper", "--also-topology", costly])
+    assert e.value.code == 2 and "--also-topology" in capsys.readouterr().err

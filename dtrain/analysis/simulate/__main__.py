@@ -6,6 +6,7 @@ runs, or the paper's base configuration projected on a preset. Everything it pri
     python -m dtrain.analysis.simulate --run runs/m30k --topology fit:bench.json --measured runs/flat runs/b5 runs/b25
     python -m dtrain.analysis.simulate --run il/j1/b2 il/j2/b2 --topology fit:bench.json --measured il/j*/* --every-step
     python -m dtrain.analysis.simulate --run runs/m30k --topology fit:bench.json --typical  # one step: the most typical
+    python -m dtrain.analysis.simulate --run runs/m30k --topology fit:bench1.json --also-topology fit:bench2.json  # does the order rest on the fit?
     python -m dtrain.analysis.simulate --paper                  # the paper's base configuration projected on 8 P100
     python -m dtrain.analysis.simulate --plan --profile dtrain/profiles/wmt14-en-de-base.yaml --topology h100x8-ib:2  # a run's plan
 """
@@ -29,6 +30,7 @@ from dtrain.analysis.simulate.check import (
     error_pct,
     every_step,
     measured_runs,
+    order_changes,
     paired,
     pooled,
     ranking,
@@ -48,6 +50,7 @@ from dtrain.engine.runplan import plan_lines
 PROG = "dtrain.analysis.simulate"
 DEFAULT_STRATEGIES = ("per_tensor", "flat", "bucketed", "per_class", "ddp", "noop")
 DEFAULT_CAPS_MB = (1.0, 5.0, 25.0, 100.0)
+LISTED = 10  # --also-topology: pairs listed in the text output
 EXAMPLES = "\n".join(line for line in (__doc__ or "").splitlines() if line.startswith("    python -m"))
 
 
@@ -78,6 +81,12 @@ def _row(r: Prediction) -> str:
     return ln
 
 
+def _best(rows: list[Prediction]) -> Prediction | None:
+    """The fastest lossless, communicating configuration of the sweep (ties: less traffic)."""
+    return min((r for r in rows if r.lossless and r.communicates and r.run is None),
+               key=lambda r: (round(r.step_ms, 2), r.comm_ms), default=None)
+
+
 def format_rows(rows: list[Prediction], header: list[str]) -> str:
     lines = [f"# {h}" for h in header]
     has_meas = any(r.measured_step_ms is not None for r in rows)
@@ -87,8 +96,7 @@ def format_rows(rows: list[Prediction], header: list[str]) -> str:
                  f"{'adj. step':>9} {'adj. int.':>9} {'err %':>6}  runs")
     lines.append(head + "   (modeled)")
     lines += [_row(r) for r in rows]
-    best = min((r for r in rows if r.lossless and r.communicates and r.run is None),
-               key=lambda r: (round(r.step_ms, 2), r.comm_ms), default=None)  # ties: less traffic
+    best = _best(rows)
     if best:
         lines.append(f"# best lossless choice (modeled): {best.label}, {best.step_ms:.2f} ms per step")
     if has_meas:
@@ -134,6 +142,10 @@ def parser() -> ArgumentParser:
     ap.add_argument("--lanes", type=int, help="collectives in flight at once per process group (default: "
                     f"{GLOO_LANES} for a gloo run with a fitted model, as ProcessGroupGloo's threads; 1 otherwise)")
     ap.add_argument("--measured", nargs="*", default=[], help="runs to compare against (their own configs)")
+    ap.add_argument("--also-topology", nargs="+", default=[], metavar="TOPOLOGY",
+                    help="other cost models of the same machine (fit: of another run of the benchmark): the same "
+                         "predictions under each, the pairs whose predicted order changes, and the check against "
+                         "--measured again")
     ap.add_argument("--every-step", action="store_true",
                     help="with --measured: repeat the check with each steady step as the profiled step and summarize")
     ap.add_argument("--pool", type=int, default=1, metavar="K",
@@ -282,7 +294,38 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
     return rows, header, robust
 
 
+def _also(args, strategies: list[str], caps: list[float], rows: list[Prediction]) -> list[dict]:
+    """`rows` predicted again under each of --also-topology's cost models: the best choice, the pairs whose order
+    changes, and the check against --measured."""
+    out = []
+    for topology in args.also_topology:
+        other, _, _ = _recorded(argparse.Namespace(**(vars(args) | {"topology": topology, "every_step": False})),
+                                strategies, caps)
+        best, mine = _best(other), _best(rows)
+        flips = order_changes(rows, other)
+        pairs = len(rows) * (len(rows) - 1) // 2
+        lines = [f"# under --also-topology {topology} (MODELED): best lossless choice "
+                 + (f"{best.label}, {best.step_ms:.2f} ms per step" if best else "none")
+                 + ("" if best is None or mine is None else
+                    " (the same)" if best.label == mine.label else f" (under --topology: {mine.label})"),
+                 f"#   ordered oppositely to --topology's predictions: {len(flips)} of {pairs} pairs"
+                 + "".join(f"\n#     {a} ahead of {b} under --topology, behind under this one"
+                           for a, b in flips[:LISTED]) + (f"\n#     and {len(flips) - LISTED} more (--json: all)"
+                                                          if len(flips) > LISTED else "")]
+        measured = [r for r in other if r.measured_step_ms is not None]
+        doc = {"topology": topology, "best": best.label if best else None, "order_changes": flips}
+        if measured:
+            lines += ["#   " + ln[2:] for ln in _summary(measured, adjusted=False)]
+            rk = ranking(measured)
+            doc["ranking"] = dataclasses.asdict(rk) | {"agrees": rk.agrees}
+        out.append(doc | {"lines": lines})
+    return out
+
+
 def _main(args) -> None:
+    if args.also_topology and (args.paper or args.plan or not args.run):
+        raise UserError("--also-topology predicts --run's configurations again under other cost models: give --run "
+                        "and --topology, not --paper or --plan")
     if args.plan:
         print("\n".join("# " + line for line in _plan(args)))
         return
@@ -292,6 +335,7 @@ def _main(args) -> None:
         rows, header = _paper(args, strategies, caps)
     else:
         rows, header, robust = _recorded(args, strategies, caps)
+    also = _also(args, strategies, caps, rows)
     if args.json:
         doc = {"modeled": True, "notes": header, "world": None if args.paper else load_run(args.run[0]).world,
                "rows": [{k: v for k, v in vars(r).items() if k != "samples"} | {"label": r.label} for r in rows]}
@@ -301,11 +345,15 @@ def _main(args) -> None:
                 doc[key] = dataclasses.asdict(rk) | {"agrees": rk.agrees}
         if robust is not None:
             doc["every_step"] = dataclasses.asdict(robust)
+        if also:
+            doc["also_topologies"] = [{k: v for k, v in a.items() if k != "lines"} for a in also]
         print(json.dumps(doc, indent=1))
     else:
         print(format_rows(rows, header))
         if robust is not None:
             print("\n".join("# " + ln for ln in robust.lines()))
+        for a in also:
+            print("\n".join(a["lines"]))
 
 
 if __name__ == "__main__":

@@ -157,6 +157,28 @@ def ranking(rows: list[Prediction], adjusted: bool = False) -> Ranking:
     return Ranking(pairs, ties, bad)
 
 
+def order_changes(rows: list[Prediction], other: list[Prediction]) -> list[tuple[str, str]]:
+    """The pairs that two sets of predictions of the same configurations (under two cost models) order oppositely,
+    each by more than `PREDICTED_TIE`: (the one the first set puts ahead, the other). Predictions are matched by
+    label, the sweep's apart from the measured configurations'."""
+    def key(r: Prediction) -> tuple[str, bool]:
+        return r.label, r.run is not None
+
+    theirs = {key(r): r.step_ms for r in other}
+    mine = [(key(r), r.step_ms) for r in rows if key(r) in theirs]
+
+    def ahead(x: float, y: float) -> int:  # 1: x faster, -1: y faster, 0: within the tie
+        return 0 if abs(x - y) <= PREDICTED_TIE * min(x, y) else (1 if x < y else -1)
+
+    out = []
+    for i, (ka, a) in enumerate(mine):
+        for kb, b in mine[i + 1:]:
+            here, there = ahead(a, b), ahead(theirs[ka], theirs[kb])
+            if here and there and here != there:
+                out.append((ka[0], kb[0]) if here > 0 else (kb[0], ka[0]))
+    return out
+
+
 @dataclass
 class EveryStep:
     """The check against measurement repeated with each steady step of the reference run as the reference step:
