@@ -136,9 +136,12 @@ class TiedEmbeddingSplit:
         self.pending: set[int] = set()  # lookups whose backward has not run yet
         self.applied = True  # nothing to add in finish() until a synchronized lookup's backward
 
-    def remove(self) -> None:
+    def close(self) -> None:
+        """Its hooks removed and the process group it made destroyed (a collective: every rank closes its splits in
+        the same order)."""
         for h in self._hooks:
             h.remove()
+        dist.destroy_process_group(self.group)
 
     def _lookup_forward(self, module: nn.Embedding, inputs, output):
         if not (self.is_armed() and torch.is_grad_enabled()):

@@ -297,11 +297,11 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
 def _also(args, strategies: list[str], caps: list[float], rows: list[Prediction]) -> list[dict]:
     """`rows` predicted again under each of --also-topology's cost models: the best choice, the pairs whose order
     changes, and the check against --measured."""
-    out = []
+    out, mine = [], _best(rows)
     for topology in args.also_topology:
         other, _, _ = _recorded(argparse.Namespace(**(vars(args) | {"topology": topology, "every_step": False})),
                                 strategies, caps)
-        best, mine = _best(other), _best(rows)
+        best = _best(other)
         flips = order_changes(rows, other)
         pairs = len(rows) * (len(rows) - 1) // 2
         lines = [f"# under --also-topology {topology} (MODELED): best lossless choice "

@@ -94,7 +94,7 @@ class ShardedSync(PlannedSync):
         self._pre_hooks = []
         self.reducer.completions.close()
         super().close()
-        self._destroy([self.reducer.group])  # its exchanges' completions ran on the thread just ended
+        dist.destroy_process_group(self.reducer.group)  # its exchanges' completions ran on the thread just ended
 
     def _make_reducer(self, named_params, buckets, groups, process_group):
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)

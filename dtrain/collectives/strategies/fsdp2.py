@@ -201,8 +201,7 @@ class Fsdp2Sync(GradSync):
             dist.destroy_process_group(self.collectives.group)
         self.collectives = None
         for split in self.splits:
-            split.remove()
-            dist.destroy_process_group(split.group)
+            split.close()
         self.splits = []
 
     def stepped(self, optimizer: torch.optim.Optimizer | None = None, loss: float | None = None) -> None:

@@ -85,17 +85,11 @@ class PlannedSync(GradSync):
         released) on that group's own thread, where a group's last release would join the thread itself."""
         self.reducer.remove()
         for split in self.splits:
-            split.remove()
-        self._destroy([split.group for split in self.splits])
+            split.close()
         self.splits = []
         if self.levels is not None:  # the reducer's own thread, which used them, has ended
             self.levels.destroy()
             self.levels = None
-
-    @staticmethod
-    def _destroy(groups) -> None:
-        for group in groups:
-            dist.destroy_process_group(group)
 
     def _make_reducer(self, named_params, buckets, groups, process_group) -> Reducer:
         if self.cfg.hierarchical:
