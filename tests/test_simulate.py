@@ -14,7 +14,7 @@ from dtrain.analysis.plans import bucket_plan, ready_params, sharded_exchanges, 
 from dtrain.analysis.runs import load_run, slowest_rank_records
 from dtrain.analysis.simulate.__main__ import main
 from dtrain.analysis.simulate.calibration import LOOKUP_GROUP, Calibration, record_groups
-from dtrain.analysis.simulate.predict import hierarchical_ms
+from dtrain.analysis.simulate.predict import exchange_ms, hierarchical_ms, p2p_load
 from dtrain.collectives import costmodel as cm
 from dtrain.collectives.costmodel import CollectiveCost
 from dtrain.collectives.timeline import gather_stall, optimizer_saving, sharded_times
@@ -757,6 +757,44 @@ def test_the_hierarchical_plan_costs_each_buckets_shard_by_the_load_it_puts_on_a
         sim.predict(hier, ref, curve, _Flat(), cal, "bucketed", 0.05, run.vocab)  # a 2-rank model
 
 
+def test_a_sharded_plans_exchanges_load_a_nodes_link_by_the_ranks_it_holds(tmp_path, capsys):
+    """`sharded`'s point-to-point reduce-scatter and all-gather send each rank's 1/W of a bucket to every other rank:
+    with R ranks a node, R(W - R)/W of the bucket crosses the node's link, where half a ring all-reduce puts
+    (W - 1)/W there. So 4/3 of what the ring's half costs on 2 nodes of 2 ranks, the same with one rank a node (or
+    one node). The layout comes from the cost model's user: `--ranks-per-node`, else the profiled run's record
+    (run.json's ranks_per_node, torchrun's LOCAL_WORLD_SIZE); the hierarchical plan takes its levels from it too."""
+    assert p2p_load(4, None) == 1.0 and p2p_load(4, 1) == 1.0 and p2p_load(4, 4) == 1.0
+    assert p2p_load(4, 2) == pytest.approx(4 / 3) and p2p_load(16, 8) == pytest.approx(64 / 15)
+    assert exchange_ms(10.0, 2.0, 4 / 3) == pytest.approx(2.0 + 4 / 3 * 4.0)
+    _write_run(tmp_path / "run", "sharded", 0.05)
+    run = load_run(tmp_path / "run")
+    ref = sim.reference_step(run)
+    curve, cal = sim.ready_curve(run, ref), Calibration(lanes=2)
+    flat, nodes = _Flat4(), _Flat4()
+    nodes.ranks_per_node = 2
+    one = sim.predict(run.cfg, ref, curve, flat, cal, "sharded", 0.05, run.vocab)
+    two = sim.predict(run.cfg, ref, curve, nodes, cal, "sharded", 0.05, run.vocab)
+    assert two.comm_ms > one.comm_ms and two.step_ms > one.step_ms
+    # the hierarchical plan without 'sync.ranks_per_node': the model's layout
+    hier = config_mod.from_dict({**run.cfg.to_dict(), "sync": {"strategy": "bucketed", "bucket_cap_mb": 0.05,
+                                                                "hierarchical": True}}, "test")
+    assert sim.predict(hier, ref, curve, nodes, cal, "bucketed", 0.05, run.vocab).hierarchical
+    with pytest.raises(UserError, match="ranks per node"):
+        sim.predict(hier, ref, curve, flat, cal, "bucketed", 0.05, run.vocab)
+    # the command line: the layout printed; one that does not divide the fit's ranks, a one-line error
+    rows = [{"path": "reducer", "size": 8 * 4 ** k, "time_us": 50.0 + 8 * 4 ** k / 100.0, "world_size": 4}
+            for k in range(12)]
+    (tmp_path / "fit.json").write_text(json.dumps(rows))
+    argv = ["--run", str(tmp_path / "run"), "--topology", f"fit:{tmp_path / 'fit.json'}", "--strategies", "sharded",
+            "--bucket-sizes", "0.05"]
+    main([*argv, "--ranks-per-node", "2"])
+    assert "# the machine's layout: 2 ranks per node" in capsys.readouterr().out
+    for bad, why in (("3", "3 ranks per node do not divide the cost model's 4 ranks"), ("0", "at least 1")):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--ranks-per-node", bad])
+        assert e.value.code == 2 and why in capsys.readouterr().err
+
+
 def test_a_split_embeddings_lookups_run_on_their_own_group_beside_the_buckets():
     """The split's lookups' rows go through the split's own process group: in the calibration's replay a lookup
     launched while a long bucket runs starts at once (in launch order, not the record order that puts lookups last)
@@ -837,6 +875,28 @@ def test_a_fits_flat_small_size_regime_still_puts_its_bytes_on_the_link():
     dur, lat = [fit.allreduce_ms(n) for n in sizes], [sim.off_link_ms(fit, n) for n in sizes]
     tl = sim.play_timeline([0.0, 0.0], dur, 0.0, lanes=2, latency_ms=lat, lockstep=True)
     assert max(tl.end) == pytest.approx(45.0)
+
+
+def test_a_fits_flat_regime_past_the_links_rate_does_not_move_bytes_faster_than_the_link():
+    """A fit whose flat small-size regime reaches past the size where its bytes alone take longer (flat 6 ms up to
+    800 kB, the link 10 ms per MB) is played no faster than the link: a 700 kB all-reduce takes 7 ms, not 6, and
+    eight of them back to back on two lanes keep the link busy 56 ms, where the fit as it stands would play them in
+    48 (and credit a plan of small buckets for it)."""
+    fit = cm.FittedModel({"reducer": [cm.Regime(800_000, 6000.0, math.inf), cm.Regime(math.inf, 0.0, 0.1)]},
+                         "allreduce", 4)
+    assert fit.allreduce_ms(700_000) == pytest.approx(6.0)
+    assert sim.played_ms(fit, 700_000) == pytest.approx(7.0)
+    assert sim.played_ms(fit, 1_000) == pytest.approx(6.0)  # above the link's time: the fit's
+    assert sim.played_ms(fit, 700_000, ms=9.0) == pytest.approx(9.0)
+    assert sim.played_ms(_Flat(), 700_000) == pytest.approx(_Flat().allreduce_ms(700_000))  # not a fit: no link rate
+    n = [700_000] * 8
+
+    def last(dur):
+        return max(sim.play_timeline([0.0] * 8, dur, 0.0, lanes=2, latency_ms=[sim.off_link_ms(fit, x) for x in n],
+                                     lockstep=True).end)
+
+    assert last([fit.allreduce_ms(x) for x in n]) == pytest.approx(48.0)
+    assert last([sim.played_ms(fit, x) for x in n]) == pytest.approx(56.0)
 
 
 def test_the_calibration_plays_the_profiled_steps_small_buckets_on_the_link():

@@ -9,6 +9,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import dtrain
+from dtrain.analysis.runs import load_run
 
 from conftest import REPO, records, train_ranks
 
@@ -29,6 +30,7 @@ def test_smoke_run_writes_the_run_directory(smoke_run):
         assert (run / name).is_file(), name
     header = json.loads((run / "run.json").read_text())
     assert header["world_size"] == 2 and header["backend"] == "gloo" and header["sync"]["strategy"] == "ddp"
+    assert header["ranks_per_node"] == 2 and load_run(run).ranks_per_node == 2  # one node (LOCAL_WORLD_SIZE)
     assert header["host_memory"] == "kept"  # train.keep_host_memory, on by default (glibc here)
     steps = records(run / "steps.jsonl")
     assert [s["step"] for s in steps] == list(range(1, 41))

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from dtrain.analysis.plans import bucket_plan
 from dtrain.analysis.runs import load_run
-from dtrain.analysis.simulate import default_lanes, off_link_ms, play_timeline, reference_step
+from dtrain.analysis.simulate import default_lanes, off_link_ms, play_timeline, played_ms, reference_step
 from dtrain.collectives import costmodel as cm
 from dtrain.collectives import dist as ddist
 from dtrain.collectives.bench import write_out
@@ -122,7 +122,7 @@ def modeled(sched: Schedule, topology: str) -> tuple[list[float], list[str]]:
     model = cm.load_model(topology)
     lanes = default_lanes(sched.backend, model)
     groups = sched.classes if sched.class_groups and lanes > 1 else None
-    tl = play_timeline(sched.launch_ms, [model.allreduce_ms(n) for n in sched.nbytes], 0.0, True, 1.0, lanes,
+    tl = play_timeline(sched.launch_ms, [played_ms(model, n) for n in sched.nbytes], 0.0, True, 1.0, lanes,
                        [off_link_ms(model, n) for n in sched.nbytes], groups)
     return tl.end, model.header()
 

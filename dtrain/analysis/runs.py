@@ -74,6 +74,15 @@ class Run:
         return int(self.header.get("world_size") or 1)
 
     @property
+    def ranks_per_node(self) -> int | None:
+        """The ranks of each node the job ran on: run.json's (torchrun's LOCAL_WORLD_SIZE), else its hierarchical
+        plan's; None where neither was recorded (runs before run.json had it, without the plan)."""
+        layout = self.sync.get("hierarchical")
+        recorded = self.header.get("ranks_per_node") or (layout.get("ranks_per_node") if isinstance(layout, dict)
+                                                          else None)
+        return int(recorded) if recorded else None
+
+    @property
     def vocab(self) -> int:
         return int(self.header.get("vocab") or self.cfg.data.vocab_size)
 

@@ -72,6 +72,12 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def local_world_size() -> int | None:
+    """The ranks of this rank's node as torchrun started them (its LOCAL_WORLD_SIZE); None outside torchrun."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local else None
+
+
 def is_main() -> bool:
     return rank() == 0
 

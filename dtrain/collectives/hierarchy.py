@@ -19,13 +19,12 @@ while backward goes on; `finish()` waits for each bucket's event.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.collectives.dist import all_gather_single, reduce_scatter_single
+from dtrain.collectives.dist import all_gather_single, local_world_size, reduce_scatter_single
 from dtrain.collectives.plan import Bucket
 from dtrain.collectives.reducer import Reducer, _BucketState
 from dtrain.collectives.sharded.p2p import Completions
@@ -37,13 +36,10 @@ from dtrain.common.errors import UserError
 def ranks_per_node(cfg: SyncConfig, world: int) -> int:
     """R: `sync.ranks_per_node`, else torchrun's LOCAL_WORLD_SIZE; it must split the world into N > 1 nodes of R > 1
     ranks (with one rank per node, or one node, the plan is a flat all-reduce with extra steps)."""
-    r = cfg.ranks_per_node
+    r = cfg.ranks_per_node or local_world_size()
     if r is None:
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        if not local:
-            raise UserError("'sync.hierarchical' needs 'sync.ranks_per_node' when the job is not started by "
-                            "torchrun (no LOCAL_WORLD_SIZE)")
-        r = int(local)
+        raise UserError("'sync.hierarchical' needs 'sync.ranks_per_node' when the job is not started by "
+                        "torchrun (no LOCAL_WORLD_SIZE)")
     if world % r or not 1 < r < world:
         raise UserError(f"'sync.hierarchical' needs nodes of more than one rank and more than one node: "
                         f"{r} ranks per node of a world of {world}")

@@ -366,7 +366,8 @@ class Trainer:
         if self.main:
             shutil.copyfile(self.tokenizer.model_file, self.run_dir / "bpe.model")
         self.writer.write_header(
-            self.cfg, backend=self.backend, world_size=self.world, device=str(self.device),
+            self.cfg, backend=self.backend, world_size=self.world, ranks_per_node=ddist.local_world_size(),
+            device=str(self.device),
             parameters=count_parameters(self.model), vocab=self.tokenizer.vocab_size,
             train_pairs=len(self.train_pairs), data_dir=str(self.data_dir), sync=self.sync.stats(),
             torch_threads=torch.get_num_threads(), host_memory=self.host_memory, nccl=nccl.run_record(), **self.facts,

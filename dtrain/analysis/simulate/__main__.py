@@ -141,6 +141,11 @@ def parser() -> ArgumentParser:
                          "default when the benchmark measured it: dtrain.collectives.bench --overlap)")
     ap.add_argument("--lanes", type=int, help="collectives in flight at once per process group (default: "
                     f"{GLOO_LANES} for a gloo run with a fitted model, as ProcessGroupGloo's threads; 1 otherwise)")
+    ap.add_argument("--ranks-per-node", type=int, metavar="R",
+                    help="the ranks of each node of the job's machine, where the profiled run did not record them "
+                         "(runs before run.json's ranks_per_node): a point-to-point exchange's load on a node's link "
+                         "and the hierarchical plan's levels follow it (default: the profiled run's record, else "
+                         "one rank per node)")
     ap.add_argument("--measured", nargs="*", default=[], help="runs to compare against (their own configs)")
     ap.add_argument("--also-topology", nargs="+", default=[], metavar="TOPOLOGY",
                     help="other cost models of the same machine (fit: of another run of the benchmark): the same "
@@ -173,6 +178,8 @@ def _check(args) -> tuple[list[str], list[float]]:
     """The arguments' one-line errors before any work; the strategies and the caps (MiB)."""
     if args.lanes is not None and args.lanes < 1:
         raise UserError("--lanes must be at least 1")
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        raise UserError("--ranks-per-node must be at least 1")
     if args.every_step and (args.paper or not args.measured):
         raise UserError("--every-step repeats the check against --measured runs: give --run and --measured")
     if args.pool < 1:
@@ -235,6 +242,9 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
     model = cm.load_model(args.topology)
     if model.ranks and run.world > 1 and model.ranks != run.world:
         print(f"# note: the cost model has {model.ranks} ranks, the run {run.world}", file=sys.stderr)
+    model.ranks_per_node = model.ranks_per_node or args.ranks_per_node or run.ranks_per_node
+    if model.ranks and model.ranks_per_node and model.ranks % model.ranks_per_node:
+        raise UserError(f"{model.ranks_per_node} ranks per node do not divide the cost model's {model.ranks} ranks")
     on_cpu = run.on_cpu
     lanes = args.lanes or default_lanes(str(run.header.get("backend", "gloo")), model)
     measured_dirs = [load_run(p) for p in args.measured]
@@ -282,6 +292,8 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
               f"{run.world}), {which}: data {ref.data_ms:.1f} + forward {ref.forward_ms:.1f} + backward "
               f"{ref.backward_ms:.1f} + optimizer {ref.optimizer_ms:.1f} ms (measured {ref.step_ms:.1f} ms, exposed "
               f"{ref.exposed_ms:.1f})", *notes, *model.header(), *ref.notes]
+    if model.ranks_per_node:
+        header.append(f"the machine's layout: {model.ranks_per_node} ranks per node")
     if ref.split_lookups:
         thread = (f"{ref.split_host_ms:.1f} on the computing thread" if ref.split_host_ms else
                   "its work on the computing thread not recorded (records older than their host_ms)")

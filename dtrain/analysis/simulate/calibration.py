@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dtrain.analysis.simulate.costs import host_ms, lockstep, off_link_ms
+from dtrain.analysis.simulate.costs import host_ms, lockstep, off_link_ms, played_ms
 from dtrain.analysis.simulate.reference import ReferenceStep
 from dtrain.collectives.timeline import Timeline, play_timeline
 
@@ -75,7 +75,7 @@ def _calibrate(ref: ReferenceStep, model, lanes: int, class_groups: bool) -> Cal
     backward = ref.sync_backward_ms
     recs = in_launch_order(recs)
     launch = [r["launch_ms"] for r in recs]
-    work = [model.allreduce_ms(r["bytes"]) for r in recs]
+    work = [played_ms(model, r["bytes"]) for r in recs]
     lat = [off_link_ms(model, r["bytes"]) for r in recs]  # what the predictions play as latency, for the same reason
     groups = record_groups(recs, class_groups and lanes > 1)
     by_size = lockstep(model)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from dtrain.analysis.plans import bucket_plan, ready_params, sharded_exchanges, sync_for
 from dtrain.analysis.simulate.calibration import LOOKUP_GROUP, Calibration
-from dtrain.analysis.simulate.costs import host_ms, lockstep, off_link_ms
+from dtrain.analysis.simulate.costs import host_ms, lockstep, off_link_ms, played_ms
 from dtrain.analysis.simulate.reference import ReferenceStep
 from dtrain.collectives import nccl, strategies, tensor_classes
 from dtrain.collectives.strategies.fsdp2 import Fsdp2Units
@@ -134,6 +134,7 @@ def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibrati
     sync = sync_for(cfg, strategy, cap_mb, classes)
     plan, overlap, class_groups = bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
     world = getattr(model, "ranks", None) or 2
+    load = p2p_load(world, getattr(model, "ranks_per_node", None))
     exchanges = sharded_exchanges(cfg, sync, plan, world, vocab)
     accumulated = cfg.train.accum_steps > 1
     allreduce, latency, off_link = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, class_groups))
@@ -143,15 +144,15 @@ def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibrati
     costed = [n * world if w else n for n, w in zip(sent, whole)]  # the all-reduce's bytes each is costed from
     ready, dur = sharded_times(exchanges, [curve.at(x) for x in through(plan, ready_params(cfg, vocab))],
                                [allreduce(b, n) for b, n in zip(plan, costed)],
-                               lambda i, d: exchange_ms(d, alpha[i]), ref.split_ready_ms(curve))
-    dur = [exchange_ms(d, alpha[i]) if w else d for i, (d, w) in enumerate(zip(dur, whole))]
+                               lambda i, d: exchange_ms(d, alpha[i], load), ref.split_ready_ms(curve))
+    dur = [exchange_ms(d, alpha[i], load) if w else d for i, (d, w) in enumerate(zip(dur, whole))]
     # a reduce-scatter (or a whole exchange, costed as one) moves half the bytes of the all-reduce it is costed from
     halved = [ex.gathered or w for ex, w in zip(exchanges, whole)]
     lat = ([off_link(n, d, 0.5 if h else 1.0) for n, d, h in zip(costed, dur, halved)] if cost is None else None)
     tl, exposed, slower = _played(ref, model, calib, ready, dur, overlap, lat, _groups(plan, class_groups, calib),
                                   sent)
     gather_bytes = [ex.nbytes("all_gather") for ex in exchanges]
-    gather = [exchange_ms(allreduce(b, n), a) for b, n, a in zip(plan, gather_bytes, alpha)]
+    gather = [exchange_ms(allreduce(b, n), a, load) for b, n, a in zip(plan, gather_bytes, alpha)]
     split = any(ex.split for ex in exchanges)
     compute = (_compute_ms(ref, model, vocab, split) + slower
                + _sharded_extra_ms(ref, model, plan, exchanges, gather, gather_bytes, calib, world))
@@ -171,7 +172,8 @@ def _costs(model, calib: Calibration, cost, nccl_of):
     scale = calib.comm_scale
 
     def allreduce(bucket, nbytes: int) -> float:
-        return scale * one(nbytes, *nccl_of(bucket))
+        ms = one(nbytes, *nccl_of(bucket))
+        return scale * (ms if cost is not None else played_ms(model, nbytes, ms))
 
     def latency(nbytes: int) -> float:
         return scale * model.allreduce_latency_ms(nbytes) if cost is None else 0.0
@@ -201,19 +203,22 @@ def _played(ref: ReferenceStep, model, calib: Calibration, ready, dur, overlap: 
 
 
 def _per_node(cfg, strategy: str, model) -> int | None:
-    """R, the ranks per node of `cfg`'s hierarchical plan (`sync.hierarchical`), where `strategy` runs it and the
-    cost model knows the world it costs; None for a flat all-reduce."""
+    """R, the ranks per node of `cfg`'s hierarchical plan (`sync.hierarchical`): `sync.ranks_per_node`, else the
+    machine's the cost model was given (`--ranks-per-node`, or the profiled run's record), where `strategy` runs the
+    plan and the cost model knows the world it costs; None for a flat all-reduce."""
     sync = sync_for(cfg, strategy)
     if not (sync.hierarchical and "hierarchical" in strategies.get(strategy).sync_keys):
         return None
     world = getattr(model, "ranks", None)
-    if not world or not sync.ranks_per_node:
-        raise UserError(f"{strategy} with 'sync.hierarchical': the simulator needs 'sync.ranks_per_node' and a cost "
-                        f"model of the job's world (a benchmark fit on the same shape)")
-    if world % sync.ranks_per_node or not 1 < sync.ranks_per_node < world:
-        raise UserError(f"'sync.ranks_per_node' {sync.ranks_per_node} does not split the cost model's {world} ranks "
-                        f"into nodes of several ranks")
-    return sync.ranks_per_node
+    per_node = sync.ranks_per_node or getattr(model, "ranks_per_node", None)
+    if not world or not per_node:
+        raise UserError(f"{strategy} with 'sync.hierarchical': the simulator needs the ranks per node "
+                        f"('sync.ranks_per_node' or --ranks-per-node) and a cost model of the job's world (a "
+                        f"benchmark fit on the same shape)")
+    if world % per_node or not 1 < per_node < world:
+        raise UserError(f"{per_node} ranks per node ('sync.ranks_per_node' or --ranks-per-node) do not split the "
+                        f"cost model's {world} ranks into nodes of several ranks")
+    return per_node
 
 
 def hierarchical_ms(allreduce, latency, bucket, nbytes: int, per_node: int, world: int) -> float:
@@ -231,10 +236,23 @@ def _lossless(plan) -> bool:
     return all(b.settings.wire_dtype == "fp32" for b in plan)
 
 
-def exchange_ms(allreduce_ms: float, latency_ms: float) -> float:
+def exchange_ms(allreduce_ms: float, latency_ms: float, load: float = 1.0) -> float:
     """A reduce-scatter's (or an all-gather's) time from the all-reduce of the same bytes: it moves half of them,
-    so it costs the latency and half the rest."""
-    return latency_ms + (allreduce_ms - latency_ms) / 2
+    so it costs the latency and half the rest; `load` times that rest where it puts more on a node's link than the
+    ring's half (`p2p_load`)."""
+    return latency_ms + load * (allreduce_ms - latency_ms) / 2
+
+
+def p2p_load(world: int, per_node: int | None) -> float:
+    """What a point-to-point exchange (`sharded`'s reduce-scatter and all-gather: each rank sends its 1/W of a
+    bucket to every other rank) puts on a node's link, as a multiple of what half a ring all-reduce of the same
+    bucket puts there. With R ranks per node, each of the node's R ranks sends W - R shards of 1/W across it,
+    R(W - R)/W of the bucket; a ring crosses each node's link once per direction, (W - 1)/W for half an all-reduce.
+    So R(W - R)/(W - 1): 1 with one rank per node, 4/3 on 2 nodes of 2. With every rank on one node, or the layout
+    unknown, 1: the fit's link is then the path the exchange takes."""
+    if not per_node or not 1 < per_node < world:
+        return 1.0
+    return per_node * (world - per_node) / (world - 1)
 
 
 def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration, strategy: str,
@@ -257,11 +275,13 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     plan = bucket_plan(cfg, strategy, classes=classes, vocab=vocab).buckets
     allreduce, latency, _ = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, False))
     fitted = getattr(model, "colls", ()) if cost is None and sync.fsdp2_collectives != "p2p" else ()
+    world = getattr(model, "ranks", None) or 2
+    load = p2p_load(world, getattr(model, "ranks_per_node", None)) if sync.fsdp2_collectives == "p2p" else 1.0
 
     def collective(b, nbytes: int, coll: str) -> float:
         if coll in fitted:  # the benchmark measured this collective itself (`--collective`)
             return calib.comm_scale * model.time_us(nbytes, coll) / 1000.0
-        return exchange_ms(allreduce(b, nbytes), latency(nbytes))
+        return exchange_ms(allreduce(b, nbytes), latency(nbytes), load)
 
     split = _split_classes(cfg, strategy, classes)
     whole = [b.tensor_class in split for b in plan]  # the split embedding's bucket, outside FSDP2
@@ -270,7 +290,6 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     scatter = [collective(b, b.nbytes, "reducescatter") for b in units]
     gather = [collective(b, b.numel * low if low else b.nbytes, "allgather") for b in units]
     regather = gather[:-1] if sync.reshard_after_forward else []
-    world = getattr(model, "ranks", None) or 2
     compute = (_compute_ms(ref, model, vocab, split=bool(split)) - (calib.host_base_ms or 0.0)
                - optimizer_saving(plan, ref.optimizer_ms, world, [not w for w in whole]))
     # the split's all-reduces, issued by its own hooks without waiting: the projection part, then each lookup's rows

@@ -50,6 +50,10 @@ class CollectiveCost:
     """The cost of one all-reduce of `nbytes`, in ms, the same two methods on every model: what the step simulator
     charges a bucket, and the part of it that does not share the link with other collectives in flight."""
 
+    # The ranks of each node of the machine modeled, where a user of the model knows them (the step simulator: its
+    # --ranks-per-node, or the profiled run's record). None: unknown, each rank taken as its own node.
+    ranks_per_node: int | None = None
+
     # Whether a forced (algo, proto) changes `allreduce_ms`: a bucket of a class whose profile forces NCCL's
     # choice is costed with that choice only on NCCL's analytical model. A fit costs what was measured (gloo has
     # no choice to force), and NCCL's printed table is costed at NCCL's own pick, as the simulator always has.

@@ -37,7 +37,6 @@ The loop must call `stepped()` after `optimizer.step()`: a candidate's step is t
 from __future__ import annotations
 
 import math
-import os
 import random
 import time
 from contextlib import AbstractContextManager
@@ -48,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.collectives import hooks, race, tensor_classes, tune_model
+from dtrain.collectives.dist import local_world_size
 from dtrain.collectives.settings import ClassSettings, SyncConfig
 from dtrain.collectives.strategies import CLASS_RULE_KEYS, attachable, build, get, planner, register, unused_keys
 from dtrain.collectives.sync import Front, GradSync, move_optimizer
@@ -118,7 +118,7 @@ def default_space(space: dict[str, dict[str, Any]], world: int, class_nccl: bool
 
 def multi_rank_nodes(world: int) -> bool:
     """Whether `world` ranks run as more than one node of more than one rank each (torchrun's LOCAL_WORLD_SIZE)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = local_world_size() or 1
     return 1 < local < world and world % local == 0
 
 
