@@ -749,6 +749,14 @@ def test_the_hierarchical_plan_costs_each_buckets_shard_by_the_load_it_puts_on_a
     # One lane: the buckets' durations add up wherever they overlap nothing else (after backward, in the end)
     assert tiered.comm_ms == pytest.approx(sum(hierarchical_ms(allreduce, model.allreduce_latency_ms, None, n, 2, 4)
                                                for n in sizes))
+    # With the path inside a node modeled (simulate's --intra-topology), its reduce-scatter and all-gather cost what
+    # that model says (here half an all-reduce each: it did not measure them itself), not their latency
+    inner = _Flat4()
+    inner.inside_node = _Flat()
+    within = sim.predict(hier, ref, curve, inner, cal, "bucketed", 0.05, run.vocab)
+    assert within.comm_ms == pytest.approx(sum(
+        hierarchical_ms(allreduce, model.allreduce_latency_ms, None, n, 2, 4, _Flat().allreduce_ms) for n in sizes))
+    assert within.comm_ms > tiered.comm_ms
     # The ranks per node must be known and split the cost model's world
     odd = config_mod.from_dict({**hier.to_dict(), "sync": {**hier.to_dict()["sync"], "ranks_per_node": 3}}, "test")
     with pytest.raises(UserError, match="ranks_per_node"):
@@ -787,8 +795,9 @@ def test_a_sharded_plans_exchanges_load_a_nodes_link_by_the_ranks_it_holds(tmp_p
     (tmp_path / "fit.json").write_text(json.dumps(rows))
     argv = ["--run", str(tmp_path / "run"), "--topology", f"fit:{tmp_path / 'fit.json'}", "--strategies", "sharded",
             "--bucket-sizes", "0.05"]
-    main([*argv, "--ranks-per-node", "2"])
-    assert "# the machine's layout: 2 ranks per node" in capsys.readouterr().out
+    main([*argv, "--ranks-per-node", "2", "--intra-topology", f"fit:{tmp_path / 'fit.json'}"])
+    out = capsys.readouterr().out
+    assert "# the machine's layout: 2 ranks per node" in out and "# inside a node (the hierarchical plan's" in out
     for bad, why in (("3", "3 ranks per node do not divide the cost model's 4 ranks"), ("0", "at least 1")):
         with pytest.raises(SystemExit) as e:
             main([*argv, "--ranks-per-node", bad])

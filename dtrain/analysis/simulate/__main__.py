@@ -141,6 +141,10 @@ def parser() -> ArgumentParser:
                          "default when the benchmark measured it: dtrain.collectives.bench --overlap)")
     ap.add_argument("--lanes", type=int, help="collectives in flight at once per process group (default: "
                     f"{GLOO_LANES} for a gloo run with a fitted model, as ProcessGroupGloo's threads; 1 otherwise)")
+    ap.add_argument("--intra-topology", metavar="TOPOLOGY",
+                    help="cost model of the path inside a node (fit:<bench.json> of one node's ranks, with "
+                         "--collective all_reduce,reduce_scatter,all_gather): the hierarchical plan's collectives "
+                         "inside the node cost what it says (default: their latency)")
     ap.add_argument("--ranks-per-node", type=int, metavar="R",
                     help="the ranks of each node of the job's machine, where the profiled run did not record them "
                          "(runs before run.json's ranks_per_node): a point-to-point exchange's load on a node's link "
@@ -243,6 +247,8 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
     if model.ranks and run.world > 1 and model.ranks != run.world:
         print(f"# note: the cost model has {model.ranks} ranks, the run {run.world}", file=sys.stderr)
     model.ranks_per_node = model.ranks_per_node or args.ranks_per_node or run.ranks_per_node
+    if args.intra_topology:
+        model.inside_node = cm.load_model(args.intra_topology)
     if model.ranks and model.ranks_per_node and model.ranks % model.ranks_per_node:
         raise UserError(f"{model.ranks_per_node} ranks per node do not divide the cost model's {model.ranks} ranks")
     on_cpu = run.on_cpu
@@ -294,6 +300,8 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
               f"{ref.exposed_ms:.1f})", *notes, *model.header(), *ref.notes]
     if model.ranks_per_node:
         header.append(f"the machine's layout: {model.ranks_per_node} ranks per node")
+    if model.inside_node is not None:
+        header.append(f"inside a node (the hierarchical plan's reduce-scatter and all-gather): {args.intra_topology}")
     if ref.split_lookups:
         thread = (f"{ref.split_host_ms:.1f} on the computing thread" if ref.split_host_ms else
                   "its work on the computing thread not recorded (records older than their host_ms)")

@@ -102,8 +102,10 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
     per_node = _per_node(cfg, strategy, model)
     if per_node:  # the hierarchical plan: each bucket's three collectives one after another on the reducer's thread
         world = model.ranks
-        dur = [hierarchical_ms(allreduce, latency, b, b.nbytes, per_node, world) for b in plan]
-        lat = [hierarchical_ms(lambda _, n: off_link(n), latency, b, b.nbytes, per_node, world) for b in plan]
+        inside = _inside_node(model, calib) if cost is None else None
+        dur = [hierarchical_ms(allreduce, latency, b, b.nbytes, per_node, world, inside) for b in plan]
+        lat = [hierarchical_ms(lambda _, n: off_link(n), latency, b, b.nbytes, per_node, world, inside)
+               for b in plan]
     else:
         dur = [allreduce(b, b.nbytes) for b in plan]
         lat = [off_link(b.nbytes) for b in plan] if cost is None else None
@@ -221,15 +223,35 @@ def _per_node(cfg, strategy: str, model) -> int | None:
     return per_node
 
 
-def hierarchical_ms(allreduce, latency, bucket, nbytes: int, per_node: int, world: int) -> float:
+def hierarchical_ms(allreduce, latency, bucket, nbytes: int, per_node: int, world: int, inside=None) -> float:
     """One bucket of the hierarchical plan (`dtrain.collectives.hierarchy`) from the flat all-reduce's costs over
     `world` ranks: the reduce-scatter and the all-gather inside the node, which do not cross the link between nodes
-    (their latency each), and the shard's all-reduce between the N nodes. That one is costed by what it puts on a
-    node's link: its R ranks each send 2(N-1)/N of their 1/R of the bucket at once, where a flat ring sends
-    2(NR-1)/NR of all of it, so it costs the flat all-reduce of (N-1)/N / ((NR-1)/NR) of the bytes."""
+    (`inside(nbytes)`, their time on the path inside a node; without it their latency each), and the shard's
+    all-reduce between the N nodes. That one is costed by what it puts on a node's link: its R ranks each send
+    2(N-1)/N of their 1/R of the bucket at once, where a flat ring sends 2(NR-1)/NR of all of it, so it costs the
+    flat all-reduce of (N-1)/N / ((NR-1)/NR) of the bytes."""
     nodes = world // per_node
     load = ((nodes - 1) / nodes) / ((world - 1) / world)
-    return 2 * latency(nbytes // per_node) + allreduce(bucket, int(nbytes * load))
+    within = inside(nbytes) if inside else 2 * latency(nbytes // per_node)
+    return within + allreduce(bucket, int(nbytes * load))
+
+
+def _inside_node(model, calib: Calibration):
+    """nbytes -> ms of the hierarchical plan's reduce-scatter and all-gather of a bucket inside a node, from the cost
+    model of that path (`inside_node`: a benchmark of one node's ranks, simulate's --intra-topology): each as that
+    benchmark measured it where it ran the collective itself (`--collective`; gloo's reduce-scatter moves as many
+    bytes as an all-reduce), else as half an all-reduce. None without such a model."""
+    intra = getattr(model, "inside_node", None)
+    if intra is None:
+        return None
+    fitted = getattr(intra, "colls", ())
+
+    def one(nbytes: int, coll: str) -> float:
+        if coll in fitted:
+            return intra.time_us(nbytes, coll) / 1000.0
+        return exchange_ms(played_ms(intra, nbytes), intra.allreduce_latency_ms(nbytes))
+
+    return lambda nbytes: calib.comm_scale * (one(nbytes, "reducescatter") + one(nbytes, "allgather"))
 
 
 def _lossless(plan) -> bool:

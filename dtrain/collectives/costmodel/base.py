@@ -53,6 +53,9 @@ class CollectiveCost:
     # The ranks of each node of the machine modeled, where a user of the model knows them (the step simulator: its
     # --ranks-per-node, or the profiled run's record). None: unknown, each rank taken as its own node.
     ranks_per_node: int | None = None
+    # The cost model of the path inside a node, where a user gives one (the step simulator's --intra-topology: a
+    # benchmark of one node's ranks). None: collectives inside a node cost their latency.
+    inside_node: "CollectiveCost | None" = None
 
     # Whether a forced (algo, proto) changes `allreduce_ms`: a bucket of a class whose profile forces NCCL's
     # choice is costed with that choice only on NCCL's analytical model. A fit costs what was measured (gloo has
