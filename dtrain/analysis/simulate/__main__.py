@@ -246,7 +246,7 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
     model = cm.load_model(args.topology)
     if model.ranks and run.world > 1 and model.ranks != run.world:
         print(f"# note: the cost model has {model.ranks} ranks, the run {run.world}", file=sys.stderr)
-    model.ranks_per_node = model.ranks_per_node or args.ranks_per_node or run.ranks_per_node
+    model.ranks_per_node = args.ranks_per_node or run.ranks_per_node
     if args.intra_topology:
         model.inside_node = cm.load_model(args.intra_topology)
     if model.ranks and model.ranks_per_node and model.ranks % model.ranks_per_node:

@@ -84,12 +84,11 @@ def measured_runs(measured: list[Run], ref_run: Run, ref: ReferenceStep, curve: 
 
 
 def _with_layout(run: Run):
-    """The run's config, with the ranks per node its hierarchical plan ran on (run.json) where the config left them
-    to torchrun's layout."""
+    """The run's config, with the ranks per node its hierarchical plan ran on (`Run.ranks_per_node`, from run.json)
+    where the config left them to torchrun's layout."""
     cfg = run.cfg
-    layout = run.sync.get("hierarchical")
-    if cfg.sync.hierarchical and cfg.sync.ranks_per_node is None and isinstance(layout, dict):
-        cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, ranks_per_node=layout["ranks_per_node"]))
+    if cfg.sync.hierarchical and cfg.sync.ranks_per_node is None and run.ranks_per_node:
+        cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, ranks_per_node=run.ranks_per_node))
     return cfg
 
 

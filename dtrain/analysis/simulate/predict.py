@@ -136,7 +136,7 @@ def _sharded(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibrati
     sync = sync_for(cfg, strategy, cap_mb, classes)
     plan, overlap, class_groups = bucket_plan(cfg, strategy, bucket_cap_mb=cap_mb, classes=classes, vocab=vocab)
     world = getattr(model, "ranks", None) or 2
-    load = p2p_load(world, getattr(model, "ranks_per_node", None))
+    load = p2p_load(world, model.ranks_per_node)
     exchanges = sharded_exchanges(cfg, sync, plan, world, vocab)
     accumulated = cfg.train.accum_steps > 1
     allreduce, latency, off_link = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, class_groups))
@@ -212,7 +212,7 @@ def _per_node(cfg, strategy: str, model) -> int | None:
     if not (sync.hierarchical and "hierarchical" in strategies.get(strategy).sync_keys):
         return None
     world = getattr(model, "ranks", None)
-    per_node = sync.ranks_per_node or getattr(model, "ranks_per_node", None)
+    per_node = sync.ranks_per_node or model.ranks_per_node
     if not world or not per_node:
         raise UserError(f"{strategy} with 'sync.hierarchical': the simulator needs the ranks per node "
                         f"('sync.ranks_per_node' or --ranks-per-node) and a cost model of the job's world (a "
@@ -241,7 +241,7 @@ def _inside_node(model, calib: Calibration):
     model of that path (`inside_node`: a benchmark of one node's ranks, simulate's --intra-topology): each as that
     benchmark measured it where it ran the collective itself (`--collective`; gloo's reduce-scatter moves as many
     bytes as an all-reduce), else as half an all-reduce. None without such a model."""
-    intra = getattr(model, "inside_node", None)
+    intra = model.inside_node
     if intra is None:
         return None
     fitted = getattr(intra, "colls", ())
@@ -298,7 +298,7 @@ def _fsdp2(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibration
     allreduce, latency, _ = _costs(model, calib, cost, nccl_of or requested_nccl(cfg, False))
     fitted = getattr(model, "colls", ()) if cost is None and sync.fsdp2_collectives != "p2p" else ()
     world = getattr(model, "ranks", None) or 2
-    load = p2p_load(world, getattr(model, "ranks_per_node", None)) if sync.fsdp2_collectives == "p2p" else 1.0
+    load = p2p_load(world, model.ranks_per_node) if sync.fsdp2_collectives == "p2p" else 1.0
 
     def collective(b, nbytes: int, coll: str) -> float:
         if coll in fitted:  # the benchmark measured this collective itself (`--collective`)
