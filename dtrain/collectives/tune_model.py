@@ -134,7 +134,7 @@ def predict_ms(sync, model: torch.nn.Module, probe: Probe, net: FittedModel, wor
 
 
 # Of the `top_k` measured, each family's best predicted member goes first where its prediction is within this factor
-# of the best one: a prediction can be 20-25% off (docs/results.md), and a family measurement would pick must not be
+# of the best one: a prediction can be 20-25% off (docs/tuning.md), and a family measurement would pick must not be
 # lost to another family's near copies.
 FAMILY_SLACK = 1.30
 

@@ -17,8 +17,8 @@ whole in bf16 with every peer), and every rank updates all of it. A ROWS bucket 
 A reduce-scatter sends (world - 1)/world of the bucket, half of what an all-reduce sends, and the rest (the
 all-gather of the updated shard) moves out of backward into the next forward. Both run as point-to-point sends on a
 process group of their own: on gloo, `reduce_scatter_tensor` moves as many bytes as an all-reduce, while `isend` and
-`irecv` move the chunks at the link's rate (docs/notebook.md). Each rank sums its shard in rank order, so on two
-ranks the sum is the all-reduce's a + b, bit for bit.
+`irecv` move the chunks at the link's rate (history/2026-11-30-to-2026-12-05-notebook.md). Each rank sums its shard
+in rank order, so on two ranks the sum is the all-reduce's a + b, bit for bit.
 
 Narrowed members (`Exchange.narrowed`, bf16) travel the all-gather in bf16 and the received chunk is widened back into
 P: under autocast at that dtype the Linear casts its fp32 weight and bias to bf16 before using them, and
