@@ -145,7 +145,7 @@ def _stock_and_unwaited_on_two_ranks(rank: int, init: str, mode: str, reshard: b
         seen = {"in_flight_after_backward": [], "gathers_issued_by_stepped": [], "projections": [],
                 "embedding_whole": type(dict(handles[mode].model.named_parameters())["embed.weight"]).__name__}
         issued = []
-        module, name = (dist, "all_gather_into_tensor") if mode == "async" else (fsdp2_collectives, "exchange")
+        module, name = fsdp2_collectives, ("all_gather_single" if mode == "async" else "exchange")
         issue = getattr(module, name)
 
         def counted(*args, **kwargs):

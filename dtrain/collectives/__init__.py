@@ -4,3 +4,4 @@ nothing of the trainer or the study (`dtrain.engine`, `dtrain.analysis`)."""
 
 from dtrain.collectives.strategies import attach  # noqa: F401 (the seam)
 from dtrain.collectives.sync import GradSync  # noqa: F401 (what it returns)
+from dtrain.collectives.wrap import wrap  # noqa: F401 (the seam for a DDP loop)

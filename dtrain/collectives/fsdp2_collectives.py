@@ -5,11 +5,12 @@ FSDP2's own hooks (`FSDPModule.set_custom_all_gather` and `set_custom_reduce_sca
 Stock FSDP2 overlaps its collectives with computation through CUDA streams; on a CPU device it issues each one on the
 thread that computes and waits for it there, so on gloo nothing overlaps (`sync.fsdp2_collectives: stock`). Here:
 
-- `async`: torch's own collectives (`all_gather_into_tensor`, `reduce_scatter_tensor`) issued with `async_op=True`,
-  so that gloo runs them on its own threads.
+- `async`: torch's own collectives (`all_gather_single`, `reduce_scatter_single`; before torch 2.13
+  `all_gather_into_tensor` and `reduce_scatter_tensor`, which 2.13 deprecates: `dtrain.collectives.dist` picks the
+  name) issued with `async_op=True`, so that gloo runs them on its own threads.
 - `p2p`: the exchanges `sharded` runs (`dtrain.collectives.sharded.p2p`), point-to-point sends on a process group of
-  their own, issued the same way. On gloo `reduce_scatter_tensor` moves as many bytes as an all-reduce, and
-  `all_gather_into_tensor` more than the (world - 1)/world of the output each rank must send; `isend` and `irecv`
+  their own, issued the same way. On gloo the reduce-scatter moves as many bytes as an all-reduce, and the
+  all-gather more than the (world - 1)/world of the output each rank must send; `isend` and `irecv`
   move each chunk once, at the link's rate. Each rank sums its chunk in rank order (on two ranks a + b, the
   all-reduce's sum bit for bit) on the completions' thread, while backward computes.
 
@@ -29,6 +30,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from dtrain.collectives.dist import all_gather_single, reduce_scatter_single
 from dtrain.collectives.sharded.p2p import Completions, exchange, rank_order_sum
 from dtrain.common.errors import UserError
 
@@ -61,7 +63,7 @@ class AsyncAllGather(_Hook):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work:
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
+        return all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
 
 
 class ReduceScatters(_Hook):
@@ -73,8 +75,8 @@ class ReduceScatters(_Hook):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False) -> None:
-        self.pending.append((dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                                        async_op=True), input_tensor))
+        self.pending.append((reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=True),
+                             input_tensor))
 
     def wait(self) -> None:
         for work, _ in self.pending:

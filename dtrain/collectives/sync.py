@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.collectives.settings import SyncConfig
+from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
 
 
@@ -65,9 +66,14 @@ class GradSync(StrategyFacts):
 
     lossless = True  # False for strategies whose averaged gradients differ from the exact mean
 
-    def __init__(self, model: nn.Module, cfg: SyncConfig, process_group: dist.ProcessGroup | None = None):
+    def __init__(self, model: nn.Module, cfg: SyncConfig, process_group: dist.ProcessGroup | None = None,
+                 param_groups: list[list[nn.Parameter]] | None = None):
         self.model, self.cfg, self.process_group = model, cfg, process_group
         self.module: nn.Module = model  # what forward is called on
+        # The loop's optimizer groups as lists of the model's own parameters (its groups' options stay the
+        # optimizer's): what `optimizer_groups()` maps to what this handle updates, and the numbering of the
+        # whole-model optimizer state (`optimizer_state`), which is then what the loop's optimizer would save under DDP
+        self.groups: list[list[nn.Parameter]] = param_groups_of(model, param_groups)
 
     def close(self) -> None:
         """Release what the handle made besides the model's parameters: its hooks on the model, its threads, its
@@ -80,9 +86,26 @@ class GradSync(StrategyFacts):
     def wait(self) -> None:
         """Block until every gradient is averaged across ranks; the time spent here is exposed communication."""
 
+    def optimizer_groups(self) -> list[list[torch.Tensor]]:
+        """What the optimizer updates, one list per group given to `attach` (`param_groups`): the model's parameters
+        (a sharded strategy: this rank's shards of them, never mixing groups)."""
+        return [list(g) for g in self.groups]
+
     def optimizer_params(self) -> list[torch.Tensor]:
-        """What the optimizer updates: the model's parameters (a sharded strategy: this rank's shards of them)."""
-        return list(self.model.parameters())
+        """`optimizer_groups()` as one list."""
+        return [p for g in self.optimizer_groups() for p in g]
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """A one-line error unless `optimizer` updates what this handle's gradients land in, group by group
+        (`optimizer_groups()`): an optimizer built over the model's parameters before a strategy that shards them
+        (or replaces them, as fsdp2 does) would otherwise update nothing, or decay what it does not see."""
+        held = [[id(p) for p in g["params"]] for g in optimizer.param_groups]
+        mine = [[id(p) for p in g] for g in self.optimizer_groups()]
+        if held != mine:
+            raise UserError(f"optimizer.step: under sync.strategy '{self.name}' the optimizer must update "
+                            "handle.optimizer_groups() (one group per group given to attach), not the parameters it "
+                            "was built over; build it from those, or use dtrain.collectives.wrap(model, optimizer, "
+                            "sync), which points the loop's own optimizer at them")
 
     def grad_norm(self, exact: bool = False) -> torch.Tensor:
         """The L2 norm of the synchronized gradient, equal on every rank (call after `wait()`); see `total_norm`.
@@ -121,7 +144,16 @@ class GradSync(StrategyFacts):
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Load a state dict of `optimizer_state()`'s form, whatever the world size that wrote it."""
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(self.local_optimizer_state(optimizer, state))
+
+    def local_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+        """`state` (`optimizer_state()`'s form) as `optimizer`'s own state dict over `optimizer_groups()`, for
+        `optimizer.load_state_dict`: itself where the optimizer updates the whole parameters."""
+        return state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The model's `zero_grad`, as the loop calls it on the model (`dtrain.collectives.wrap`)."""
+        self.model.zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
         """This rank's state of the strategy itself, for a checkpoint (tensors and plain data, keyed so that it
@@ -142,12 +174,33 @@ class GradSync(StrategyFacts):
         return {"strategy": self.name, "lossless": self.lossless, "communicates": self.communicates}
 
 
+def param_groups_of(model: nn.Module, groups: list[list[nn.Parameter]] | None) -> list[list[nn.Parameter]]:
+    """`groups` (lists of `model`'s own parameters, as a loop builds its optimizer's groups) checked against the model,
+    or one group of all its parameters. A tensor that is not one of the model's parameters, or one named in two
+    groups, is a one-line error."""
+    if groups is None:
+        return [list(model.parameters())]
+    own = {id(p) for p in model.parameters()}
+    seen: set[int] = set()
+    for i, group in enumerate(groups):
+        for p in group:
+            if id(p) not in own:
+                raise UserError(f"optimizer group {i} holds a tensor of shape {tuple(p.shape)} that is not one of the "
+                                "model's parameters: build the optimizer over the model's own parameters")
+            if id(p) in seen:
+                raise UserError(f"optimizer group {i} holds a parameter of shape {tuple(p.shape)} that an earlier "
+                                "group holds too")
+            seen.add(id(p))
+    return [list(g) for g in groups]
+
+
 def move_optimizer(optimizer: torch.optim.Optimizer, state: dict, handle: GradSync) -> None:
-    """Point `optimizer`'s one parameter group at `handle.optimizer_params()` and load `state` (the whole-model form
-    of `optimizer_state`, from any handle) into it: the optimizer follows the model to another strategy between
-    steps, as a checkpoint would carry it."""
+    """Point each of `optimizer`'s groups at that group of `handle.optimizer_groups()` and load `state` (the
+    whole-model form of `optimizer_state`, from any handle) into it: the optimizer follows the model to another
+    strategy between steps, as a checkpoint would carry it; each group keeps its own options."""
     optimizer.state.clear()
-    optimizer.param_groups[0]["params"] = handle.optimizer_params()
+    for group, params in zip(optimizer.param_groups, handle.optimizer_groups(), strict=True):
+        group["params"] = params
     handle.load_optimizer_state(optimizer, state)
 
 

@@ -115,6 +115,33 @@ class TensorClasses:
         return {r.name: self.setting(r.name) for r in self.rules if r.name in held}
 
 
+def tied_embedding(model: torch.nn.Module) -> str | None:
+    """The name of `model`'s one tied embedding: a trainable `nn.Embedding` weight that another module holds too (the
+    output projection, tied by assignment as `tie_word_embeddings` ties it), or None where there is not exactly one.
+    """
+    holders: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        holders[id(p)] = holders.get(id(p), 0) + 1
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    tied = {name_of[id(m.weight)] for m in model.modules() if isinstance(m, torch.nn.Embedding)
+            and m.weight.requires_grad and holders.get(id(m.weight), 0) > 1 and id(m.weight) in name_of}
+    return tied.pop() if len(tied) == 1 else None
+
+
+def with_tied_embedding(sync_cfg, model: torch.nn.Module):
+    """`sync_cfg` with the `embedding` class's rule naming `model`'s tied embedding (`tied_embedding`) where the
+    rules find no embedding in it (a model that is not dtrain's: "transformer.wte.weight", "model.shared.weight"),
+    so that the split (`tied_split`) and the search's split candidates apply to it; else `sync_cfg` as it is."""
+    name = tied_embedding(model)
+    spec = sync_cfg.classes.get("embedding", ClassSettings())
+    if name is None or spec.match is not None:
+        return sync_cfg
+    if "embedding" in from_config(sync_cfg).assign(model.named_parameters()).values():
+        return sync_cfg
+    classes = {**sync_cfg.classes, "embedding": dataclasses.replace(spec, match=name)}
+    return dataclasses.replace(sync_cfg, classes=classes)
+
+
 def from_config(sync_cfg) -> TensorClasses:
     """The classes of a `SyncConfig`: each `sync.classes.<name>` (a `ClassSettings`) gives a rule (match, min_numel,
     max_numel) and settings (wire_dtype, bucket_cap_mb, protocol, algorithm, min_ctas, max_ctas, tied_split). NCCL's

@@ -56,6 +56,26 @@ def split_params(class_of: dict[str, str], settings: dict) -> list[str]:
     return names
 
 
+def unsplittable(model: nn.Module, name: str) -> str | None:
+    """Why parameter `name` of `model` cannot be split into its lookup rows, or None where it can: it must be the
+    weight of `nn.Embedding`s that run `nn.Embedding`'s own forward (a subclass that scales its output, as some
+    translation models' do, would lose the scaling: the split recomputes the lookup) without max_norm,
+    scale_grad_by_freq or sparse gradients."""
+    param = dict(model.named_parameters())[name]
+    lookups = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is param]
+    if not lookups:
+        return (f"parameter '{name}' is not the weight of an nn.Embedding; only an embedding's gradient can be split "
+                "into its lookup rows")
+    for m in lookups:
+        if type(m).forward is not nn.Embedding.forward:
+            return (f"the embedding of '{name}' is a {type(m).__name__} with a forward of its own, which the split "
+                    "does not reproduce")
+        if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
+            return (f"the embedding of '{name}' uses max_norm, scale_grad_by_freq or sparse gradients, which the "
+                    "split does not reproduce")
+    return None
+
+
 @dataclass
 class Rows:
     """One lookup's part: the rows any rank looked up, their summed gradient, and its all-reduce."""
@@ -100,13 +120,9 @@ class TiedEmbeddingSplit:
         self.name, self.world, self.is_armed = name, world, is_armed  # is_armed(): this backward synchronizes
         self.param = dict(model.named_parameters())[name]
         lookups = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is self.param]
-        if not lookups:
-            raise UserError(f"tied_split: parameter '{name}' is not the weight of an nn.Embedding; only an "
-                            "embedding's gradient can be split into its lookup rows")
-        for m in lookups:
-            if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
-                raise UserError(f"tied_split: the embedding of '{name}' uses max_norm, scale_grad_by_freq or "
-                                "sparse gradients, which the split does not reproduce")
+        why = unsplittable(model, name)
+        if why:
+            raise UserError(f"tied_split: {why}")
         self.vocab, self.dim = self.param.shape
         ranks = None if group is None else dist.get_process_group_ranks(group)
         self.group = dist.new_group(ranks)  # a collective call: every rank builds its splits in the same order

@@ -40,12 +40,13 @@ from torch import nn
 
 from dtrain.collectives.dist import all_gather_single
 from dtrain.collectives.sharded.exchange import exchange_plan, member_offsets
+from dtrain.collectives.sharded.grads import HiddenGrad, hidden_grad
 from dtrain.collectives.sharded.reducer import ShardedReducer
 from dtrain.collectives.sharded.rows import ShardedTiedSplit
 from dtrain.collectives.strategies import CLASS_RULE_KEYS, register
 from dtrain.collectives.strategies.bucketed import Bucketed
 from dtrain.collectives.strategies.planned import PlannedSync
-from dtrain.collectives.sync import total_norm
+from dtrain.collectives.sync import param_groups_of, total_norm
 from dtrain.common.errors import UserError
 
 
@@ -53,8 +54,15 @@ LOOKUP = object()  # in a recorded forward: a lookup of a sharded matrix ran her
 
 
 class ShardedSync(PlannedSync):
-    def __init__(self, model, cfg, process_group, strategy):
-        super().__init__(model, cfg, process_group, strategy)
+    def __init__(self, model, cfg, process_group, strategy, param_groups=None):
+        # Each bucket becomes one tensor for the optimizer: buckets never mix the loop's optimizer groups (a
+        # parameter in none of them is bucketed apart, and never updated, as under DDP)
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        strategy.group_of = {name_of[id(p)]: g for g, params in enumerate(param_groups_of(model, param_groups))
+                             for p in params}
+        strategy.group_of.update({n: -1 for n in set(name_of.values()) - set(strategy.group_of)})
+        super().__init__(model, cfg, process_group, strategy, param_groups=param_groups)
+        self._hidden: list[tuple[nn.Parameter, torch.Tensor]] = []  # (parameter, its bucket view) while hidden
         if strategy.config.shard_tied_split and not self.splits:
             raise UserError("'sync.shard_tied_split' shards a split tied embedding, but no class sets tied_split")
         for split in self.splits:
@@ -62,15 +70,16 @@ class ShardedSync(PlannedSync):
                 raise UserError(f"tied_split: '{split.name}' shares a bucket with other parameters under strategy "
                                 f"'{self.name}'; its plan must give it a bucket of its own")
         self._replanned = True  # the optimizer holds the shards of this plan
+        self._checked = False  # `stepped` has checked the loop's optimizer
         self._suspended = False  # another handle trains the model (`suspend`): the modules' waits do nothing
         # Each module with parameters of its own waits, just before it runs, for the buckets that hold them (a tied
         # parameter for every module that holds it), except that the lookups of a sharded matrix fetch their rows
         # themselves: where they stand for the whole matrix (`ShardedTiedSplit.readers`), they mark its place.
-        name_of = {id(p): n for n, p in model.named_parameters()}
         lookups = {id(m): s for s in self.splits if isinstance(s, ShardedTiedSplit) for m in s.lookups}
         self._pre_hooks = []
-        for module in model.modules():
-            buckets = {self.reducer.bucket_of(name_of[id(p)]) for p in module.parameters(recurse=False)}
+        for module in model.modules():  # a parameter that does not train (a fixed position table) is no bucket's
+            buckets = {self.reducer.bucket_of(name_of[id(p)]) for p in module.parameters(recurse=False)
+                       if p.requires_grad}
             if not buckets:
                 continue
             if id(module) in lookups:
@@ -89,6 +98,7 @@ class ShardedSync(PlannedSync):
     def close(self) -> None:
         """`PlannedSync.close`, and the modules' waits for their buckets removed, the point-to-point thread ended
         (its last task holds the reducer) and its group destroyed."""
+        self._show_grads()  # the model trains on without this handle: its `.grad` are tensors again
         for h in self._pre_hooks:
             h.remove()
         self._pre_hooks = []
@@ -134,6 +144,7 @@ class ShardedSync(PlannedSync):
                             f"outside autocast to {low}; run the forward under that autocast (train.amp)")
 
     def before_forward(self) -> None:
+        self._show_grads()
         super().before_forward()
         self.reducer.gather()  # if the loop did not call stepped(): now
         self._calls = {}
@@ -167,8 +178,39 @@ class ShardedSync(PlannedSync):
 
     # -- the seam's sharded side --------------------------------------------------------------------------------
 
-    def optimizer_params(self) -> list[torch.Tensor]:
-        return [sh.shard for sh in self.reducer.shards]
+    def optimizer_groups(self) -> list[list[torch.Tensor]]:
+        """Per group given to `attach`, the shards of its buckets (a replicated bucket's: the parameter itself)."""
+        groups: list[list[torch.Tensor]] = [[] for _ in self.groups]
+        for st, sh in zip(self.reducer.buckets, self.reducer.shards):
+            g = self.strategy.group_of[st.bucket.names[0]]
+            if g >= 0:
+                groups[g].append(sh.shard)
+        return groups
+
+    def _hide_grads(self) -> None:
+        """The sharded members' `.grad` (their bucket views, zeroed: the shards hold the mean) replaced by
+        `HiddenGrad`s until the next forward, so that reading them (`clip_grad_norm_(model.parameters())`) is an
+        error naming the call rather than a norm of zeros."""
+        for st, sh in zip(self.reducer.buckets, self.reducer.shards):
+            if not sh.replicated:
+                for p, view in zip(st.params, st.views):
+                    if p.grad is view:
+                        p.grad = hidden_grad(p)
+                        self._hidden.append((p, view))
+
+    def _show_grads(self) -> None:
+        """The bucket views back where `_hide_grads` left its stand-ins (not where the loop has set `.grad` to None
+        since)."""
+        for p, view in self._hidden:
+            if isinstance(p.grad, HiddenGrad):
+                p.grad = view
+        self._hidden = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The model's `zero_grad`: the local gradients are zeroed already once the shards hold their mean."""
+        self._show_grads()
+        if set_to_none:
+            super().zero_grad(set_to_none)
 
     def grad_norm(self, exact: bool = False) -> torch.Tensor:
         # A replicated parameter's gradient is the same on every rank: its squares are counted once, on rank 0.
@@ -177,6 +219,9 @@ class ShardedSync(PlannedSync):
         return total_norm(grads, exact=exact, group=self.reducer.group, sharded=True)
 
     def stepped(self, optimizer=None, loss=None) -> None:
+        if optimizer is not None and not self._checked:
+            self.check_optimizer(optimizer)  # at the first step: one over the model's parameters updates nothing
+            self._checked = True
         self.reducer.gather()
 
     def suspend(self) -> None:
@@ -184,6 +229,7 @@ class ShardedSync(PlannedSync):
         other buffers freed (a collective). The optimizer still holds this plan's shards: `attach`'s search moves its
         state through the whole-model form (`optimizer_state`) before this."""
         self.wait_params()
+        self._show_grads()
         for split in self.splits:
             if isinstance(split, ShardedTiedSplit):
                 split.whole()  # while another handle trains, its lookups read the model's matrix as it is
@@ -204,19 +250,21 @@ class ShardedSync(PlannedSync):
         super().wait()  # the reduce-scatters' records (a sharded matrix's projection part keeps its name)
         t0 = self.reducer.step_start()
         self._records += self.reducer.gather_records(t0, len(self._records))
+        self._hide_grads()
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The state of an optimizer over `model.parameters()`: every shard's state tensors all-gathered (a
-        collective: every rank calls it) and cut into the parameters' shapes (views of each bucket's gathered
-        buffer: one allocation per bucket and key, not one per parameter)."""
+        """The state of an optimizer over the model's parameters in the groups given to `attach` (numbered as torch
+        numbers them: group after group), as a DDP loop's optimizer saves it: every shard's state tensors
+        all-gathered (a collective: every rank calls it) and cut into the parameters' shapes (views of each bucket's
+        gathered buffer: one allocation per bucket and key, not one per parameter). Each group keeps its options."""
         sd = optimizer.state_dict()
-        group = _one_group(sd)
-        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        local = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        index = self._whole_index()
         state = {}
-        for i, (st, sh) in enumerate(zip(self.reducer.buckets, self.reducer.shards)):
-            shard_state = sd["state"].get(i, {})
+        for st, sh in zip(self.reducer.buckets, self.reducer.shards):
+            shard_state = sd["state"].get(local.get(id(sh.shard)), {})
             if sh.replicated:  # the whole parameter's state, the same on every rank (none before its first step)
-                if shard_state:
+                if shard_state and id(sh.shard) in index:
                     state[index[id(sh.shard)]] = _cloned(shard_state)
                 continue
             for key in sorted(shard_state):  # the same order on every rank
@@ -229,26 +277,41 @@ class ShardedSync(PlannedSync):
                 else:  # a per-tensor scalar such as Adam's step
                     for p in st.params:
                         state.setdefault(index[id(p)], {})[key] = value.clone() if torch.is_tensor(value) else value
-        return {"state": state, "param_groups": [{**group, "params": sorted(index.values())}]}
+        groups = _options(sd, len(self.groups))
+        return {"state": state, "param_groups": [{**opts, "params": [index[id(p)] for p in g]}
+                                                 for opts, g in zip(groups, self.groups)]}
+
+    def _whole_index(self) -> dict[int, int]:
+        """id of each of the model's parameters in the groups given to `attach` -> its number in the whole-model
+        optimizer state."""
+        return {id(p): i for i, p in enumerate(p for g in self.groups for p in g)}
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, full: dict) -> None:
         """Cut a whole-model state (`optimizer_state`'s form, from any world size or strategy) into this rank's
         shards."""
-        group = _one_group(full)
-        n_params = len(list(self.model.parameters()))
-        covered = len(full["param_groups"][0]["params"])
-        if covered != n_params:
-            raise UserError(f"the checkpoint's optimizer state covers {covered} parameters, the model has {n_params}")
-        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        optimizer.load_state_dict(self.local_optimizer_state(optimizer, full))
+
+    def local_optimizer_state(self, optimizer: torch.optim.Optimizer, full: dict) -> dict:
+        """`full` (the whole-model form) as the state dict of `optimizer` over `optimizer_groups()`: each bucket's
+        members' state cut to this rank's chunk, each group's options the saved group's."""
+        sizes = [len(g) for g in self.groups]
+        saved = [len(g["params"]) for g in full["param_groups"]]
+        if saved != sizes:
+            raise UserError(f"the checkpoint's optimizer state holds groups of {saved} parameters, this optimizer "
+                            f"{sizes}: build the optimizer's groups as the run that wrote it did")
+        index = self._whole_index()
+        local = {id(p): i for i, p in enumerate(p for g in self.optimizer_groups() for p in g)}
         state = {}
-        for i, (st, sh) in enumerate(zip(self.reducer.buckets, self.reducer.shards)):
+        for st, sh in zip(self.reducer.buckets, self.reducer.shards):
+            if id(sh.shard) not in local:
+                continue  # in no optimizer group: never updated
             members = [full["state"].get(index[id(p)]) for p in st.params]
             if all(m is None for m in members):
                 continue  # never stepped
             if any(m is None for m in members):
                 raise UserError("the checkpoint's optimizer state covers only some parameters of a bucket")
             if sh.replicated:
-                state[i] = _cloned(members[0])
+                state[local[id(sh.shard)]] = _cloned(members[0])
                 continue
             s, rank = sh.shard.numel(), self.reducer.rank
             lo, hi = rank * s, (rank + 1) * s  # this rank's chunk of the bucket (padding past its members: zeros)
@@ -263,9 +326,10 @@ class ShardedSync(PlannedSync):
                     shard_state[key] = chunk
                 else:
                     shard_state[key] = value
-            state[i] = shard_state
-        optimizer.load_state_dict({"state": state,
-                                   "param_groups": [{**group, "params": list(range(len(self.reducer.shards)))}]})
+            state[local[id(sh.shard)]] = shard_state
+        numbers = iter(range(len(local)))
+        return {"state": state, "param_groups": [{**opts, "params": [next(numbers) for _ in g]} for opts, g in
+                                                 zip(_options(full, len(self.groups)), self.optimizer_groups())]}
 
     def stats(self) -> dict:
         out = super().stats()
@@ -278,11 +342,12 @@ def _cloned(state: dict) -> dict:
     return {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
-def _one_group(sd: dict) -> dict:
-    if len(sd["param_groups"]) != 1:
-        raise UserError(f"strategy 'sharded' needs an optimizer with one parameter group, not "
-                        f"{len(sd['param_groups'])}")
-    return {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
+def _options(sd: dict, groups: int) -> list[dict]:
+    """The options of each of a state dict's groups (lr, weight decay, betas ...), without their parameters."""
+    if len(sd["param_groups"]) != groups:
+        raise UserError(f"the optimizer has {len(sd['param_groups'])} parameter groups, the handle {groups} (the "
+                        "groups given to attach: build the optimizer with one group per group given there)")
+    return [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
 
 
 @register("sharded")

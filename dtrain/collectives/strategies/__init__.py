@@ -60,17 +60,19 @@ def get(name: str) -> type:
     return _REGISTRY[name]
 
 
-def build(name: str, model, cfg, process_group=None):
+def build(name: str, model, cfg, process_group=None, param_groups=None):
     cls = get(name)
     if issubclass(cls, BucketingStrategy):
-        return (cls.handle or PlannedSync)(model, cfg, process_group, cls.from_sync(cfg))
-    return cls(model, cfg, process_group)
+        return (cls.handle or PlannedSync)(model, cfg, process_group, cls.from_sync(cfg), param_groups=param_groups)
+    return cls(model, cfg, process_group, param_groups=param_groups)
 
 
-def attach(model, cfg, process_group=None):
+def attach(model, cfg, process_group=None, param_groups=None):
     """The seam: a `GradSync` handle that synchronizes `model`'s gradients as `cfg` (a `SyncConfig`) says, over
-    `process_group` (None: the world). Exported as `collectives.attach`."""
-    return build(cfg.strategy, model, cfg, process_group)
+    `process_group` (None: the world). `param_groups`: the loop's optimizer groups as lists of the model's own
+    parameters (None: one group), which `handle.optimizer_groups()` maps to what the strategy updates. Exported as
+    `collectives.attach`; `dtrain.collectives.wrap` does it for a loop's existing model and optimizer."""
+    return build(cfg.strategy, model, cfg, process_group, param_groups)
 
 
 def _is_default(f: dataclasses.Field, value) -> bool:

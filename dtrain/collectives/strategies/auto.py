@@ -51,6 +51,7 @@ from dtrain.collectives.dist import local_world_size
 from dtrain.collectives.settings import ClassSettings, SyncConfig
 from dtrain.collectives.strategies import CLASS_RULE_KEYS, attachable, build, get, planner, register, unused_keys
 from dtrain.collectives.sync import Front, GradSync, move_optimizer
+from dtrain.collectives.tied_split import unsplittable
 from dtrain.common import host_memory
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
@@ -177,7 +178,8 @@ def _splits_apply(sync: SyncConfig, model: nn.Module) -> bool:
     if not split:
         return True
     of = tensor_classes.from_config(sync).assign(model.named_parameters())
-    return all(list(of.values()).count(c) == 1 for c in split)
+    held = {c: [n for n, k in of.items() if k == c] for c in split}
+    return all(len(names) == 1 and unsplittable(model, names[0]) is None for names in held.values())
 
 
 @register("auto")
@@ -189,8 +191,8 @@ class OnlineSearch(GradSync):
     sync_keys = ("tune", *CLASS_RULE_KEYS)
     lossless = True  # lossless candidates only, unless sync.tune.lossy
 
-    def __init__(self, model: nn.Module, cfg: SyncConfig, process_group=None):
-        super().__init__(model, cfg, process_group)
+    def __init__(self, model: nn.Module, cfg: SyncConfig, process_group=None, param_groups=None):
+        super().__init__(model, cfg, process_group, param_groups)
         t = cfg.tune
         world = dist.get_world_size(process_group)
         space = t.candidates or default_space(ONLINE_SPACE, world, dist.get_backend(process_group) == "nccl")
@@ -267,8 +269,8 @@ class OnlineSearch(GradSync):
         self._waited = time.perf_counter()
 
     def stepped(self, optimizer: torch.optim.Optimizer | None = None, loss: float | None = None) -> None:
-        if optimizer is not None and self.optimizer is None:
-            self._check_optimizer(optimizer)
+        if optimizer is not None and self.optimizer is None and any(self.sharding.values()):
+            self.current.check_optimizer(optimizer)  # each switch points its groups at the next candidate's
         self.optimizer = optimizer or self.optimizer
         self.current.stepped(optimizer)
         if self.winner is not None or self._t0 is None:
@@ -345,22 +347,11 @@ class OnlineSearch(GradSync):
         self.queue = self._round_order()
         self._next()
 
-    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Where a candidate shards, the optimizer must be the loop's one group over `optimizer_params()`: the
-        switch points that group at the next candidate's tensors."""
-        if not any(self.sharding.values()):
-            return
-        held = [p for g in optimizer.param_groups for p in g["params"]]
-        mine = self.current.optimizer_params()
-        if len(optimizer.param_groups) != 1 or len(held) != len(mine) or any(a is not b for a, b in zip(held, mine)):
-            raise UserError("sync.strategy 'auto' with a sharding candidate: build the optimizer with one parameter "
-                            "group over handle.optimizer_params(), and pass it to handle.stepped(optimizer)")
-
     def _handle(self, name: str) -> GradSync:
         """Candidate `name`'s handle, built at its first turn (a collective: every rank builds it at the same step)."""
         if name not in self.handles:
             sync = self.syncs[name]
-            self.handles[name] = build(sync.strategy, self.model, sync, self.process_group)
+            self.handles[name] = build(sync.strategy, self.model, sync, self.process_group, self.groups)
         return self.handles[name]
 
     def _switch(self, previous: GradSync, name: str) -> bool:
@@ -492,8 +483,8 @@ class OnlineSearch(GradSync):
     def no_sync(self) -> AbstractContextManager:
         return self.current.no_sync()
 
-    def optimizer_params(self) -> list[torch.Tensor]:
-        return self.current.optimizer_params()  # the model's parameters under every candidate
+    def optimizer_groups(self) -> list[list[torch.Tensor]]:
+        return self.current.optimizer_groups()  # the model's parameters, or a sharding candidate's shards
 
     def grad_norm(self, exact: bool = False) -> torch.Tensor:
         return self.current.grad_norm(exact)
@@ -516,8 +507,11 @@ class OnlineSearch(GradSync):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return self.current.optimizer_state(optimizer)
 
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        self.current.load_optimizer_state(optimizer, state)
+    def local_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+        return self.current.local_optimizer_state(optimizer, state)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.current.zero_grad(set_to_none)
 
     def step_records(self) -> list[BucketRecord]:
         return self.current.step_records()

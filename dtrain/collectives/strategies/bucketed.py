@@ -34,6 +34,8 @@ class Bucketed(BucketingStrategy):
         fp32 = CollectiveSettings(bucket_cap_mb=c.bucket_cap_mb or DEFAULT_BUCKET_CAP_MB)
         first = None if first_mb is None else int(first_mb * 2**20)
         last = None if c.last_bucket_mb is None else int(c.last_bucket_mb * 2**20)
-        # Classes mix freely; only the gradients' dtype separates buckets.
-        return pack(named_params, classes, key=lambda n, p: p.dtype, settings_of=lambda k: fp32,
+        # Classes mix freely; the gradients' dtype separates buckets, and the optimizer's groups where they are given
+        # (a sharding strategy's).
+        return pack(named_params, classes, key=lambda n, p: (p.dtype, self.group_of.get(n, 0)),
+                    settings_of=lambda k: fp32,
                     first_cap_bytes=first, last_cap_bytes=last)

@@ -20,6 +20,7 @@ from dtrain.collectives.strategies import CLASS_RULE_KEYS, register
 from dtrain.collectives.sync import GradSync
 from dtrain.collectives.timing import Stamp, record_ms, stamp
 from dtrain.common.rundir import BucketRecord
+from dtrain.common.torch_version import require_torch
 
 
 @register("ddp")
@@ -35,8 +36,8 @@ class DDPSync(GradSync):
     sync_keys = ("bucket_cap_mb", "first_bucket_mb", "hook") + CLASS_RULE_KEYS
     plans_like = "bucketed"  # `bucketed` lays buckets out as DDP's rebuilt reducer does, from the same two knobs
 
-    def __init__(self, model, cfg, process_group=None):
-        super().__init__(model, cfg, process_group)
+    def __init__(self, model, cfg, process_group=None, param_groups=None):
+        super().__init__(model, cfg, process_group, param_groups)
         device_ids = None
         if next(model.parameters()).is_cuda:
             device_ids = [torch.cuda.current_device()]
@@ -47,7 +48,8 @@ class DDPSync(GradSync):
             "broadcast_buffers": False}
         caps = {"bucket_cap_mb": cfg.bucket_cap_mb}
         if cfg.first_bucket_mb is not None:
-            # A per-bucket cap list (torch >= 2.13): the first bucket gets its own size, the rest the last entry.
+            require_torch("2.11", "sync.first_bucket_mb")
+            # A per-bucket cap list (torch >= 2.11): the first bucket gets its own size, the rest the last entry.
             cap = cfg.bucket_cap_mb if cfg.bucket_cap_mb is not None else tc.DEFAULT_BUCKET_CAP_MB
             caps = {"bucket_cap_mb_list": [cfg.first_bucket_mb, cap]}
         self.module = DistributedDataParallel(

@@ -52,6 +52,7 @@ from dtrain.collectives.sync import GradSync, total_norm
 from dtrain.collectives.tensor_classes import CollectiveSettings, from_config
 from dtrain.collectives.tied_split import TiedEmbeddingSplit, split_params
 from dtrain.common.errors import UserError
+from dtrain.common.torch_version import require_torch
 
 _BLOCK = re.compile(r"^((?:[^.]+\.)*?\d+)\.")  # a parameter's path up to its first numbered module: "decoder.3."
 
@@ -112,8 +113,10 @@ class Fsdp2Sync(GradSync):
     switchable = False
     gather_dtype_exact = False
 
-    def __init__(self, model: nn.Module, cfg, process_group: dist.ProcessGroup | None = None):
-        super().__init__(model, cfg, process_group)
+    def __init__(self, model: nn.Module, cfg, process_group: dist.ProcessGroup | None = None, param_groups=None):
+        super().__init__(model, cfg, process_group, param_groups)
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        group_names = [[name_of[id(p)] for p in g] for g in self.groups]  # `fully_shard` replaces the Parameters
         self.lossless = cfg.gather_dtype is None  # bf16 parameters: another forward, not the exact mean's update
         self.api = api = fsdp2_api()
         device = next(model.parameters()).device
@@ -122,6 +125,8 @@ class Fsdp2Sync(GradSync):
         policy = api.MixedPrecisionPolicy()
         if cfg.gather_dtype == "bf16":
             policy = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.fsdp2_collectives != "stock":
+            require_torch("2.9", "sync.fsdp2_collectives")
         if cfg.fsdp2_collectives != "stock" and device.type != "cpu":
             raise UserError(f"'sync.fsdp2_collectives: {cfg.fsdp2_collectives}' is for a CPU device: on "
                             f"{device.type} FSDP2 overlaps its collectives through its own streams")
@@ -145,6 +150,8 @@ class Fsdp2Sync(GradSync):
         self._projections: list = []  # the splits' projection parts' all-reduces in flight: (split, work)
         for s in self.splits:
             s.param.register_post_accumulate_grad_hook(self._projection_ready(s))
+        named = dict(model.named_parameters())  # FSDP2's DTensors (and a split matrix, whole), under the same names
+        self.groups = [[named[n] for n in g] for g in group_names]
         whole = {id(s.param) for s in self.splits}
         self._sharded = [p for p in model.parameters() if id(p) not in whole]  # FSDP2's DTensors
         # FSDP2's collectives where they are not its own (`sync.fsdp2_collectives`); None: stock
@@ -160,6 +167,7 @@ class Fsdp2Sync(GradSync):
             for m in (*self.units, model):
                 m.set_custom_all_gather(gather)
                 m.set_custom_reduce_scatter(scatter)
+        self._checked = False  # `stepped` has checked the loop's optimizer
         self._gathered = False  # `wait_params` left every unit's parameters gathered
         self._ahead = False  # with `fsdp2_collectives`: this step's all-gathers are issued
         model.register_forward_pre_hook(self._before_forward, prepend=True)
@@ -206,7 +214,11 @@ class Fsdp2Sync(GradSync):
 
     def stepped(self, optimizer: torch.optim.Optimizer | None = None, loss: float | None = None) -> None:
         """With `fsdp2_collectives`, every unit's updated shards all-gathered from now, in the order the forward
-        needs them (the root holds the embedding, which the forward reads first)."""
+        needs them (the root holds the embedding, which the forward reads first). An optimizer built over the
+        parameters `fully_shard` replaced is an error here, at the first step: it would update nothing."""
+        if optimizer is not None and not self._checked:
+            self.check_optimizer(optimizer)
+            self._checked = True
         if self.collectives is not None:
             self._gather_ahead()
 
@@ -277,7 +289,7 @@ class Fsdp2Sync(GradSync):
                  for i, s in sd["state"].items()}
         return {**sd, "state": state}
 
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    def local_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> dict:
         """A whole-model state dict (any strategy's, any world size): each whole tensor cut to this rank's shard
         of the parameter it belongs to."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -293,7 +305,7 @@ class Fsdp2Sync(GradSync):
                 continue
             shards[i] = {k: self.api.distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
                          if isinstance(v, torch.Tensor) and v.shape == p.shape else v for k, v in s.items()}
-        optimizer.load_state_dict({**state, "state": shards})
+        return {**state, "state": shards}
 
     def stats(self) -> dict:
         return {**super().stats(), "units": len(self.units) + 1,

@@ -37,8 +37,8 @@ def _first_tensor(out):
 
 
 class PlannedSync(GradSync):
-    def __init__(self, model, cfg, process_group, strategy: BucketingStrategy):
-        super().__init__(model, cfg, process_group)
+    def __init__(self, model, cfg, process_group, strategy: BucketingStrategy, param_groups=None):
+        super().__init__(model, cfg, process_group, param_groups)
         self.strategy = strategy
         self.name = strategy.name
         self.world = dist.get_world_size(process_group)

@@ -57,8 +57,8 @@ class PowerSGDSync(DDPSync):
     # DDP's bucket knobs, not its `sync.hook`: PowerSGD is the hook
     sync_keys = ("bucket_cap_mb", "first_bucket_mb", "powersgd_rank", "powersgd_start_iter") + CLASS_RULE_KEYS
 
-    def __init__(self, model, cfg, process_group=None):
-        super().__init__(model, cfg, process_group)
+    def __init__(self, model, cfg, process_group=None, param_groups=None):
+        super().__init__(model, cfg, process_group, param_groups)
         self.lossless = False
 
     def comm_hook(self):
