@@ -32,9 +32,9 @@ from torch import nn
 import dtrain
 from dtrain import collectives
 from dtrain.collectives.dist import cleanup
-from dtrain.collectives.race import summary
+from dtrain.collectives.auto.race import summary
 from dtrain.collectives.settings import SyncConfig, TuneConfig
-from dtrain.collectives.strategies.auto import ONLINE_SPACE, candidate_sync
+from dtrain.collectives.auto.space import ONLINE_SPACE, candidate_sync
 
 
 class CausalSelfAttention(nn.Module):

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dtrain import collectives
 from dtrain.collectives.dist import cleanup
 from dtrain.collectives.hooks import per_class_hook
-from dtrain.collectives.race import summary
+from dtrain.collectives.auto.race import summary
 from dtrain.collectives.settings import SyncConfig, TuneConfig
 
 

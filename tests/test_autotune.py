@@ -10,9 +10,9 @@ from dtrain.collectives.costmodel.fit import FittedModel, Regime
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import TUNING_COLUMNS
 from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun, train_ranks
-from dtrain.collectives import tune_model
-from dtrain.collectives.race import Entrant
-from dtrain.collectives.strategies.auto import NCCL_SPACE
+from dtrain.collectives.auto import predict
+from dtrain.collectives.auto.race import Entrant
+from dtrain.collectives.auto.space import NCCL_SPACE
 from dtrain.engine import autotune
 from dtrain.engine import config as config_mod
 from dtrain.engine.model import Transformer
@@ -30,7 +30,7 @@ def test_the_default_space_builds_and_only_lossless_candidates_are_searched_by_d
     cands = autotune.candidates(auto_cfg("train.amp=bf16"))
     assert [c.name for c in cands] == [n for n in flat if n != "fsdp2-bf16"]  # lossy: bf16 params
     assert all(c.lossless for c in cands)
-    assert {tune_model.family(c.cfg.sync) for c in cands} >= {"ddp", "bucketed+split", "sharded+split+rows",
+    assert {predict.family(c.cfg.sync) for c in cands} >= {"ddp", "bucketed+split", "sharded+split+rows",
                                                              "sharded+split+bf16", "fsdp2"}
     # bf16 exchanges are exact only under bf16 autocast: without it they are not in the space
     fp32 = autotune.candidates(auto_cfg("train.amp=fp32"))
@@ -47,7 +47,7 @@ def test_the_default_space_builds_and_only_lossless_candidates_are_searched_by_d
     nodes = autotune.candidates(auto_cfg("train.amp=fp32"))
     hierarchical = [c for c in nodes if c.cfg.sync.hierarchical]
     assert [c.name for c in hierarchical] == ["bucketed-2-hierarchical", "bucketed-8-hierarchical"]
-    assert {tune_model.family(c.cfg.sync) for c in hierarchical} == {"bucketed+hierarchical"}
+    assert {predict.family(c.cfg.sync) for c in hierarchical} == {"bucketed+hierarchical"}
     monkeypatch.setattr(autotune.ddist, "world_size", lambda: 2)  # one node of 2 ranks: out again
     assert not any(c.cfg.sync.hierarchical for c in autotune.candidates(auto_cfg("train.amp=fp32")))
 
@@ -57,7 +57,7 @@ def test_the_default_space_builds_and_only_lossless_candidates_are_searched_by_d
     per_group = autotune.candidates(auto_cfg("train.amp=fp32", "collectives.mode=per_group"))
     nccl = [c for c in per_group if c.name in NCCL_SPACE]
     assert [c.name for c in nccl] == list(NCCL_SPACE) and nccl[0].cfg.sync.classes["projection"].protocol == "LL"
-    assert {tune_model.family(c.cfg.sync) for c in nccl} == {"per_class+nccl"}
+    assert {predict.family(c.cfg.sync) for c in nccl} == {"per_class+nccl"}
     assert not any(c.name in NCCL_SPACE for c in autotune.candidates(auto_cfg("train.amp=fp32")))
 
     space = "{fp32: {strategy: per_class}, bf16: {strategy: per_class, classes.embedding.wire_dtype: bf16}}"
@@ -88,20 +88,20 @@ def test_the_prediction_charges_the_exposed_tail_on_a_slow_network():
     cfg = config_mod.load(REPO / "dtrain" / "profiles" / "multi30k-cpu.yaml", ["sync.strategy=auto"])  # ~10 MB of gradients
     with torch.device("meta"):
         model = Transformer.from_config(cfg.model, cfg.data.vocab_size)
-    probe = tune_model.Probe(forward_ms=40.0, backward_ms=80.0, optimizer_ms=10.0, step_ms=140.0)
+    probe = predict.Probe(forward_ms=40.0, backward_ms=80.0, optimizer_ms=10.0, step_ms=140.0)
     slow = FittedModel({"x": [Regime(float("inf"), 100.0, 0.01)]}, "allreduce", 2)  # 10 MB/s after 100 µs
     fast = FittedModel({"x": [Regime(float("inf"), 1.0, 100.0)]}, "allreduce", 2)
-    pred = {c.name: tune_model.predict_ms(c.cfg.sync, model, probe, slow, 2, "gloo")
+    pred = {c.name: predict.predict_ms(c.cfg.sync, model, probe, slow, 2, "gloo")
             for c in autotune.candidates(cfg)}
     assert pred["ddp-25"] > pred["ddp-2"] > probe.step_ms  # one big bucket waits for the end of backward
     assert pred["bucketed-0.5"] < pred["bucketed-8"]
-    on_fast = tune_model.predict_ms(autotune.candidates(cfg)[0].cfg.sync, model, probe, fast, 2, "gloo")
+    on_fast = predict.predict_ms(autotune.candidates(cfg)[0].cfg.sync, model, probe, fast, 2, "gloo")
     assert probe.step_ms <= on_fast < pred["ddp-2"]
     powersgd = config_mod.load(REPO / "dtrain" / "profiles" / "multi30k-cpu.yaml", ["sync.strategy=powersgd"])
-    assert tune_model.predict_ms(powersgd.sync, model, probe, slow, 2, "gloo") is None
+    assert predict.predict_ms(powersgd.sync, model, probe, slow, 2, "gloo") is None
     hierarchical = config_mod.load(REPO / "dtrain" / "profiles" / "multi30k-cpu.yaml",
                                    ["sync.strategy=bucketed", "sync.hierarchical=true"])
-    assert tune_model.predict_ms(hierarchical.sync, model, probe, slow, 4, "gloo") is None  # measured, not predicted
+    assert predict.predict_ms(hierarchical.sync, model, probe, slow, 4, "gloo") is None  # measured, not predicted
 
 
 def entrants(cands, predictions):
@@ -112,7 +112,7 @@ def entrants(cands, predictions):
 
 def test_pruning_keeps_the_best_predicted_and_every_unpredicted_candidate():
     cands, syncs = entrants(autotune.candidates(auto_cfg())[:5], (300.0, None, 100.0, 200.0, 400.0))
-    racing = tune_model.prune(cands, syncs, top_k=2)
+    racing = predict.prune(cands, syncs, top_k=2)
     assert [c.name for c in racing] == [cands[2].name, cands[3].name, cands[1].name]
     assert [c.predicted_rank for c in cands] == [3, None, 1, 2, 4]
     dropped = [c for c in cands if c.status == "dropped: predicted"]
@@ -129,7 +129,7 @@ def test_pruning_measures_each_familys_best_first_within_the_slack():
 
     def prune(top_k):
         cands, syncs = entrants([by_name[n] for n in names], predictions)
-        return [c.name for c in tune_model.prune(cands, syncs, top_k)], {c.name for c in cands if c.status}
+        return [c.name for c in predict.prune(cands, syncs, top_k)], {c.name for c in cands if c.status}
 
     assert prune(1) == (["bucketed-0.5", "ddp-2"], {"bucketed-2", "bucketed-8", "ddp-25", "sharded-2"})
     assert prune(2) == (["bucketed-0.5", "ddp-2"], {"bucketed-2", "bucketed-8", "ddp-25", "sharded-2"})

@@ -1,5 +1,5 @@
 """`attach(model, SyncConfig(strategy="auto"))`: the search inside any training loop, on the one model
-(`dtrain.collectives.strategies.auto.OnlineSearch`)."""
+(`dtrain.collectives.auto.search.OnlineSearch`)."""
 
 import gc
 import threading
@@ -15,7 +15,8 @@ from test_strategies import one_rank  # noqa: F401 - the one-rank gloo group fix
 from dtrain.collectives import dist as ddist
 from dtrain.collectives import attach
 from dtrain.collectives.settings import SyncConfig, TuneConfig
-from dtrain.collectives.strategies.auto import NCCL_SPACE, ONLINE_SPACE, OnlineSearch, candidate_sync
+from dtrain.collectives.auto.search import OnlineSearch
+from dtrain.collectives.auto.space import NCCL_SPACE, ONLINE_SPACE, candidate_sync
 from dtrain.common.errors import UserError
 from dtrain.engine import verify
 

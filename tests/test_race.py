@@ -1,6 +1,6 @@
-"""The race behind both searches (`dtrain.collectives.race`): the paired dropping rule and the pick."""
+"""The race behind both searches (`dtrain.collectives.auto.race`): the paired dropping rule and the pick."""
 
-from dtrain.collectives import race
+from dtrain.collectives.auto import race
 
 
 def _three():

@@ -59,7 +59,7 @@ class HookConfig:
 
 @dataclass(frozen=True)
 class TuneConfig:
-    """`sync.tune`: how `sync.strategy: auto` searches (`dtrain.collectives.strategies.auto`, through `attach` or in
+    """`sync.tune`: how `sync.strategy: auto` searches (`dtrain.collectives.auto`, through `attach` or in
     dtrain's trainer, `dtrain.engine.autotune`). Budgets count training steps: each measured round runs one step of
     every candidate still in the race (and a lead-in step of each sharding one)."""
 

@@ -1,7 +1,7 @@
 """`sync.strategy: auto` in dtrain's trainer: the job picks its gradient-communication configuration by measuring
 candidates on its own first training steps, then trains on with the winner.
 
-The search is `attach`'s (`dtrain.collectives.strategies.auto.OnlineSearch`): one model, no replica. The trainer
+The search is `attach`'s (`dtrain.collectives.auto.search.OnlineSearch`): one model, no replica. The trainer
 attaches it like any strategy, over this module's space, and every search step is a training step of the run, in its
 records:
 1. **Candidates**: `sync.tune.candidates` (name -> `sync` keys), or DEFAULT_SPACE. Lossy ones (a bf16/fp16 wire,
@@ -10,7 +10,7 @@ records:
    the hierarchical plan only where the job's nodes hold several ranks each; per-class NCCL protocol, algorithm and
    CTA bounds only on NCCL with `collectives.mode` per_group or tuner (global mode sets one choice for the job).
 2. **Probe and pruning**: the run's first `probe_steps` steps under stock DDP's defaults, and a timing of the
-   job's own process group, predict each candidate's step (`dtrain.collectives.tune_model`, MODELED); `top_k` go
+   job's own process group, predict each candidate's step (`dtrain.collectives.auto.predict`, MODELED); `top_k` go
    on, each family's best predicted first. FSDP2 (`fully_shard` replaces the model's parameters for good, so it
    cannot be switched in and out) is predicted and listed, never measured.
 3. **The race**: rounds of one training step per candidate, in an order shuffled per round and equal on every rank;
@@ -36,9 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.collectives import dist as ddist
-from dtrain.collectives import race, strategies, tune_model
-from dtrain.collectives.race import Entrant
-from dtrain.collectives.strategies.auto import ONLINE_SPACE, OnlineSearch, default_space, is_lossless
+from dtrain.collectives import strategies
+from dtrain.collectives.auto import predict, race
+from dtrain.collectives.auto.race import Entrant
+from dtrain.collectives.auto.search import OnlineSearch
+from dtrain.collectives.auto.space import ONLINE_SPACE, default_space, is_lossless
 from dtrain.common.errors import UserError
 from dtrain.common.files import replace_atomically
 from dtrain.common.rundir import TUNED, TUNING, TUNING_COLUMNS
@@ -151,7 +153,7 @@ class SearchRecord:
         world = ddist.world_size()
         for e in self.unsearched:
             sync = next(c for c in self.cands if c.name == e.name).cfg.sync
-            e.predicted_ms = tune_model.predict_ms(sync, self.tr.model, s.probe, s.net, world, self.tr.backend)
+            e.predicted_ms = predict.predict_ms(sync, self.tr.model, s.probe, s.net, world, self.tr.backend)
 
     def entrants(self) -> list[Entrant]:
         return self.online.entrants + self.unsearched

@@ -19,7 +19,7 @@ import yaml
 from dtrain.collectives.config import validate as validate_comm
 from dtrain.collectives.settings import CollectivesConfig, DistConfig, SyncConfig
 from dtrain.collectives.strategies import unused_keys
-from dtrain.collectives.strategies.auto import candidate_raw
+from dtrain.collectives.auto.space import candidate_raw
 from dtrain.common.errors import UserError
 from dtrain.common.schema import Source, apply_overrides, build, read_overlay
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from dtrain.collectives import strategies  # module import: dtrain.collectives.strategies imports this package back (planned.py)
+from dtrain.collectives import registry
 from dtrain.collectives.nccl.versions import per_collective_syntax, version_str
 from dtrain.collectives.settings import NcclSettings
 from dtrain.common.errors import UserError
@@ -16,8 +16,8 @@ NEEDS_HARDWARE = {"CollNetDirect": "a CollNet (SHARP) network plugin", "CollNetC
 
 
 def creates_class_groups(strategy: str) -> bool:
-    """Whether the strategy sends each class through its own group (`class_groups` of dtrain.collectives.strategies)."""
-    return strategies.get(strategy).class_groups
+    """Whether the strategy sends each class through its own group (its `class_groups` in dtrain.collectives.registry)."""
+    return registry.get(strategy).class_groups
 
 
 def _searched(sync) -> list[str]:

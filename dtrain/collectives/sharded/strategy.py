@@ -43,7 +43,7 @@ from dtrain.collectives.sharded.exchange import exchange_plan, member_offsets
 from dtrain.collectives.sharded.grads import HiddenGrad, hidden_grad
 from dtrain.collectives.sharded.reducer import ShardedReducer
 from dtrain.collectives.sharded.rows import ShardedTiedSplit
-from dtrain.collectives.strategies import CLASS_RULE_KEYS, register
+from dtrain.collectives.registry import CLASS_RULE_KEYS, register
 from dtrain.collectives.strategies.bucketed import Bucketed
 from dtrain.collectives.strategies.planned import PlannedSync
 from dtrain.collectives.sync import param_groups_of, total_norm

@@ -1,63 +1,22 @@
-"""Registry of gradient synchronization strategies: `register(name)`, `available()`, `attachable()`, `build(name, ...)`, and
-`plan_for(sync, params)`, the one bucket plan of a sync section that training, the cost model and the simulator use.
+"""Gradient synchronization strategies, each registered by its module in `dtrain.collectives.registry`, and
+`build`/`attach`, which make a strategy's handle. Importing this package imports every strategy (and so registers
+it); the registry's names are handed on from here for the layers above.
 
-A registered class is either a `GradSync` subclass (ddp, powersgd, noop: they synchronize by themselves) or a
-`BucketingStrategy` (per_tensor, flat, bucketed, per_class: a pure plan that `PlannedSync` executes with the reducer;
-sharded: one that `ShardedSync` executes with the sharded reducer; fsdp2 runs torch's FSDP2 and models itself by a plan
-of its own). `auto` is neither: the engine's tuner picks one of
-the others by measurement.
-Each declares the `sync` keys it reads (`sync_keys`); `unused_keys(sync)` names those a profile sets in vain, which
-`dtrain.collectives.config.validate` refuses.
+A registered `BucketingStrategy` (per_tensor, flat, bucketed, per_class, sharded) is executed by its `handle` class
+(`PlannedSync` unless it names its own); a registered `GradSync` (ddp, powersgd, noop, fsdp2) is its own handle.
+`auto` (`dtrain.collectives.auto`) is a `GradSync` that builds the others through `build`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import NamedTuple
-
-from dtrain.collectives import tensor_classes
-from dtrain.collectives.plan import Bucket, BucketingStrategy, plan_params
-from dtrain.collectives.settings import ClassSettings, SyncConfig
-from dtrain.collectives.sync import GradSync
-from dtrain.common.errors import UserError
-
-_REGISTRY: dict[str, type] = {}
-
-# What strategies declare in `sync_keys` for the keys under each `sync.classes.<class>`. The rule keys say which
-# parameters form a class: every strategy that records its buckets labels them with their class. The setting keys
-# say how a class's buckets travel (wire dtype, bucket cap, the NCCL choices of its own communicator): only a
-# strategy that buckets and sends each class on its own reads them.
-CLASS_RULE_KEYS = ("classes.match", "classes.min_numel", "classes.max_numel")
-# The hierarchical plan (`dtrain.collectives.hierarchy`), which the planned strategies without class groups offer.
-HIERARCHY_KEYS = ("hierarchical", "ranks_per_node")
-CLASS_SETTING_KEYS = tuple(f"classes.{f.name}" for f in dataclasses.fields(ClassSettings)
-                           if f"classes.{f.name}" not in CLASS_RULE_KEYS)
-
-
-def register(name: str):
-    def deco(cls):
-        if name in _REGISTRY:
-            raise ValueError(f"strategy '{name}' is already registered by {_REGISTRY[name].__module__}")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def available() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def attachable() -> list[str]:
-    """The strategies `attach` builds, each on its own (`auto`, a search over them, is attached too)."""
-    return [n for n in available() if n != "auto" and issubclass(_REGISTRY[n], (BucketingStrategy, GradSync))]
-
-
-def get(name: str) -> type:
-    if name not in _REGISTRY:
-        raise UserError(f"unknown strategy '{name}' for 'sync.strategy' (available: {', '.join(available())})")
-    return _REGISTRY[name]
+from dtrain.collectives.registry import (  # noqa: F401 (handed on)
+    CLASS_RULE_KEYS, CLASS_SETTING_KEYS, HIERARCHY_KEYS, Plan, attachable, available, get, plan_for, planner, register,
+    unused_keys)
+from dtrain.collectives.plan import BucketingStrategy
+from dtrain.collectives.sharded import strategy as sharded  # noqa: F401 (registers it)
+from dtrain.collectives.strategies import (  # noqa: F401 (each registers itself)
+    bucketed, ddp, flat, fsdp2, noop, per_class, per_tensor, powersgd)
+from dtrain.collectives.strategies.planned import PlannedSync
 
 
 def build(name: str, model, cfg, process_group=None, param_groups=None):
@@ -73,61 +32,3 @@ def attach(model, cfg, process_group=None, param_groups=None):
     parameters (None: one group), which `handle.optimizer_groups()` maps to what the strategy updates. Exported as
     `collectives.attach`; `dtrain.collectives.wrap` does it for a loop's existing model and optimizer."""
     return build(cfg.strategy, model, cfg, process_group, param_groups)
-
-
-def _is_default(f: dataclasses.Field, value) -> bool:
-    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    return value == default
-
-
-def unused_keys(sync: SyncConfig) -> list[tuple[str, str]]:
-    """(dotted key, message) for every key of `sync` set to a non-default value that its strategy does not read
-    (its `sync_keys`). A key at its default counts as not set: a resolved config (config.yaml) names every key."""
-    if sync.strategy not in _REGISTRY:
-        return []  # the unknown name is the error to report
-    used = _REGISTRY[sync.strategy].sync_keys
-    found = [f"sync.{f.name}" for f in dataclasses.fields(SyncConfig)
-             if f.name not in ("strategy", "classes") and f.name not in used
-             and not _is_default(f, getattr(sync, f.name))]
-    for name, spec in sync.classes.items():
-        found += [f"sync.classes.{name}.{f.name}" for f in dataclasses.fields(ClassSettings)
-                  if f"classes.{f.name}" not in used and not _is_default(f, getattr(spec, f.name))]
-    own = [f"sync.{k}" for k in used if not k.startswith("classes.")]
-    class_keys = [k.split(".", 1)[1] for k in used if k.startswith("classes.")]
-    if class_keys:
-        own.append(f"sync.classes.<class>.({', '.join(class_keys)})")
-    return [(key, f"is not used by strategy '{sync.strategy}' (its keys: {', '.join(own) or 'none'})")
-            for key in found]
-
-
-class Plan(NamedTuple):
-    buckets: list[Bucket]  # in launch order
-    overlap: bool  # launched from the gradient hooks (else all at wait())
-    class_groups: bool  # each tensor class on its own communicator, with its own NCCL settings
-
-
-def planner(name: str) -> type[BucketingStrategy]:
-    """The bucketing strategy whose plan models strategy `name` (itself, or what it `plans_like`)."""
-    cls = get(name)
-    if cls.plans_like:  # a registered strategy's name, or a plan of its own that is never executed (fsdp2's)
-        cls = cls.plans_like if isinstance(cls.plans_like, type) else get(cls.plans_like)
-    if not (isinstance(cls, type) and issubclass(cls, BucketingStrategy)):
-        names = [n for n in available() if get(n).plans_like]
-        names += [n for n in available() if issubclass(get(n), BucketingStrategy)]
-        raise UserError(f"strategy '{name}' has no bucket plan to model (planned strategies: {', '.join(names)})")
-    return cls
-
-
-def plan_for(sync, named_params) -> Plan:
-    """The buckets of `sync` (a `SyncConfig`) over `named_params`, (name, tensor) pairs in expected ready order (meta
-    tensors do: only numel and dtype are read)."""
-    strategy = planner(sync.strategy).from_sync(sync)
-    buckets, _, _ = plan_params(strategy, tensor_classes.from_config(sync), named_params)
-    return Plan(buckets, strategy.overlap, strategy.class_groups)
-
-
-# Importing the modules registers their strategies; PlannedSync runs the plans (ShardedSync the sharded one's).
-from dtrain.collectives.strategies import bucketed, ddp, flat, noop, per_class, per_tensor, powersgd  # noqa: E402,F401
-from dtrain.collectives.strategies.planned import PlannedSync  # noqa: E402
-from dtrain.collectives.strategies import auto, fsdp2  # noqa: E402,F401
-from dtrain.collectives.sharded import strategy as sharded  # noqa: E402,F401

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtrain.collectives.plan import BucketingStrategy, pack
-from dtrain.collectives.strategies import CLASS_RULE_KEYS, HIERARCHY_KEYS, register
+from dtrain.collectives.registry import CLASS_RULE_KEYS, HIERARCHY_KEYS, register
 from dtrain.collectives.tensor_classes import DEFAULT_BUCKET_CAP_MB, CollectiveSettings
 
 DDP_FIRST_BUCKET_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES

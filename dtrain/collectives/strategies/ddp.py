@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.collectives import hooks
 from dtrain.collectives import tensor_classes as tc
-from dtrain.collectives.strategies import CLASS_RULE_KEYS, register
+from dtrain.collectives.registry import CLASS_RULE_KEYS, register
 from dtrain.collectives.sync import GradSync
 from dtrain.collectives.timing import Stamp, record_ms, stamp
 from dtrain.common.rundir import BucketRecord

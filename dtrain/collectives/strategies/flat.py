@@ -4,7 +4,7 @@ collectives, with all of the communication exposed."""
 from __future__ import annotations
 
 from dtrain.collectives.plan import Bucket, BucketingStrategy
-from dtrain.collectives.strategies import CLASS_RULE_KEYS, HIERARCHY_KEYS, register
+from dtrain.collectives.registry import CLASS_RULE_KEYS, HIERARCHY_KEYS, register
 from dtrain.collectives.tensor_classes import CollectiveSettings
 
 

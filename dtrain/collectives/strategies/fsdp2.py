@@ -47,7 +47,7 @@ from torch import nn
 
 from dtrain.collectives.fsdp2_collectives import AsyncAllGather, Exchanges, ReduceScatters
 from dtrain.collectives.plan import BucketingStrategy, pack
-from dtrain.collectives.strategies import register
+from dtrain.collectives.registry import register
 from dtrain.collectives.sync import GradSync, total_norm
 from dtrain.collectives.tensor_classes import CollectiveSettings, from_config
 from dtrain.collectives.tied_split import TiedEmbeddingSplit, split_params

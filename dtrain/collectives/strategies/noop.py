@@ -1,7 +1,7 @@
 """`noop`: no gradient communication at all. The headroom baseline for step-time measurements only: ranks drift
 apart, so its runs are marked `communicates: false` in their records and never scored as training results."""
 
-from dtrain.collectives.strategies import register
+from dtrain.collectives.registry import register
 from dtrain.collectives.sync import GradSync
 
 

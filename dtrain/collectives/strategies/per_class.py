@@ -5,7 +5,7 @@ wire dtype (fp32; bf16 or fp16: cast, all-reduce, cast back) and process group, 
 from __future__ import annotations
 
 from dtrain.collectives.plan import BucketingStrategy, pack
-from dtrain.collectives.strategies import CLASS_RULE_KEYS, CLASS_SETTING_KEYS, register
+from dtrain.collectives.registry import CLASS_RULE_KEYS, CLASS_SETTING_KEYS, register
 
 
 @register("per_class")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from dtrain.collectives.strategies import CLASS_RULE_KEYS, register
+from dtrain.collectives.registry import CLASS_RULE_KEYS, register
 from dtrain.collectives.strategies.ddp import DDPSync
 
 

@@ -1,7 +1,7 @@
 """The search's predictions: each candidate's step time, MODELED from what the job measured of itself, and the
 pruning by them (`sync.tune.top_k`).
 
-Two measurements feed it, both taken by `attach`'s search (`dtrain.collectives.strategies.auto`) on the job itself:
+Two measurements feed it, both taken by `attach`'s search (`dtrain.collectives.auto.search`) on the job itself:
 - the probe: the run's first `probe_steps` training steps under one candidate (stock DDP's defaults where the space
   holds them): their forward, backward and optimizer times, the step less the time `wait()` blocked being the
   compute every candidate shares;
@@ -152,7 +152,7 @@ def family(sync) -> str:
 
 
 def prune(cands: list, syncs: dict, top_k: int, keep: set[str] = frozenset()) -> list:
-    """The entrants to measure (`dtrain.collectives.race.Entrant`, their `predicted_ms` set; `syncs`: name ->
+    """The entrants to measure (`dtrain.collectives.auto.race.Entrant`, their `predicted_ms` set; `syncs`: name ->
     SyncConfig): those named in `keep`; the best predicted member of every family whose prediction is within
     FAMILY_SLACK of the best one, however many that is; then, up to `top_k` in all, the best predicted of the rest;
     and every one without a prediction (PowerSGD: no bucket plan to play). The others are marked dropped. Ranks are

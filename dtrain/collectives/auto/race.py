@@ -1,7 +1,7 @@
 """The race behind `sync.strategy: auto`: candidates measured on the same training steps, round by round, and
 dropped once the paired differences say they are slower.
 
-The search behind `attach` (`dtrain.collectives.strategies.auto`) runs it inside any training loop, dtrain's trainer's
+The search behind `attach` (`dtrain.collectives.auto.search`) runs it inside any training loop, dtrain's trainer's
 too (`dtrain.engine.autotune`).
 Each round runs every candidate still in the race once, in an order shuffled per round and equal on every rank. A
 candidate's time in a round is the mean over the ranks, so every rank decides alike.
@@ -25,7 +25,7 @@ class Entrant:
     diff: tuple[float, float, float] | None = None  # paired (median, low, high) ms against the winner / leader
     status: str = ""
     reason: str = ""
-    predicted_ms: float | None = None  # MODELED (`dtrain.collectives.tune_model`), where the search pruned
+    predicted_ms: float | None = None  # MODELED (`dtrain.collectives.auto.predict`), where the search pruned
     predicted_rank: int | None = None
 
     @property

@@ -28,7 +28,7 @@ A lossy candidate is searched only with `sync.tune.lossy`, judged by the loss th
 
 Where more candidates than `sync.tune.top_k` are in the space, the run's first `probe_steps` steps (under stock
 DDP's defaults where the space holds them) are timed phase by phase and the job's group is timed at a few sizes;
-`dtrain.collectives.tune_model` predicts each candidate's step from that and keeps `top_k` for the race (each
+`dtrain.collectives.auto.predict` predicts each candidate's step from that and keeps `top_k` for the race (each
 family's best predicted first). A candidate's handle is built at its first turn, so the dropped ones never are.
 
 The loop must call `stepped()` after `optimizer.step()`: a candidate's step is timed from its first forward to there.
@@ -40,146 +40,20 @@ import math
 import random
 import time
 from contextlib import AbstractContextManager
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.collectives import hooks, race, tensor_classes, tune_model
-from dtrain.collectives.dist import local_world_size
-from dtrain.collectives.settings import ClassSettings, SyncConfig
-from dtrain.collectives.strategies import CLASS_RULE_KEYS, attachable, build, get, planner, register, unused_keys
+from dtrain.collectives.auto import predict, race
+from dtrain.collectives.auto.space import (
+    ONLINE_SPACE, PROBE, candidate_sync, default_space, is_lossless, shards, splits_apply)
+from dtrain.collectives.registry import CLASS_RULE_KEYS, attachable, get, register
+from dtrain.collectives.strategies import build
 from dtrain.collectives.sync import Front, GradSync, move_optimizer
-from dtrain.collectives.tied_split import unsplittable
 from dtrain.common import host_memory
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
-from dtrain.common.schema import Source, build as build_section, set_dotted
-
-# The configurations that keep the parameters whole, at caps around the sizes of the base model's tensors. The
-# hierarchical plan joins only where the job's nodes hold several ranks (`multi_rank_nodes`).
-REPLICATED_SPACE: dict[str, dict[str, Any]] = {
-    "ddp-25": {"strategy": "ddp", "bucket_cap_mb": 25},  # stock DDP's defaults
-    "ddp-2": {"strategy": "ddp", "bucket_cap_mb": 2},
-    "bucketed-0.5": {"strategy": "bucketed", "bucket_cap_mb": 0.5},
-    "bucketed-2": {"strategy": "bucketed", "bucket_cap_mb": 2},
-    "bucketed-8": {"strategy": "bucketed", "bucket_cap_mb": 8},
-    "bucketed-8-first1": {"strategy": "bucketed", "bucket_cap_mb": 8, "first_bucket_mb": 1},
-    "bucketed-8-last1": {"strategy": "bucketed", "bucket_cap_mb": 8, "last_bucket_mb": 1},
-    "per_class-2-embedding16": {"strategy": "per_class", "bucket_cap_mb": 2, "classes.embedding.bucket_cap_mb": 16},
-    "bucketed-0.5-split": {"strategy": "bucketed", "bucket_cap_mb": 0.5, "classes.embedding.tied_split": True},
-    "bucketed-2-split": {"strategy": "bucketed", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
-    "bucketed-2-hierarchical": {"strategy": "bucketed", "bucket_cap_mb": 2, "hierarchical": True},
-    "bucketed-8-hierarchical": {"strategy": "bucketed", "bucket_cap_mb": 8, "hierarchical": True},
-}
-# `sharded` at the same caps, with and without the split (and the split sharded by rows): the optimizer updates
-# shards, so switching to or from one moves its state (the module's docstring).
-SHARDED_SPACE: dict[str, dict[str, Any]] = {
-    "sharded-0.5": {"strategy": "sharded", "bucket_cap_mb": 0.5},
-    "sharded-2": {"strategy": "sharded", "bucket_cap_mb": 2},
-    "sharded-8": {"strategy": "sharded", "bucket_cap_mb": 8},
-    "sharded-1-split": {"strategy": "sharded", "bucket_cap_mb": 1, "classes.embedding.tied_split": True},
-    "sharded-2-split": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
-    "sharded-2-split-rows": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True,
-                             "shard_tied_split": True},
-}
-# Per-class NCCL choices, only where the job's group runs on NCCL (`per_class`: each tensor class on its own
-# communicator, created with its class's NCCL_PROTO/NCCL_ALGO and ncclConfig_t CTA bounds; NCCL's documentation of
-# its environment variables and of ncclConfig_t): the small, latency-bound classes on LL in 1 MiB buckets and the
-# embedding's large gradient on Simple with at most 16 CTAs; LL128 for every class but the embedding; Tree for all.
-_EVERY_CLASS = ("embedding", "norm_bias", "projection", "ffn", "other")
-NCCL_SPACE: dict[str, dict[str, Any]] = {
-    "per_class-1-LL": {"strategy": "per_class", "bucket_cap_mb": 2,
-                       "classes.projection.bucket_cap_mb": 1, "classes.projection.protocol": "LL",
-                       "classes.norm_bias.bucket_cap_mb": 1, "classes.norm_bias.protocol": "LL",
-                       "classes.embedding.protocol": "Simple", "classes.embedding.max_ctas": 16},
-    "per_class-2-LL128": {"strategy": "per_class", "bucket_cap_mb": 2,
-                          **{f"classes.{c}.protocol": "LL128" for c in _EVERY_CLASS if c != "embedding"}},
-    "per_class-2-Tree": {"strategy": "per_class", "bucket_cap_mb": 2,
-                         **{f"classes.{c}.algorithm": "Tree" for c in _EVERY_CLASS}},
-}
-# The default space of `OnlineSearch` (the hierarchical plan only on nodes of several ranks, the split only where
-# the model has one tied embedding, NCCL_SPACE only on NCCL: `default_space`): every lossless family that can be
-# switched on the one model without knowing the loop's autocast (bf16 exchanges are exact only under bf16 autocast:
-# the engine's space adds them).
-ONLINE_SPACE: dict[str, dict[str, Any]] = {**REPLICATED_SPACE, **SHARDED_SPACE, **NCCL_SPACE}
-
-
-PROBE = "ddp-25"  # the probe's candidate where the space holds it: stock DDP's defaults, the step users start from
-
-
-def default_space(space: dict[str, dict[str, Any]], world: int, class_nccl: bool) -> dict[str, dict[str, Any]]:
-    """The candidates of a default `space` that apply to this job: the hierarchical plan where nodes hold several
-    ranks (`multi_rank_nodes`), NCCL_SPACE where each class's communicator can get its own NCCL choices
-    (`class_nccl`)."""
-    return {name: keys for name, keys in space.items()
-            if (not keys.get("hierarchical") or multi_rank_nodes(world)) and (name not in NCCL_SPACE or class_nccl)}
-
-
-def multi_rank_nodes(world: int) -> bool:
-    """Whether `world` ranks run as more than one node of more than one rank each (torchrun's LOCAL_WORLD_SIZE)."""
-    local = local_world_size() or 1
-    return 1 < local < world and world % local == 0
-
-
-def candidate_raw(base: SyncConfig, name: str, keys: Any) -> dict:
-    """Candidate `name`'s raw `sync` mapping, for both searches: its dotted `sync` keys over `base`'s class rules
-    (which parameters form each class). Keys that are not a mapping naming a strategy are a one-line error."""
-    where = f"sync.tune.candidates.{name}"
-    if not isinstance(keys, dict) or keys.get("strategy") in (None, "auto") or "tune" in keys:
-        raise UserError(f"'{where}' must name a strategy other than auto (and no 'tune'), got {keys}")
-    rules = [k.split(".", 1)[1] for k in CLASS_RULE_KEYS]
-    raw: dict = {"classes": {c: {k: getattr(spec, k) for k in rules if getattr(spec, k) != getattr(ClassSettings, k)}
-                             for c, spec in base.classes.items()}}
-    for key, value in keys.items():
-        set_dotted(raw, str(key), value, f"{where}: '{key}'")
-    return raw
-
-
-def candidate_sync(base: SyncConfig, name: str, keys: Any) -> SyncConfig:
-    """Candidate `name`'s `SyncConfig` (`candidate_raw`), read by the strict loader. A bad key is a one-line error
-    naming `sync.tune.candidates.<name>`."""
-    where = f"sync.tune.candidates.{name}"
-    raw = candidate_raw(base, name, keys)
-    try:
-        sync = build_section(SyncConfig, raw, "sync", Source(where))
-    except UserError as e:
-        raise UserError(f"'{where}': {e}") from None
-    for key, message in unused_keys(sync):
-        raise UserError(f"'{where}': '{key}' {message}")
-    return sync
-
-
-def is_lossless(sync) -> bool:
-    """Whether every rank's averaged gradient is the exact mean: the strategy's own answer, fp32 on the wire, and
-    for a DDP comm hook what `dtrain.collectives.hooks.resolve` says of it (the per-class hook: its classes' wire
-    dtypes)."""
-    fp32 = all(c.wire_dtype == "fp32" for c in sync.classes.values())
-    hook = hooks.resolve(sync.hook) if "hook" in get(sync.strategy).sync_keys else None
-    if hook is not None and not hook.per_class:
-        return hook.lossless
-    cls = get(sync.strategy)
-    narrowed = "gather_dtype" in cls.sync_keys and sync.gather_dtype is not None and not cls.gather_dtype_exact
-    return cls.lossless and fp32 and not narrowed
-
-
-def _shards(strategy: str) -> bool:
-    """Whether `strategy` hands the optimizer shards instead of the model's parameters (sharded, fsdp2)."""
-    try:
-        return planner(strategy).shards
-    except UserError:  # no bucket plan (powersgd, noop): the parameters stay whole
-        return False
-
-
-def _splits_apply(sync: SyncConfig, model: nn.Module) -> bool:
-    """Whether every class `sync` splits (`tied_split`) holds exactly one of `model`'s parameters."""
-    split = [c for c, spec in sync.classes.items() if spec.tied_split]
-    if not split:
-        return True
-    of = tensor_classes.from_config(sync).assign(model.named_parameters())
-    held = {c: [n for n, k in of.items() if k == c] for c in split}
-    return all(len(names) == 1 and unsplittable(model, names[0]) is None for names in held.values())
 
 
 @register("auto")
@@ -198,7 +72,7 @@ class OnlineSearch(GradSync):
         space = t.candidates or default_space(ONLINE_SPACE, world, dist.get_backend(process_group) == "nccl")
         syncs = {name: candidate_sync(cfg, name, keys) for name, keys in space.items()}
         if not t.candidates:  # the default space: the split only where the model has one tied embedding to split
-            syncs = {name: sync for name, sync in syncs.items() if _splits_apply(sync, model)}
+            syncs = {name: sync for name, sync in syncs.items() if splits_apply(sync, model)}
         for name, sync in syncs.items():
             if not get(sync.strategy).switchable:
                 raise UserError(f"'sync.tune.candidates.{name}': {sync.strategy} replaces the model's parameters "
@@ -212,7 +86,7 @@ class OnlineSearch(GradSync):
         self.handles: dict[str, GradSync] = {}
         self.syncs = syncs
         self.lossless = all(is_lossless(sync) for sync in syncs.values())
-        self.sharding = {name: _shards(sync.strategy) for name, sync in syncs.items()}
+        self.sharding = {name: shards(sync.strategy) for name, sync in syncs.items()}
         self.entrants = [race.Entrant(name, is_lossless(sync)) for name, sync in syncs.items()]
         self.alive = list(self.entrants)
         self.budget, self.steps_run, self.rounds = t.budget_steps, 0, 0
@@ -225,7 +99,7 @@ class OnlineSearch(GradSync):
         # `probe_steps` steps under stock DDP's defaults if the space holds them, timed phase by phase.
         self.probing = t.probe_steps if len(self.entrants) > t.top_k else 0
         self.probe_steps: list[tuple[float, float, float, float]] = []  # (forward, backward, optimizer, compute)
-        self.probe: tune_model.Probe | None = None
+        self.probe: predict.Probe | None = None
         self.net = None  # the fitted all-reduce cost of the job's group, after the probe
         # Kept host memory (the trainer's default) would end the search with the heap holding every candidate's
         # layout of freed blocks: large blocks are mapped apart until the winner is laid out (`_next`).
@@ -326,24 +200,24 @@ class OnlineSearch(GradSync):
             return
         # Averaged over the ranks, so every rank predicts and prunes alike.
         t0 = time.perf_counter()
-        sizes = tune_model.bench_sizes(sum(p.numel() * p.element_size() for p in self.model.parameters()))
-        mine = tune_model.probe_of(self.probe_steps) + tune_model.time_allreduce(self.device, sizes, self.process_group)
+        sizes = predict.bench_sizes(sum(p.numel() * p.element_size() for p in self.model.parameters()))
+        mine = predict.probe_of(self.probe_steps) + predict.time_allreduce(self.device, sizes, self.process_group)
         timing_ms = (time.perf_counter() - t0) * 1000
         world = dist.get_world_size(self.process_group)
         total = torch.tensor(mine + [timing_ms], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.process_group)
         avg = [v / world for v in total.tolist()]
-        self.probe = tune_model.Probe(*avg[:4])
-        self.net = tune_model.network_model(sizes, avg[4:-1], world)
+        self.probe = predict.Probe(*avg[:4])
+        self.net = predict.network_model(sizes, avg[4:-1], world)
         # the network timing counts as the steps its time would have held
         self.timing_steps = math.ceil(avg[-1] / max(self.probe.step_ms, 1e-3))
         backend = dist.get_backend(self.process_group)
         for c in self.entrants:
-            c.predicted_ms = tune_model.predict_ms(self.syncs[c.name], self.model, self.probe, self.net, world,
+            c.predicted_ms = predict.predict_ms(self.syncs[c.name], self.model, self.probe, self.net, world,
                                                    backend)
         # stock DDP's defaults (the probe's) race too, where the space holds them: every search then shows its pick
         # against the stock configuration, paired
-        self.alive = tune_model.prune(self.entrants, self.syncs, self.cfg.tune.top_k, keep={PROBE})
+        self.alive = predict.prune(self.entrants, self.syncs, self.cfg.tune.top_k, keep={PROBE})
         self.queue = self._round_order()
         self._next()
 

@@ -1,0 +1,143 @@
+"""The space `auto` searches: named candidate configurations (dotted `sync` keys), and what each one is: its
+`SyncConfig` read strictly (`candidate_sync`), whether its averaged gradient is the exact mean (`is_lossless`),
+whether it hands the optimizer shards (`shards`), whether its split applies to a model (`splits_apply`). The search
+inside a loop (`dtrain.collectives.auto.search`) and dtrain's trainer (`dtrain.engine.autotune`) read it from here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from dtrain.collectives import hooks, tensor_classes
+from dtrain.collectives.dist import local_world_size
+from dtrain.collectives.registry import CLASS_RULE_KEYS, get, planner, unused_keys
+from dtrain.collectives.settings import ClassSettings, SyncConfig
+from dtrain.collectives.tied_split import unsplittable
+from dtrain.common.errors import UserError
+from dtrain.common.schema import Source, build as build_section, set_dotted
+
+# The configurations that keep the parameters whole, at caps around the sizes of the base model's tensors. The
+# hierarchical plan joins only where the job's nodes hold several ranks (`multi_rank_nodes`).
+REPLICATED_SPACE: dict[str, dict[str, Any]] = {
+    "ddp-25": {"strategy": "ddp", "bucket_cap_mb": 25},  # stock DDP's defaults
+    "ddp-2": {"strategy": "ddp", "bucket_cap_mb": 2},
+    "bucketed-0.5": {"strategy": "bucketed", "bucket_cap_mb": 0.5},
+    "bucketed-2": {"strategy": "bucketed", "bucket_cap_mb": 2},
+    "bucketed-8": {"strategy": "bucketed", "bucket_cap_mb": 8},
+    "bucketed-8-first1": {"strategy": "bucketed", "bucket_cap_mb": 8, "first_bucket_mb": 1},
+    "bucketed-8-last1": {"strategy": "bucketed", "bucket_cap_mb": 8, "last_bucket_mb": 1},
+    "per_class-2-embedding16": {"strategy": "per_class", "bucket_cap_mb": 2, "classes.embedding.bucket_cap_mb": 16},
+    "bucketed-0.5-split": {"strategy": "bucketed", "bucket_cap_mb": 0.5, "classes.embedding.tied_split": True},
+    "bucketed-2-split": {"strategy": "bucketed", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
+    "bucketed-2-hierarchical": {"strategy": "bucketed", "bucket_cap_mb": 2, "hierarchical": True},
+    "bucketed-8-hierarchical": {"strategy": "bucketed", "bucket_cap_mb": 8, "hierarchical": True},
+}
+# `sharded` at the same caps, with and without the split (and the split sharded by rows): the optimizer updates
+# shards, so switching to or from one moves its state (the module's docstring).
+SHARDED_SPACE: dict[str, dict[str, Any]] = {
+    "sharded-0.5": {"strategy": "sharded", "bucket_cap_mb": 0.5},
+    "sharded-2": {"strategy": "sharded", "bucket_cap_mb": 2},
+    "sharded-8": {"strategy": "sharded", "bucket_cap_mb": 8},
+    "sharded-1-split": {"strategy": "sharded", "bucket_cap_mb": 1, "classes.embedding.tied_split": True},
+    "sharded-2-split": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True},
+    "sharded-2-split-rows": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True,
+                             "shard_tied_split": True},
+}
+# Per-class NCCL choices, only where the job's group runs on NCCL (`per_class`: each tensor class on its own
+# communicator, created with its class's NCCL_PROTO/NCCL_ALGO and ncclConfig_t CTA bounds; NCCL's documentation of
+# its environment variables and of ncclConfig_t): the small, latency-bound classes on LL in 1 MiB buckets and the
+# embedding's large gradient on Simple with at most 16 CTAs; LL128 for every class but the embedding; Tree for all.
+_EVERY_CLASS = ("embedding", "norm_bias", "projection", "ffn", "other")
+NCCL_SPACE: dict[str, dict[str, Any]] = {
+    "per_class-1-LL": {"strategy": "per_class", "bucket_cap_mb": 2,
+                       "classes.projection.bucket_cap_mb": 1, "classes.projection.protocol": "LL",
+                       "classes.norm_bias.bucket_cap_mb": 1, "classes.norm_bias.protocol": "LL",
+                       "classes.embedding.protocol": "Simple", "classes.embedding.max_ctas": 16},
+    "per_class-2-LL128": {"strategy": "per_class", "bucket_cap_mb": 2,
+                          **{f"classes.{c}.protocol": "LL128" for c in _EVERY_CLASS if c != "embedding"}},
+    "per_class-2-Tree": {"strategy": "per_class", "bucket_cap_mb": 2,
+                         **{f"classes.{c}.algorithm": "Tree" for c in _EVERY_CLASS}},
+}
+# The default space of `OnlineSearch` (the hierarchical plan only on nodes of several ranks, the split only where
+# the model has one tied embedding, NCCL_SPACE only on NCCL: `default_space`): every lossless family that can be
+# switched on the one model without knowing the loop's autocast (bf16 exchanges are exact only under bf16 autocast:
+# the engine's space adds them).
+ONLINE_SPACE: dict[str, dict[str, Any]] = {**REPLICATED_SPACE, **SHARDED_SPACE, **NCCL_SPACE}
+
+
+PROBE = "ddp-25"  # the probe's candidate where the space holds it: stock DDP's defaults, the step users start from
+
+
+def default_space(space: dict[str, dict[str, Any]], world: int, class_nccl: bool) -> dict[str, dict[str, Any]]:
+    """The candidates of a default `space` that apply to this job: the hierarchical plan where nodes hold several
+    ranks (`multi_rank_nodes`), NCCL_SPACE where each class's communicator can get its own NCCL choices
+    (`class_nccl`)."""
+    return {name: keys for name, keys in space.items()
+            if (not keys.get("hierarchical") or multi_rank_nodes(world)) and (name not in NCCL_SPACE or class_nccl)}
+
+
+def multi_rank_nodes(world: int) -> bool:
+    """Whether `world` ranks run as more than one node of more than one rank each (torchrun's LOCAL_WORLD_SIZE)."""
+    local = local_world_size() or 1
+    return 1 < local < world and world % local == 0
+
+
+def candidate_raw(base: SyncConfig, name: str, keys: Any) -> dict:
+    """Candidate `name`'s raw `sync` mapping, for both searches: its dotted `sync` keys over `base`'s class rules
+    (which parameters form each class). Keys that are not a mapping naming a strategy are a one-line error."""
+    where = f"sync.tune.candidates.{name}"
+    if not isinstance(keys, dict) or keys.get("strategy") in (None, "auto") or "tune" in keys:
+        raise UserError(f"'{where}' must name a strategy other than auto (and no 'tune'), got {keys}")
+    rules = [k.split(".", 1)[1] for k in CLASS_RULE_KEYS]
+    raw: dict = {"classes": {c: {k: getattr(spec, k) for k in rules if getattr(spec, k) != getattr(ClassSettings, k)}
+                             for c, spec in base.classes.items()}}
+    for key, value in keys.items():
+        set_dotted(raw, str(key), value, f"{where}: '{key}'")
+    return raw
+
+
+def candidate_sync(base: SyncConfig, name: str, keys: Any) -> SyncConfig:
+    """Candidate `name`'s `SyncConfig` (`candidate_raw`), read by the strict loader. A bad key is a one-line error
+    naming `sync.tune.candidates.<name>`."""
+    where = f"sync.tune.candidates.{name}"
+    raw = candidate_raw(base, name, keys)
+    try:
+        sync = build_section(SyncConfig, raw, "sync", Source(where))
+    except UserError as e:
+        raise UserError(f"'{where}': {e}") from None
+    for key, message in unused_keys(sync):
+        raise UserError(f"'{where}': '{key}' {message}")
+    return sync
+
+
+def is_lossless(sync) -> bool:
+    """Whether every rank's averaged gradient is the exact mean: the strategy's own answer, fp32 on the wire, and
+    for a DDP comm hook what `dtrain.collectives.hooks.resolve` says of it (the per-class hook: its classes' wire
+    dtypes)."""
+    fp32 = all(c.wire_dtype == "fp32" for c in sync.classes.values())
+    hook = hooks.resolve(sync.hook) if "hook" in get(sync.strategy).sync_keys else None
+    if hook is not None and not hook.per_class:
+        return hook.lossless
+    cls = get(sync.strategy)
+    narrowed = "gather_dtype" in cls.sync_keys and sync.gather_dtype is not None and not cls.gather_dtype_exact
+    return cls.lossless and fp32 and not narrowed
+
+
+def shards(strategy: str) -> bool:
+    """Whether `strategy` hands the optimizer shards instead of the model's parameters (sharded, fsdp2)."""
+    try:
+        return planner(strategy).shards
+    except UserError:  # no bucket plan (powersgd, noop): the parameters stay whole
+        return False
+
+
+def splits_apply(sync: SyncConfig, model: nn.Module) -> bool:
+    """Whether every class `sync` splits (`tied_split`) holds exactly one of `model`'s parameters."""
+    split = [c for c, spec in sync.classes.items() if spec.tied_split]
+    if not split:
+        return True
+    of = tensor_classes.from_config(sync).assign(model.named_parameters())
+    held = {c: [n for n, k in of.items() if k == c] for c in split}
+    return all(len(names) == 1 and unsplittable(model, names[0]) is None for names in held.values())
