@@ -1,5 +1,7 @@
 """`python -m dtrain.engine.train --dry-run --topology T`: the run's plan (tokens per step, steps, checkpoints, the MODELED
-all-reduce of the gradient) and the simulator's command, which prints the same plan with its modeled step time."""
+all-reduce of the gradient) and the simulator's command, which prints the same plan with its modeled step time. And the
+README's form, `python -m dtrain.train --profile profiles/<name>.yaml` from any folder, with the precision
+`train.amp` resolves to on this machine."""
 
 import re
 import shlex
@@ -7,12 +9,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO
 
+import dtrain.train
 from dtrain.analysis.simulate import flop_timeline, predict
 from dtrain.collectives import costmodel as cm
 from dtrain.engine import config as config_mod
 from dtrain.engine import runplan
+from dtrain.engine import train as engine_train
+from dtrain.engine.host_cpu import bf16_native
 
 
 def dry_run(*args):
@@ -81,3 +87,50 @@ def test_simulator_plan_needs_a_profile():
     r = subprocess.run([sys.executable, "-m", "dtrain.analysis.simulate", "--plan", "--topology", "h100x8"],
                        capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2 and "--plan takes --profile and --topology" in r.stderr and r.stdout == ""
+
+
+def test_dtrain_train_is_the_engine_s_entry_point():
+    assert dtrain.train.main is engine_train.main  # one implementation: `python -m dtrain.train` and `dtrain train`
+
+
+def test_nccl_settings_on_gloo_are_named_inactive_and_none_requested_is_silent():
+    none = {"default": {"proto": None, "algo": None}, "classes": {"ffn": {"proto": None, "algo": None}}}
+    ll128 = {"default": {"proto": "LL128", "algo": None}, "classes": {"ffn": {"proto": "LL128", "algo": "ring"}}}
+
+    def record(requested, applied=False):
+        return {"applied": applied, "backend": "nccl" if applied else "gloo", "requested": requested}
+
+    assert engine_train.nccl_inactive(record(ll128)) == (
+        "dtrain.engine.train: NCCL settings inactive on backend gloo: algo ring, proto LL128 recorded in run.json "
+        "(nccl: requested, not applied)")
+    assert engine_train.nccl_inactive(record(none)) is None
+    assert engine_train.nccl_inactive(record(ll128, applied=True)) is None
+
+
+@pytest.mark.slow
+def test_the_readme_s_form_from_another_folder_finds_the_shipped_profile(tmp_path):
+    """`--profile profiles/ll128.yaml` outside the checkout: the shipped one; a file of that path there wins."""
+    cmd = [sys.executable, "-m", "dtrain.train", "--profile", "profiles/ll128.yaml", "--dry-run"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "name: base-ll128" in r.stdout and "proto: LL128" in r.stdout
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "ll128.yaml").write_text("name: mine\nmodel: {preset: tiny}\n")
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0 and "name: mine" in r.stdout, r.stderr
+
+
+@pytest.mark.slow
+def test_the_dry_run_says_what_amp_auto_picks_here():
+    native, reason = bf16_native(torch.device("cpu"))
+    r = dry_run("--profile", "multi30k-cpu")
+    assert r.returncode == 0, r.stderr
+    assert "amp: auto" in r.stdout  # the profile's setting, resolved only on a device
+    assert f"# precision here: {'bf16' if native else 'fp32'} (train.amp auto: {reason})" in r.stdout.splitlines()
+    # bf16 exchanges need bf16 autocast: where auto picks fp32, one line naming both keys, before any output
+    r = dry_run("--profile", "multi30k-cpu", "--set", "sync.strategy=sharded", "--set", "sync.gather_dtype=bf16")
+    if native:
+        assert r.returncode == 0 and "# precision here: bf16 (train.amp auto: " in r.stdout, r.stderr
+    else:
+        assert r.returncode == 2 and r.stdout == ""
+        assert "'sync.gather_dtype' 'bf16' needs the forward under bf16 autocast" in r.stderr

@@ -1,12 +1,18 @@
-"""dtrain.engine.host_cpu: a step's CPU time by thread group, from the scheduler's per-thread counters."""
+"""dtrain.engine.host_cpu: a step's CPU time by thread group, from the scheduler's per-thread counters; and whether
+the CPU computes bf16 natively, from its flags."""
 
 import mmap
 import os
+import platform
 import threading
 import time
 
+import pytest
+import torch
+
 from dtrain.common.host_memory import heap_mib
-from dtrain.engine.host_cpu import CPU_FIELDS, FIELDS, HostCpu, read_threads
+from dtrain.engine import host_cpu
+from dtrain.engine.host_cpu import CPU_FIELDS, FIELDS, HostCpu, bf16_native, cpu_flags, read_threads
 
 
 def fake_task(tasks, tid, name, ns):
@@ -92,3 +98,58 @@ def test_the_heap_counts_what_is_allocated_and_what_it_holds():
     assert during["heap_used_mib"] - before["heap_used_mib"] >= 63, (before, during)
     assert during["heap_mib"] >= during["heap_used_mib"]
     assert heap_mib()["heap_used_mib"] < during["heap_used_mib"] - 60  # freed: no longer in use
+
+
+# -- bf16: which devices compute it natively (`train.amp: auto` follows) -------------------------------------------
+
+def cpuinfo(tmp_path, flags):
+    f = tmp_path / "cpuinfo"
+    f.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    return f
+
+
+@pytest.mark.parametrize("flags,capability,native,reason", [
+    ("fpu sse avx2 fma", "AVX2", False,
+     "CPU capability AVX2 without bf16 instructions (avx512_bf16, amx_bf16): bf16 emulated"),
+    ("fpu avx2 avx512f avx512bw", "AVX512", False,
+     "CPU capability AVX512 without bf16 instructions (avx512_bf16, amx_bf16): bf16 emulated"),
+    ("fpu avx2 avx512f avx512_bf16", "AVX512", True, "CPU capability AVX512 with avx512_bf16: bf16 native"),
+    ("avx512f avx512_bf16 amx_tile amx_bf16", "AVX512", True,
+     "CPU capability AVX512 with avx512_bf16, amx_bf16: bf16 native"),
+])
+def test_a_cpu_computes_bf16_natively_with_the_flags_for_it(tmp_path, monkeypatch, flags, capability, native, reason):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert cpu_flags(cpuinfo(tmp_path, flags)) == set(flags.split())  # the first CPU's
+    assert bf16_native(torch.device("cpu"), cpuinfo(tmp_path, flags)) == (native, reason)
+    monkeypatch.setattr(host_cpu, "CPUINFO", cpuinfo(tmp_path, flags))  # the default file, as the trainer reads it
+    assert bf16_native(torch.device("cpu")) == (native, reason)
+
+
+def test_an_arm_cpu_names_its_bf16_in_features_and_no_cpuinfo_is_not_native(tmp_path):
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\nCPU implementer\t: 0x41\n")
+    assert bf16_native(torch.device("cpu"), arm)[0]
+    native, reason = bf16_native(torch.device("cpu"), tmp_path / "missing")
+    assert not native and "bf16 instructions not known (no /proc/cpuinfo)" in reason
+
+
+def test_this_machine_agrees_with_torch_about_avx512_bf16():
+    """The flags read here against torch's own (private) probe of the same instructions, where it has one."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    if probe is None or platform.machine() != "x86_64":
+        pytest.skip("torch's probe of avx512_bf16 is x86's, and private")
+    assert ("avx512_bf16" in cpu_flags()) == probe()
+
+
+@pytest.mark.parametrize("supported,reason", [
+    (True, "GPU NVIDIA H100: bf16 native"),
+    (False, "GPU NVIDIA H100 (compute capability 7.0) without native bf16"),
+])
+def test_a_gpu_is_native_where_cuda_says_so_without_emulation(monkeypatch, supported, reason):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: asked.append(including_emulation) or supported)
+    assert bf16_native(torch.device("cuda", 0)) == (supported, reason)
+    assert asked == [False]  # emulated bf16 (a V100's) is not native

@@ -19,17 +19,19 @@ from dtrain.engine import config as config_mod
 SCRIPT = """
 import resource, sys
 from dtrain.collectives import dist as ddist
+from dtrain.common import host_memory
 from dtrain.engine import config as config_mod
 from dtrain.engine.trainer import Trainer
 cfg = config_mod.load("dtrain/profiles/multi30k-cpu.yaml", ["data.max_tokens=1100", "eval.at_end=false", "model.N=1",
                                                         "model.d_model=64", "model.d_ff=128", "model.h=2", sys.argv[1]])
-trainer = Trainer(cfg, sys.argv[2], ddist.init(cfg.dist)[0], "gloo")
-faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-per_step = []
-for step in range(8):
-    before = faults()
-    trainer.train_step()
-    per_step.append(faults() - before)
+with host_memory.kept_freed_memory(cfg.train.keep_host_memory, "cpu"):  # as dtrain.engine.train sets it
+    trainer = Trainer(cfg, sys.argv[2], ddist.init(cfg.dist)[0], "gloo")
+    faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    per_step = []
+    for step in range(8):
+        before = faults()
+        trainer.train_step()
+        per_step.append(faults() - before)
 print(trainer.host_memory, "|", sorted(per_step[2:])[3])  # the median of steps 3-8 (a larger batch grows the heap)
 """
 
@@ -112,3 +114,46 @@ def test_the_search_maps_large_blocks_and_keeps_freed_memory_after_it(tmp_path):
     assert searching and after, seen
     assert all(mode == "large blocks mapped" and freed >= 60 for _, mode, freed in searching), seen
     assert all(mode == "kept" and freed < 4 for _, mode, freed in after), seen
+
+
+# Kept memory inside the block, glibc's defaults after it even when the block raises: a 64 MiB block freed after it is
+# handed back to the OS again. Nothing is set where the setting does not ask, nor on a CUDA device.
+RESTORE = """
+import torch
+from dtrain.common import host_memory
+
+def rss_mib():
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) // 1024
+
+def freed_mib():
+    x = torch.ones(16 * 2**20)  # 64 MiB, touched
+    held = rss_mib()
+    del x
+    return held - rss_mib()
+
+with host_memory.kept_freed_memory(False, "cpu") as what:
+    print("off:", what, host_memory.allocator_mode())
+with host_memory.kept_freed_memory(True, "cuda") as what:
+    print("cuda:", what, host_memory.allocator_mode())
+try:
+    with host_memory.kept_freed_memory(True, "cpu") as what:
+        print("inside:", what, freed_mib())
+        raise RuntimeError("a failed step")
+except RuntimeError:
+    pass
+print("after:", host_memory.allocator_mode(), freed_mib())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc parameters")
+def test_kept_memory_is_undone_on_every_way_out_and_never_set_on_cuda():
+    r = subprocess.run([sys.executable, "-c", RESTORE], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = dict(line.split(": ", 1) for line in r.stdout.strip().splitlines())
+    assert lines["off"] == "returned to the OS (glibc default) glibc default"
+    assert lines["cuda"].endswith("not set on a cuda device glibc default")
+    kept, freed_inside = lines["inside"].split()
+    assert kept == "kept" and int(freed_inside) < 8  # kept in the heap
+    mode, freed_after = lines["after"].rsplit(" ", 1)
+    assert mode == "glibc default" and int(freed_after) >= 60  # handed back: the defaults are back

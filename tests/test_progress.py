@@ -1,8 +1,9 @@
 """What a person watching a run sees: the plain progress lines where stderr is not a terminal (a batch job's log),
 tqdm's bar where it is, and the TensorBoard events of `train.tensorboard` (read back with TensorBoard's own reader).
 
-The run: four steps of dtrain/profiles/smoke.yaml in this process, on a one-rank gloo group (as a plain
-`python -m dtrain.engine.train` runs), its stderr a file.
+The run: four steps of dtrain/profiles/smoke.yaml with `train.amp: auto` in this process, on a one-rank gloo group
+(as a plain `python -m dtrain.engine.train` runs), its stderr a file. And `dtrain.common.progress.Bar`, the other
+long commands' progress, in a terminal and in a file.
 """
 
 import contextlib
@@ -13,16 +14,19 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import dtrain
 from dtrain.collectives import dist as ddist
 from dtrain.common.errors import UserError
+from dtrain.common.progress import Bar
 from dtrain.common.jsonl import read_jsonl
 from dtrain.common.rundir import StepRecord
 from dtrain.engine import config as config_mod
 from dtrain.engine.board import FOLDER, Board, summary_writer
+from dtrain.engine.host_cpu import bf16_native
 from dtrain.engine.log import source
 from dtrain.engine.progress import Progress
 from dtrain.engine.trainer import Trainer
@@ -30,7 +34,7 @@ from dtrain.engine.trainer import Trainer
 PROFILE = "dtrain/profiles/smoke.yaml"
 # validation at the end only (the whole val split: seconds)
 SETTINGS = ["train.max_steps=4", "train.log_every=2", "train.val_every=0", "eval.at_end=false",
-            "train.average_last=1", "train.tensorboard=true"]
+            "train.average_last=1", "train.tensorboard=true", "train.amp=auto"]
 LINE = re.compile(r"smoke step (\d+)/4 loss (\d+\.\d{3}) lr (\d\.\de-\d\d) step_ms (\d+) tok/s ([\d,]+) "
                   r"elapsed (\d\d:\d\d) eta (\d\d:\d\d)")
 
@@ -112,11 +116,19 @@ def test_tensorboard_events_are_the_run_records(fitted):
 
 
 @pytest.mark.slow
-def test_run_json_records_the_dtrain_version_and_commit(fitted):
+def test_run_json_records_the_dtrain_version_and_commit_and_the_precision(fitted):
     run, _ = fitted
-    versions = json.loads((run / "run.json").read_text())["versions"]
+    header = json.loads((run / "run.json").read_text())
+    versions = header["versions"]
     assert versions["dtrain"] == dtrain.__version__
     assert {k: versions[k] for k in ("commit", "dirty") if k in versions} == source()
+    # train.amp: auto, resolved on this CPU: bf16 where it has bf16 instructions, else fp32, and why
+    native, reason = bf16_native(torch.device("cpu"))
+    amp = "bf16" if native else "fp32"
+    assert {k: header[k] for k in ("amp", "amp_setting", "amp_reason")} == {
+        "amp": amp, "amp_setting": "auto", "amp_reason": reason}
+    assert reason.startswith(f"CPU capability {torch.backends.cpu.get_cpu_capability()} ")
+    assert config_mod.load_recorded(run / "config.yaml").train.amp == amp  # the precision it trained in
 
 
 def test_a_step_seen_again_is_not_written_twice(tmp_path):
@@ -170,3 +182,33 @@ def test_a_terminal_keeps_the_bar_and_other_ranks_show_nothing():
         out = tty.getvalue()
         assert "smoke step" not in out
         assert ("loss=6.500" in out and "tok_s=13,305" in out and "\r" in out) == shown, out
+
+
+def test_a_long_command_s_bar_is_plain_lines_in_a_file_and_tqdm_s_in_a_terminal(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("dtrain.common.progress.time.monotonic", lambda: clock[0])
+    err, out = io.StringIO(), io.StringIO()  # not terminals
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        bar = Bar(40, "interleaved x4", "step", every_s=30)
+        for i in range(40):
+            clock[0] += 2.0  # a 2 s step: a line every 15 steps
+            bar.update()
+            bar.set_postfix_str(f"ddp {i} ms")
+        bar.write("a message of its own")
+        bar.close()
+        quiet = Bar(3, "building", "config", enabled=False)  # another rank's: nothing
+        quiet.update(3)
+        quiet.close()
+    assert err.getvalue().splitlines() == [
+        "interleaved x4 step 15/40 ddp 13 ms elapsed 00:30 eta 00:50",
+        "interleaved x4 step 30/40 ddp 28 ms elapsed 01:00 eta 00:20",
+        "interleaved x4 step 40/40 ddp 39 ms elapsed 01:20 eta 00:00",  # at close: the count reached
+    ]
+    assert "\r" not in err.getvalue() and out.getvalue() == "a message of its own\n"
+    tty = Terminal()
+    with contextlib.redirect_stderr(tty):
+        bar = Bar(3, "sweep m", "run")
+        bar.update()
+        bar.set_postfix(done=1, failed=0)
+        bar.close()
+    assert "\r" in tty.getvalue() and "sweep m" in tty.getvalue() and "done=1, failed=0" in tty.getvalue()

@@ -1,6 +1,8 @@
-"""End to end: 2-rank torchrun runs of dtrain/profiles/smoke.yaml (about 15 s each here)."""
+"""End to end: 2-rank torchrun runs of dtrain/profiles/smoke.yaml (about 15 s each here), and the README's first
+command, `torchrun --nproc_per_node=2 -m dtrain.train --profile profiles/ll128.yaml`, made small."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -32,6 +34,8 @@ def test_smoke_run_writes_the_run_directory(smoke_run):
     assert header["world_size"] == 2 and header["backend"] == "gloo" and header["sync"]["strategy"] == "ddp"
     assert header["ranks_per_node"] == 2 and load_run(run).ranks_per_node == 2  # one node (LOCAL_WORLD_SIZE)
     assert header["host_memory"] == "kept"  # train.keep_host_memory, on by default (glibc here)
+    assert header["amp"] == "fp32" and header["amp_setting"] == "fp32"  # the default: the same numbers everywhere
+    assert header["amp_reason"].startswith("set in the profile; CPU capability ")
     steps = records(run / "steps.jsonl")
     assert [s["step"] for s in steps] == list(range(1, 41))
     for key in ("loss", "tokens", "lr", "data_ms", "forward_ms", "backward_ms", "comm_exposed_ms", "optimizer_ms"):
@@ -92,3 +96,24 @@ def test_evaluate_cli_scores_a_saved_run(smoke_run):
     assert r.stdout.startswith("BLEU ") and "beam 1, model averaged" in r.stdout and "nrefs:1" in r.stdout
     last = records(run / "eval.jsonl")[-1]
     assert last["kind"] == "bleu" and last["beam"] == 1 and last["sentences"] == 1014
+
+
+def test_the_readme_s_ll128_command_trains_on_cpu_ranks_with_its_nccl_setting_inactive(tmp_path):
+    """The command as the README gives it, from a folder outside the checkout, the model and data made smoke-sized
+    (the profile's own base model takes seconds a step here): gloo ranks, LL128 recorded and said to be inactive."""
+    size = ["model.preset=tiny", "data.vocab_size=1000", "data.train_limit=2000", "data.max_tokens=1200",
+            "train.max_steps=2", "train.val_every=0", "train.average_last=1", "eval.at_end=false", "train.amp=auto"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dtrain.train",
+           "--profile", "profiles/ll128.yaml", "--run-dir", "run", *[a for kv in size for a in ("--set", kv)]]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out, err = r.stdout.decode(), r.stderr.decode()  # bytes as written: text=True would turn "\r" into "\n"
+    assert r.returncode == 0, out[-2000:] + err[-3000:]
+    assert "done: steps=2" in out and "\r" not in err  # plain progress lines, no bar redraws
+    inactive = [line for line in err.splitlines() if "NCCL settings inactive" in line]
+    assert inactive == ["dtrain.engine.train: NCCL settings inactive on backend gloo: proto LL128 recorded in "
+                        "run.json (nccl: requested, not applied)"]  # rank 0 alone
+    header = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert header["name"] == "base-ll128" and header["backend"] == "gloo"
+    assert header["nccl"]["applied"] is False and header["nccl"]["status"] == "requested, not applied (backend gloo)"
+    assert header["nccl"]["requested"]["default"]["proto"] == "LL128"
+    assert header["amp_setting"] == "auto" and header["amp"] in ("bf16", "fp32") and header["amp_reason"]

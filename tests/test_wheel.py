@@ -1,6 +1,7 @@
 """The wheel as a user gets it: built from a clean copy of the tree, installed into a fresh virtual environment
-outside the repository, it runs the 2-rank smoke job with a shipped profile named without a path, builds the NCCL
-tuner plugin from its installed source, and installs beside another distribution that ships a top-level `common`.
+outside the repository, it runs the 2-rank smoke job with a shipped profile named without a path, `python -m
+dtrain.train` with one named `profiles/<name>.yaml` (the README's form), builds the NCCL tuner plugin from its installed
+source, and installs beside another distribution that ships a top-level `common`.
 
 The fresh environment sees this one's site-packages (torch and the other dependencies, already installed) through a
 `.pth` line; that adds the folder to `sys.path` without running the `.pth` files in it, so this checkout's editable
@@ -102,6 +103,18 @@ def test_the_smoke_job_runs_from_the_installed_wheel(installed):
     print(r.stdout[-500:])
     steps = (work / "run" / "steps.jsonl").read_text().splitlines()
     assert len(steps) == 6 and "done: steps=6" in r.stdout + r.stderr
+
+
+def test_the_readme_s_form_finds_the_shipped_profile_from_the_installed_wheel(installed):
+    """`-m dtrain.train --profile profiles/<name>.yaml` where the working directory holds no such file: the profile
+    shipped in the wheel, as `torchrun --nproc_per_node=2 -m dtrain.train --profile profiles/ll128.yaml` finds it."""
+    python, env, work, _ = installed
+    for name, shown in (("smoke", "name: smoke"), ("ll128", "name: base-ll128")):
+        r = run([str(python), "-m", "dtrain.train", "--profile", f"profiles/{name}.yaml", "--dry-run"], cwd=work,
+                env=env)
+        assert shown in r.stdout and "# precision here: fp32 (train.amp fp32: set in the profile; " in r.stdout
+    assert "group world (default group): proto LL128" in r.stdout  # the NCCL plan (on gloo: recorded, not applied)
+    assert not (work / "profiles").exists()
 
 
 def test_the_tuner_plugin_builds_from_the_installed_source(installed):

@@ -23,16 +23,17 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from contextlib import ExitStack
 from pathlib import Path
-
-from tqdm import tqdm
 
 from dtrain.analysis import paired
 from dtrain.analysis.sweep import expand, load_matrix
 from dtrain.collectives import dist as ddist
 from dtrain.collectives import nccl
+from dtrain.common import host_memory
 from dtrain.common.errors import UserError, exit_on_user_error
 from dtrain.common.files import output_dir
+from dtrain.common.progress import Bar
 from dtrain.engine import config as config_mod
 from dtrain.engine.log import prepare_run_dir
 from dtrain.engine.model import sdpa_backend
@@ -110,7 +111,9 @@ def main(argv=None) -> int:
         out = Path(args.out)
         nccl.apply_global(cells[0][1])  # the job's NCCL variables (the same for every cell); recorded on gloo
         device, backend = ddist.init(cells[0][1].dist)
+        memory = ExitStack()  # freed host memory kept for the job where train.keep_host_memory asks (a CPU only)
         try:
+            memory.enter_context(host_memory.kept_freed_memory(cells[0][1].train.keep_host_memory, device.type))
             def prepare() -> None:  # on rank 0; its error reaches every rank
                 if any(output_dir(out, "--out").iterdir()):
                     raise UserError(f"--out {out}: not empty; an interleaved job starts in a new folder")
@@ -119,13 +122,15 @@ def main(argv=None) -> int:
 
             ddist.main_decides(prepare)
             trainers = []
-            for name, cfg in tqdm(cells, desc="building", unit="config", disable=not ddist.is_main()):
+            building = Bar(len(cells), "building", "config", enabled=ddist.is_main())
+            for name, cfg in cells:
                 trainers.append(Trainer(cfg, out / name, device, backend))
                 trainers[-1].write_header()
+                building.update()
+            building.close()
             order = random.Random(args.seed)
             steps = cells[0][1].train.max_steps
-            bar = tqdm(total=steps * len(trainers), desc=f"interleaved x{len(trainers)}", unit="step",
-                       disable=not ddist.is_main())
+            bar = Bar(steps * len(trainers), f"interleaved x{len(trainers)}", "step", enabled=ddist.is_main())
             with sdpa_backend(cells[0][1].train.sdpa_backend, device):  # the attention kernel training would use
                 for _ in range(steps):
                     for tr in order.sample(trainers, len(trainers)):  # a fresh order each step, equal on every rank
@@ -139,6 +144,7 @@ def main(argv=None) -> int:
         finally:
             trainers = tr = None  # their models and strategies hold the process groups (`ddist.cleanup`)
             ddist.cleanup()
+            memory.close()  # glibc's defaults back, however the job ended
     return 0
 
 

@@ -45,8 +45,6 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from dtrain.analysis.runs import finished
 from dtrain.analysis.testbed_net import Names, status
 from dtrain.collectives.strategies import available
@@ -54,6 +52,7 @@ from dtrain.common import rundir
 from dtrain.common.errors import UserError, exit_on_user_error, unknown
 from dtrain.common.files import output_dir
 from dtrain.common.paths import resolve_profile
+from dtrain.common.progress import Bar
 from dtrain.common.schema import Source, build, read_yaml
 from dtrain.engine import checkpoint
 from dtrain.engine import config as config_mod
@@ -408,7 +407,7 @@ def sweep(m: Matrix, out: Path, jobs: list[Job]) -> list[Outcome]:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
     outcomes = []
     total = len(jobs) + (1 if m.bench else 0)
-    bar = tqdm(total=total, desc=f"sweep {m.name}", unit="run", dynamic_ncols=True)
+    bar = Bar(total, f"sweep {m.name}", "run", dynamic_ncols=True)
     counts = {"skipped": 0, "finished": 0, "failed": 0}
     steps = ([("bench", None)] if m.bench else []) + [("train", j) for j in jobs]
     for kind, job in steps:
@@ -420,8 +419,8 @@ def sweep(m: Matrix, out: Path, jobs: list[Job]) -> list[Outcome]:
             bar.write(f"{o.job}: FAILED (exit {o.exit_code}) after {o.seconds:g} s: {o.error}")
         elif o.status == "finished":
             bar.write(f"{o.job}: finished in {o.seconds:g} s")
-        bar.update(1)
         bar.set_postfix(done=counts["finished"], skipped=counts["skipped"], failed=counts["failed"])
+        bar.update(1)  # after the counts: a plain line shows them
     bar.close()
     return outcomes
 

@@ -16,6 +16,10 @@ their layouts, with holes none of them fills. `map_large_blocks` serves large bl
 handed back when freed, while it lasts: the search's steps fault them in again, every candidate alike, and the heap
 stays the size of what is in use. `keep_again` ends it.
 
+All of this is process-wide state, so it is set only where a setting asks for it (the trainer's
+`train.keep_host_memory`, on a CPU device) and only inside `kept_freed_memory()`, which puts glibc's defaults back on
+every way out, an exception's included.
+
 `heap_mib` reads what the heap holds and what of it is in use (glibc's mallinfo2): where a process frees and
 allocates blocks of many sizes, the heap can hold much more than it uses, and the peak resident memory shows the
 heap, not the use.
@@ -27,6 +31,8 @@ import ctypes
 import ctypes.util
 import functools
 import platform
+from contextlib import contextmanager
+from typing import Iterator
 
 # mallopt's parameter numbers, from glibc's malloc.h
 M_TRIM_THRESHOLD = -1
@@ -35,6 +41,7 @@ M_MMAP_MAX = -4
 KEEP = 2**31 - 1  # mallopt takes an int: freed heap memory up to 2 GiB above the top is kept
 MAPPED_FROM = 128 * 1024  # glibc's own starting mmap threshold (DEFAULT_MMAP_THRESHOLD_MIN), here held fixed
 MAPS = 65536  # glibc's default M_MMAP_MAX
+TRIM_DEFAULT = 128 * 1024  # glibc's default M_TRIM_THRESHOLD (DEFAULT_TRIM_THRESHOLD)
 
 _mode = "glibc default"  # this process's allocator as set here: "glibc default", "kept" or "large blocks mapped"
 
@@ -75,6 +82,42 @@ def keep_again() -> None:
     """End `map_large_blocks`: freed memory is kept again (nothing where blocks are not mapped)."""
     if _mode == "large blocks mapped":
         keep_freed_memory()
+
+
+def restore_defaults() -> None:
+    """glibc's default thresholds back (trim and mmap at 128 KiB, 65,536 maps), where this module changed them. glibc
+    then holds the mmap threshold fixed rather than adapting it, as it does once any of them is set."""
+    global _mode
+    libc = _glibc()
+    if _mode != "glibc default" and libc is not None:
+        libc.mallopt(M_MMAP_MAX, MAPS)
+        libc.mallopt(M_MMAP_THRESHOLD, MAPPED_FROM)
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_DEFAULT)
+        libc.malloc_trim(0)  # what was kept goes back now
+        _mode = "glibc default"
+
+
+@contextmanager
+def kept_freed_memory(wanted: bool, device: str) -> Iterator[str]:
+    """Keep freed host memory inside the block where `wanted` and the device is a CPU (a CUDA run's large tensors are
+    not the host's); glibc's defaults come back when the block exits, however it exits. Yields what was done, for the
+    run's record."""
+    if not wanted:
+        yield "returned to the OS (glibc default)"
+        return
+    if device != "cpu":
+        yield f"returned to the OS (glibc default): not set on a {device} device"
+        return
+    try:
+        yield keep_freed_memory()
+    finally:
+        restore_defaults()
+
+
+def record() -> str:
+    """What this process's allocator does now, for a run's record."""
+    return {"kept": "kept", "large blocks mapped": "kept (large blocks mapped during a search)"}.get(
+        _mode, "returned to the OS (glibc default)")
 
 
 def allocator_mode() -> str:

@@ -30,12 +30,14 @@ def shipped_profiles() -> list[str]:
 
 def resolve_profile(name: str | Path, what: str = "profile") -> Path:
     """A profile's file (or a sweep matrix's, a testbed profile's: `what`): `name` itself where it is a file, else
-    the shipped one of that name, with or without `.yaml` (`smoke`, `sweeps/smoke.yaml`). A name that is neither is
+    the shipped one of that name, with or without `.yaml` and `profiles/` (`smoke`, `sweeps/smoke.yaml`,
+    `profiles/ll128.yaml`): a file of that path under the working directory wins. A name that is neither is
     a one-line error listing the shipped profiles and the nearest of them."""
     path = Path(name)
     if path.is_file():
         return path
-    # `dtrain/profiles/x.yaml` from another folder than the checkout's, `profiles/x.yaml` as older runs recorded it
+    # `dtrain/profiles/x.yaml` from another folder than the checkout's; `profiles/x.yaml`, the README's form (the
+    # profile's place inside the package), as older runs also recorded it
     rel = path
     for prefix in (("dtrain", "profiles"), ("profiles",)):
         if path.parts[:len(prefix)] == prefix:

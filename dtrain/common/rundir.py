@@ -1,7 +1,8 @@
 """The run directory: its file names, the records a run writes (typed), and reading and writing them.
 
     <run>/config.yaml      the resolved profile (every default filled in)
-    <run>/run.json         header: versions, backend, world size, host, the sync strategy's facts, parameter count
+    <run>/run.json         header: versions, backend, world size, host, the sync strategy's facts, parameter count,
+                           the precision (`amp`, the profile's `amp_setting` and the `amp_reason` for the choice)
     <run>/steps.jsonl      one `StepRecord` per optimizer step: loss, tokens, lr, phase times in ms
     <run>/buckets.jsonl    one `BucketRecord` per step and gradient bucket, for strategies that record them
     <run>/buckets.rank<r>.jsonl   the same from rank r > 0 (`train.record_ranks`), each on its own clock

@@ -7,13 +7,16 @@ types and impossible values are `UserError`s naming the file, the line and the d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from dtrain.collectives.config import validate as validate_comm
@@ -22,6 +25,7 @@ from dtrain.collectives.strategies import unused_keys
 from dtrain.collectives.auto.space import candidate_raw
 from dtrain.common.errors import UserError
 from dtrain.common.schema import Source, apply_overrides, build, read_overlay
+from dtrain.engine.host_cpu import bf16_native
 
 # The paper's Table 3 models, plus small presets that train on two CPU cores.
 MODEL_PRESETS = {
@@ -33,6 +37,7 @@ MODEL_PRESETS = {
 SDPA_BACKENDS = ("auto", "math", "flash", "efficient", "cudnn")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # torch.compile's `mode`, or off
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")  # torch.compile backends that train
+AMP = ("auto", "fp32", "bf16")  # train.amp; `auto` is resolved per device when the trainer starts (`resolve_amp`)
 
 
 @dataclass(frozen=True)
@@ -102,10 +107,13 @@ class TrainConfig:
     ckpt_every: int = 1000
     keep_ckpts: int = 5
     average_last: int = 1  # average the last k checkpoints for evaluation (the paper: 5 for base)
-    amp: str = "fp32"  # "fp32" or "bf16" (autocast)
+    # "fp32", "bf16" (autocast), or "auto": bf16 where the device computes bf16 natively, else fp32 (`resolve_amp`).
+    # fp32 by default, so that a profile that does not ask trains the same numbers on every machine.
+    amp: str = "fp32"
     threads: int | None = None  # torch intra-op threads per rank; default: torch's (torchrun sets 1 per rank)
     # keep freed host memory for the next step instead of returning it to the OS (glibc; dtrain/common/host_memory.py):
-    # on a CPU the activations of every step are otherwise faulted in again, page by page
+    # on a CPU the activations of every step are otherwise faulted in again, page by page. Set by the entry point for
+    # the run and undone when it ends, however it ends; never on a CUDA device
     keep_host_memory: bool = True
     max_bad_steps: int = 5  # consecutive steps with non-finite gradients (each skipped) before the run stops
     sdpa_backend: str = "auto"  # auto: "math" on CPU (fastest for sentence-length sequences), torch's pick on CUDA
@@ -229,9 +237,10 @@ def _validate(cfg: RunConfig, src: Source) -> None:
     check(t.max_minutes is None or t.max_minutes > 0, "train.max_minutes", "must be positive or null")
     check(t.average_last <= t.keep_ckpts, "train.average_last",
           f"cannot exceed train.keep_ckpts ({t.keep_ckpts}): averaged checkpoints must still be on disk")
-    check(t.amp in ("fp32", "bf16"), "train.amp", f"must be 'fp32' or 'bf16', got '{t.amp}'")
-    # A rounded all-gather is exact only where the forward casts the parameters to that dtype anyway
-    check(cfg.sync.gather_dtype != "bf16" or t.amp == "bf16", "sync.gather_dtype",
+    check(t.amp in AMP, "train.amp", f"must be one of {', '.join(AMP)}, got '{t.amp}'")
+    # A rounded all-gather is exact only where the forward casts the parameters to that dtype anyway (with `auto`,
+    # checked where it is resolved)
+    check(cfg.sync.gather_dtype != "bf16" or t.amp in ("bf16", "auto"), "sync.gather_dtype",
           f"'{cfg.sync.gather_dtype}' needs the forward under that autocast (train.amp: {cfg.sync.gather_dtype}), "
           f"got train.amp '{t.amp}'")
     check(t.threads is None or t.threads > 0, "train.threads", "must be positive or null")
@@ -280,6 +289,42 @@ def candidate_config(cfg: RunConfig, name: str, keys: dict[str, Any], src: Sourc
         return from_dict(raw, Source(where))
     except UserError as e:
         raise UserError(f"{at}{where}: {str(e).removeprefix(where + ': ')}") from None
+
+
+# What bf16 autocast costs on a CPU without bf16 instructions (docs/profiles.md has the measurement)
+EMULATED_BF16_COST = ("about 20x slower per step than fp32 (measured: 18,100 ms vs 880 ms a step, multi30k-cpu, "
+                      "2 ranks, 1,024 tokens)")
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    """Once per process: an interleaved job or a search builds a trainer per configuration from the same profile."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def resolve_amp(cfg: RunConfig, device, main: bool = True) -> tuple[RunConfig, dict]:
+    """`train.amp` as `device` runs it: `auto` becomes bf16 where the device computes bf16 natively
+    (`dtrain.engine.host_cpu.bf16_native`), fp32 elsewhere. Returns the profile with that precision (what the run
+    records in config.yaml) and run.json's record of the choice: {"amp", "amp_setting", "amp_reason"}. `main` (the
+    rank that speaks) says in one line what `auto` picked, or warns of an explicit bf16's cost on a CPU without bf16
+    instructions (kept: the profile asked for it)."""
+    setting = cfg.train.amp
+    native, why = bf16_native(device)
+    if setting == "auto":
+        amp, reason = ("bf16" if native else "fp32"), why
+        if amp == "fp32" and cfg.sync.gather_dtype == "bf16":
+            raise UserError(f"'sync.gather_dtype' 'bf16' needs the forward under bf16 autocast, but 'train.amp' auto "
+                            f"picks fp32 here ({why}); set train.amp: bf16, or sync.gather_dtype: fp32")
+        if main:
+            _say_once(f"dtrain.engine.config: train.amp auto: {amp} here ({why})")
+    else:
+        amp, reason = setting, f"set in the profile; {why}"
+        if amp == "bf16" and not native and device.type == "cpu" and main:
+            _say_once(f"dtrain.engine.config: warning: 'train.amp' bf16: bf16 autocast on a CPU without bf16 "
+                      f"instructions ({torch.backends.cpu.get_cpu_capability()}) is emulated: {EMULATED_BF16_COST}; "
+                      "train.amp: auto picks fp32 here")
+    resolved = cfg if amp == setting else dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, amp=amp))
+    return resolved, {"amp": amp, "amp_setting": setting, "amp_reason": reason}
 
 
 def load(path: str | Path, overrides: list[str] = ()) -> RunConfig:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from tqdm import tqdm
 
 from dtrain.common.errors import UserError
 from dtrain.common.paths import cache_root
+from dtrain.common.progress import Bar
 from dtrain.engine.checkpoint import sha256_file
 from dtrain.engine.tokenizer import BOS, EOS, PAD
 
@@ -139,10 +139,11 @@ def download_multi30k(cache: Path, src: str, tgt: str, searched: list[Path] = ()
             try:
                 with urllib.request.urlopen(MULTI30K_URL.format(name), timeout=30) as resp, open(tmp, "wb") as out:
                     total = int(resp.headers.get("Content-Length") or 0) or None
-                    with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {name}") as bar:
-                        for chunk in iter(lambda: resp.read(1 << 16), b""):
-                            out.write(chunk)
-                            bar.update(len(chunk))
+                    bar = Bar(total, f"downloading {name}", "B", unit_scale=True)
+                    for chunk in iter(lambda: resp.read(1 << 16), b""):
+                        out.write(chunk)
+                        bar.update(len(chunk))
+                    bar.close()
             except (urllib.error.URLError, OSError, TimeoutError) as e:
                 tmp.unlink(missing_ok=True)
                 where = ", ".join(str(p) for p in [*searched, cache])

@@ -14,9 +14,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tqdm import tqdm
-
 from dtrain.common.errors import UserError
+from dtrain.common.progress import Bar
 
 CHUNK = 1 << 20
 
@@ -49,11 +48,13 @@ def fetch(url: str, dest: Path, sha256: str | None = None, timeout: float = 60, 
                 have = 0
             length = resp.headers.get("Content-Length")
             total = have + int(length) if length else None
-            with open(part, "ab" if have else "wb") as out, tqdm(
-                    total=total, initial=have, unit="B", unit_scale=True, desc=dest.name, disable=not progress) as bar:
+            bar = Bar(total, dest.name, "B", enabled=progress, unit_scale=True)
+            bar.update(have)
+            with open(part, "ab" if have else "wb") as out:
                 for block in iter(lambda: resp.read(CHUNK), b""):
                     out.write(block)
                     bar.update(len(block))
+            bar.close()
     except urllib.error.HTTPError as e:
         if not (e.code == 416 and have):  # 416 with a part: nothing left to send, the part is whole
             raise UserError(f"download of {url} failed: HTTP {e.code} {e.reason}") from None

@@ -20,6 +20,10 @@ and softirq work, network receive processing among it, counts for whichever thre
 one started within the step counts all its time, one that ended within it none (its counters went with it; the
 backends' and the strategies' threads live as long as the job). Off where there is no such file (not Linux): no
 fields.
+
+And whether the device computes bf16 natively (`bf16_native`), which `train.amp: auto` follows: a CPU without bf16
+instructions runs bf16 autocast by converting to fp32 and back around fp32 arithmetic, many times slower than fp32
+itself (docs/profiles.md).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import os
 import resource
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 from dtrain.common.host_memory import heap_mib
 
@@ -84,3 +90,46 @@ class HostCpu:
         record["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
         record.update(heap_mib())
         return record
+
+
+# -- bf16 ----------------------------------------------------------------------------------------------------------
+
+CPUINFO = Path("/proc/cpuinfo")
+# The features whose instructions compute bf16, as Linux names them: x86's AVX512-BF16 and AMX-BF16, Arm's BF16
+# extension. torch's own CPU capability does not tell: it reads "AVX512" on a CPU with avx512_bf16 as on one without.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_flags(cpuinfo: Path | None = None) -> set[str] | None:
+    """The first CPU's feature flags (x86's `flags` line, Arm's `Features`; default /proc/cpuinfo); None where there
+    is no such file."""
+    try:
+        lines = (CPUINFO if cpuinfo is None else cpuinfo).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def bf16_native(device: torch.device, cpuinfo: Path | None = None) -> tuple[bool, str]:
+    """Whether `device` computes bf16 natively, and why, in words for run.json's `amp_reason`. A GPU: what CUDA
+    says without counting emulation; a CPU: its flags in /proc/cpuinfo (none to read: not native)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, f"GPU {name}: bf16 native"
+        major, minor = torch.cuda.get_device_capability(device)
+        return False, f"GPU {name} (compute capability {major}.{minor}) without native bf16"
+    if device.type != "cpu":
+        return False, f"device {device.type}: native bf16 not known"
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = cpu_flags(cpuinfo)
+    if flags is None:
+        return False, f"CPU capability {capability}, its bf16 instructions not known (no {CPUINFO})"
+    have = [f for f in BF16_FLAGS if f in flags]
+    if have:
+        return True, f"CPU capability {capability} with {', '.join(have)}: bf16 native"
+    return False, f"CPU capability {capability} without bf16 instructions (avx512_bf16, amx_bf16): bf16 emulated"

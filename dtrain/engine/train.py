@@ -1,12 +1,18 @@
-"""Entry point: train the Transformer data-parallel under torchrun.
+"""Entry point: train the Transformer data-parallel under torchrun. `python -m dtrain.train` (`dtrain/train.py`) and
+`dtrain train` run this same `main`.
 
-    torchrun --nproc_per_node=2 -m dtrain.engine.train --profile dtrain/profiles/smoke.yaml
-    torchrun --nproc_per_node=2 -m dtrain.engine.train --profile dtrain/profiles/multi30k-cpu.yaml --run-dir runs/m30k
-    torchrun --nproc_per_node=2 -m dtrain.engine.train --profile dtrain/profiles/multi30k-cpu.yaml --run-dir runs/m30k --resume
-    python -m dtrain.engine.train --profile dtrain/profiles/base.yaml --set train.max_steps=10 --dry-run
-    python -m dtrain.engine.train --profile dtrain/profiles/wmt14-en-de-base.yaml --dry-run --topology h100x8-ib:2  # + the plan
+    torchrun --nproc_per_node=2 -m dtrain.train --profile profiles/ll128.yaml
+    torchrun --nproc_per_node=2 -m dtrain.train --profile smoke --run-dir runs/smoke
+    torchrun --nproc_per_node=2 -m dtrain.train --profile multi30k-cpu --run-dir runs/m30k --resume
+    python -m dtrain.train --profile base --set train.max_steps=10 --dry-run
+    python -m dtrain.train --profile wmt14-en-de-base --dry-run --topology h100x8-ib:2      # + the plan
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
-        -m dtrain.engine.train --profile dtrain/profiles/base.yaml                   # a GPU cluster: NCCL, one process per GPU
+        -m dtrain.train --profile base                   # a GPU cluster: NCCL, one process per GPU
+
+A profile is a YAML file by its path, or one shipped in the package (dtrain/profiles/) by its name: `smoke`,
+`profiles/ll128.yaml` (where the working directory has no such file), `dtrain/profiles/ll128.yaml`
+(`dtrain.common.paths.resolve_profile`). The same command runs on GPUs and on CPUs: on gloo a profile's NCCL
+settings (`collectives`, as in ll128.yaml) are recorded in run.json as requested, not applied, and the run says so.
 
 Preemption: SIGTERM or SIGUSR1 reaching any rank (torchrun's agent forwards the SIGTERM it receives to every worker,
 and the SIGUSR1 too when TORCHELASTIC_SIGNALS_TO_HANDLE names it, as scripts/slurm/train.sbatch sets) stops every
@@ -22,11 +28,15 @@ import argparse
 import os
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
+
+import torch
 
 from dtrain.collectives import costmodel as cm
 from dtrain.collectives import dist as ddist
 from dtrain.collectives import nccl
+from dtrain.common import host_memory
 from dtrain.common.errors import UserError, exit_on_user_error
 from dtrain.engine import autotune, runplan
 from dtrain.engine import config as config_mod
@@ -38,7 +48,8 @@ from dtrain.engine.trainer import PREEMPTED_EXIT, StopRequest, Trainer
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="dtrain.engine.train", description="Train the Transformer data-parallel.",
                                  epilog="Launch under torchrun for several ranks; see the module docstring.")
-    ap.add_argument("--profile", required=True, help="a YAML profile, e.g. dtrain/profiles/smoke.yaml")
+    ap.add_argument("--profile", required=True,
+                    help="a YAML profile by its path, or a shipped one by its name: smoke, profiles/ll128.yaml")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a profile value by dotted key (repeatable), e.g. --set train.max_steps=100")
     ap.add_argument("--run-dir", help="where the run writes (default: runs/<name>-<time>)")
@@ -62,6 +73,26 @@ def default_run_dir(name: str, restarted: bool) -> str:
     return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def nccl_inactive(record: dict) -> str | None:
+    """The line that says a profile's NCCL settings do nothing in this job (gloo), or None: none requested, or
+    applied. `record`: what `nccl.apply_global` returns (run.json's `nccl`)."""
+    if record["applied"]:
+        return None
+    requested = [record["requested"]["default"], *record["requested"]["classes"].values()]
+    asked = sorted({f"{key} {value}" for spec in requested for key, value in spec.items() if value is not None})
+    if not asked:
+        return None
+    return (f"dtrain.engine.train: NCCL settings inactive on backend {record['backend']}: {', '.join(asked)} "
+            "recorded in run.json (nccl: requested, not applied)")
+
+
+def device_of(cfg) -> torch.device:
+    """The device this launch's ranks would train on, without joining a process group (`ddist.init` binds it)."""
+    if ddist.choose_backend(cfg.dist) == "nccl":
+        return torch.device("cuda", ddist.env_rank()[1])
+    return torch.device("cpu")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     stop = StopRequest().install()  # from here on SIGTERM/SIGUSR1 end the job at the end of a step, with a checkpoint
@@ -70,9 +101,12 @@ def main(argv=None) -> int:
         faults = [parse_fault(spec) for spec in args.fault]
         if args.dry_run:
             topo = cm.topology(args.topology) if args.topology else None  # a bad preset: before any output
+            # its error (auto picking fp32 under bf16 exchanges) before any output too; the choice is printed below
+            _, amp = config_mod.resolve_amp(cfg, device_of(cfg), main=False)
             print(config_mod.dump(cfg), end="")
             print(nccl.groups_text(cfg), end="")  # what each process group would get from NCCL
             print("\n".join(["# " + line for line in runplan.plan_lines(cfg, topo)]))
+            print(f"# precision here: {amp['amp']} (train.amp {amp['amp_setting']}: {amp['amp_reason']})")
             if args.topology:
                 print("# the MODELED step time (FLOP-estimated compute + this communication) and the whole run: "
                       + runplan.simulator_command(args.profile, args.overrides, args.topology))
@@ -87,9 +121,15 @@ def main(argv=None) -> int:
         # Looked at before anything below can create it (NCCL's log directory lives inside the run directory).
         run_dir_existed = bool(args.run_dir) and Path(args.run_dir).is_dir()
         # The job's NCCL variables must exist before the first communicator does (no-op on gloo: recorded only).
-        nccl.apply_global(cfg, log_dir=Path(args.run_dir) / "nccl-logs" if args.run_dir else None)
+        record = nccl.apply_global(cfg, log_dir=Path(args.run_dir) / "nccl-logs" if args.run_dir else None)
+        inactive = nccl_inactive(record)
+        if inactive and ddist.env_rank()[0] == 0:
+            print(inactive, file=sys.stderr, flush=True)
         device, backend = ddist.init(cfg.dist)
+        memory = ExitStack()  # freed host memory kept for the run where train.keep_host_memory asks (a CPU only)
         try:
+            memory.enter_context(host_memory.kept_freed_memory(cfg.train.keep_host_memory, device.type))
+
             def name_and_check() -> str:  # rank 0 names the run directory and checks it; the others take its word
                 run_dir = args.run_dir or default_run_dir(cfg.name, restarted)
                 # Only a directory that does not exist is refused: an existing one without a checkpoint is what a
@@ -117,6 +157,7 @@ def main(argv=None) -> int:
         finally:
             trainer = None  # it holds the model and the strategy's handle, and through them the process groups
             ddist.cleanup()
+            memory.close()  # glibc's defaults back, however the run ended
     return 0
 
 

@@ -26,12 +26,12 @@ from dtrain.collectives import dist as ddist
 from dtrain.collectives.sync import move_optimizer
 from dtrain.collectives.timing import ms_between, stamp
 from dtrain.common.errors import JobFailure, UserError
-from dtrain.common.host_memory import keep_freed_memory
+from dtrain.common import host_memory
 from dtrain.common.jsonl import append_jsonl, read_jsonl, rewrite_jsonl
 from dtrain.common.rundir import StepRecord, ValRecord, rank_buckets_file, rank_steps_file
 from dtrain.engine import checkpoint
 from dtrain.engine.board import Board, summary_writer
-from dtrain.engine.config import RunConfig
+from dtrain.engine.config import RunConfig, resolve_amp
 from dtrain.engine.data import BatchStream, TokenBatcher, collate
 from dtrain.engine.evaluate import score_split, write_score
 from dtrain.engine.faults import Fault, FaultInjector
@@ -96,6 +96,8 @@ class Trainer:
                  stop: StopRequest | None = None):
         if cfg.train.tensorboard:  # on every rank, before the corpus: all stop alike, at once
             summary_writer()
+        # train.amp as this device runs it (`auto` resolved), and run.json's record of why
+        cfg, self.amp = resolve_amp(cfg, device, main=ddist.rank() == 0)
         self.cfg, self.run_dir, self.device, self.backend = cfg, Path(run_dir), device, backend
         self.stop = stop  # None: no handler installed, and no per-step stop all-reduce
         self.samples: list[dict] = []  # train.record_samples: this step's micro-batches, written after it
@@ -109,7 +111,8 @@ class Trainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         # Process-wide: in an interleaved job every configuration shares the allocator of its process.
-        self.host_memory = keep_freed_memory() if cfg.train.keep_host_memory else "returned to the OS (glibc default)"
+        # set by the entry point around the whole run (`host_memory.kept_freed_memory`), never by the trainer
+        self.host_memory = host_memory.record()
 
         d = cfg.data
         corpus = load_corpus(cfg)
@@ -290,7 +293,7 @@ class Trainer:
         spans = {"forward": [], "backward": []}  # read after the step (on CUDA, from events)
         # float64: the sum of the float32 per-micro-batch losses as exact as the host's float sum it replaces
         loss_sum, ntokens = torch.zeros((), dtype=torch.float64, device=self.device), 0
-        amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if t.amp == "bf16" else nullcontext()
+        amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.amp["amp"] == "bf16" else nullcontext()
         for micro in range(t.accum_steps):
             t0 = time.perf_counter()
             batch = self.stream.next().to(self.device)
@@ -367,7 +370,7 @@ class Trainer:
             shutil.copyfile(self.tokenizer.model_file, self.run_dir / "bpe.model")
         self.writer.write_header(
             self.cfg, backend=self.backend, world_size=self.world, ranks_per_node=ddist.local_world_size(),
-            device=str(self.device),
+            device=str(self.device), **self.amp,
             parameters=count_parameters(self.model), vocab=self.tokenizer.vocab_size,
             train_pairs=len(self.train_pairs), data_dir=str(self.data_dir), sync=self.sync.stats(),
             torch_threads=torch.get_num_threads(), host_memory=self.host_memory, nccl=nccl.run_record(), **self.facts,
