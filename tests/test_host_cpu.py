@@ -125,6 +125,21 @@ def test_a_cpu_computes_bf16_natively_with_the_flags_for_it(tmp_path, monkeypatc
     assert bf16_native(torch.device("cpu")) == (native, reason)
 
 
+@pytest.mark.parametrize("var,value,capped", [
+    ("ONEDNN_MAX_CPU_ISA", "AVX2", True), ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE", True),
+    ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16", False), ("ONEDNN_MAX_CPU_ISA", "ALL", False),
+    ("ATEN_CPU_CAPABILITY", "avx2", True), ("ATEN_CPU_CAPABILITY", "avx512", False),
+])
+def test_a_cap_on_torch_s_cpu_instructions_counts_as_no_bf16(tmp_path, monkeypatch, var, value, capped):
+    """Run as an older CPU would (the variables oneDNN and ATen read), a CPU with bf16 instructions is not native."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setenv(var, value)
+    native, reason = bf16_native(torch.device("cpu"), cpuinfo(tmp_path, "avx2 avx512f avx512_bf16"))
+    assert native is not capped
+    assert (f"{var}={value.upper() if var.startswith('ONEDNN') else value}: bf16 emulated" in reason) is capped
+
+
 def test_an_arm_cpu_names_its_bf16_in_features_and_no_cpuinfo_is_not_native(tmp_path):
     arm = tmp_path / "arm"
     arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\nCPU implementer\t: 0x41\n")

@@ -114,6 +114,18 @@ def cpu_flags(cpuinfo: Path | None = None) -> set[str] | None:
     return set()
 
 
+def _isa_cap() -> str | None:
+    """The environment's cap on the instructions torch's CPU kernels use, where it leaves out bf16's (oneDNN's
+    ONEDNN_MAX_CPU_ISA, ATen's ATEN_CPU_CAPABILITY: set to run as an older CPU would), in words; else None."""
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if onednn and onednn != "ALL" and "BF16" not in onednn and "AMX" not in onednn:
+        return f"ONEDNN_MAX_CPU_ISA={onednn}"
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if aten in ("default", "avx2"):
+        return f"ATEN_CPU_CAPABILITY={aten}"
+    return None
+
+
 def bf16_native(device: torch.device, cpuinfo: Path | None = None) -> tuple[bool, str]:
     """Whether `device` computes bf16 natively, and why, in words for run.json's `amp_reason`. A GPU: what CUDA
     says without counting emulation; a CPU: its flags in /proc/cpuinfo (none to read: not native)."""
@@ -130,6 +142,9 @@ def bf16_native(device: torch.device, cpuinfo: Path | None = None) -> tuple[bool
     if flags is None:
         return False, f"CPU capability {capability}, its bf16 instructions not known (no {CPUINFO})"
     have = [f for f in BF16_FLAGS if f in flags]
+    capped = _isa_cap()
+    if have and capped:
+        return False, f"CPU with {', '.join(have)}, but {capped}: bf16 emulated"
     if have:
         return True, f"CPU capability {capability} with {', '.join(have)}: bf16 native"
     return False, f"CPU capability {capability} without bf16 instructions (avx512_bf16, amx_bf16): bf16 emulated"
