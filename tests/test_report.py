@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 from matplotlib.colors import to_rgba
 
-from dtrain.analysis import plots, report, report_sections, report_tables
+from dtrain.analysis import plots
+from dtrain.analysis.report import cli as report, sections as report_sections, tables as report_tables
 from dtrain.collectives import costmodel as cm
 from dtrain.analysis.runs import find_runs, load_run, load_runs
 
@@ -403,7 +404,7 @@ def test_the_scaling_section_sets_measured_beside_modeled_per_shape(tmp_path, ca
     s21 = _simulation(tmp_path / "s21.json", 2, [("ddp@2M", 480.0, 500.0, 0.0), ("noop", 300.0, 300.0, 0.0)])
     s22 = _simulation(tmp_path / "s22.json", 4, [("ddp@2M", 1000.0, 900.0, 0.0)])
     specs = [f"4x1={s41}", f"2x1={s21}", f"2x2={s22}"]
-    from dtrain.analysis import report_scaling
+    from dtrain.analysis.report import scaling as report_scaling
     t = report_scaling.scaling_table(specs)
     assert list(t["shape"]) == ["2x1", "2x1", "2x2", "4x1"] and list(t["ranks"]) == [2, 2, 4, 4]
     assert t.loc[t["shape"] == "4x1", "error_pct"].item() == pytest.approx(-10.0)

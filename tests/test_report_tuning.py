@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 from matplotlib.colors import to_rgba
 
-from dtrain.analysis import plots, report, report_tuning
+from dtrain.analysis import plots
+from dtrain.analysis.report import cli as report, tuning as report_tuning
 from dtrain.analysis.runs import load_run
 from dtrain.common.errors import UserError
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.analysis import testbed, testbed_disks, testbed_jobs, testbed_links, testbed_net
+from dtrain.analysis.testbed import cli as testbed, disks as testbed_disks, jobs as testbed_jobs
+from dtrain.analysis.testbed import links as testbed_links, net as testbed_net
 from conftest import REPO
 from dtrain.common.errors import UserError
 from dtrain.common.paths import cache_root

@@ -1,11 +1,11 @@
-"""dtrain.analysis.testbed_links: tc's rate and byte units, one node's link, and the testbed profile's `testbed:` section
+"""dtrain.analysis.testbed.links: tc's rate and byte units, one node's link, and the testbed profile's `testbed:` section
 (the strict loader: file:line errors for unknown keys and wrong types; the command line over the profile)."""
 
 import argparse
 
 import pytest
 
-from dtrain.analysis import testbed_links as links
+from dtrain.analysis.testbed import links
 from dtrain.common.errors import UserError
 
 from conftest import REPO

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtrain.analysis.runs import finished
-from dtrain.analysis.testbed_net import Names, status
+from dtrain.analysis.testbed.net import Names, status
 from dtrain.collectives.strategies import available
 from dtrain.common import rundir
 from dtrain.common.errors import UserError, exit_on_user_error, unknown

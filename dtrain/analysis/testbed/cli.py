@@ -3,8 +3,8 @@ shaped with `tc tbf`.
 
 The multi-node regime of the study (communication visible next to compute) without a second machine. `up` builds
 it, `run` launches one torchrun agent per node over it, `status` shows it, `down` removes exactly what `up` made.
-Needs root and iproute2 (`ip`, `tc`). The network: `dtrain.analysis.testbed_net`; the jobs on it: `dtrain.analysis.testbed_jobs`;
-the links and the testbed profile (`--profile`): `dtrain.analysis.testbed_links`.
+Needs root and iproute2 (`ip`, `tc`). The network: `dtrain.analysis.testbed.net`; the jobs on it: `dtrain.analysis.testbed.jobs`;
+the links and the testbed profile (`--profile`): `dtrain.analysis.testbed.links`.
 
     python -m dtrain.analysis.testbed up --nodes 2 --link 1gbit          # or: up --profile dtrain/profiles/testbed/1gbit.yaml
     python -m dtrain.analysis.testbed status
@@ -18,7 +18,7 @@ the links and the testbed profile (`--profile`): `dtrain.analysis.testbed_links`
 
 The nodes share the host's filesystem unless `run --private-fs`: then every node but node 0 (the machine the job is
 launched from) sees its own run directories, caches and /tmp, as a separate machine would
-(`dtrain.analysis.testbed_disks`).
+(`dtrain.analysis.testbed.disks`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dtrain.analysis.testbed_disks import private_paths
-from dtrain.analysis.testbed_jobs import DEFAULT_PORT, drop, run
-from dtrain.analysis.testbed_links import links_from, load_profile
-from dtrain.analysis.testbed_net import (DISKS, PROG, Names, check_prefix, down, print_status, probe, signals_as_interrupt,
+from dtrain.analysis.testbed.disks import private_paths
+from dtrain.analysis.testbed.jobs import DEFAULT_PORT, drop, run
+from dtrain.analysis.testbed.links import links_from, load_profile
+from dtrain.analysis.testbed.net import (DISKS, PROG, Names, check_prefix, down, print_status, probe, signals_as_interrupt,
                                   up)
 from dtrain.common.errors import UserError, exit_on_user_error
 
@@ -126,7 +126,3 @@ def _command(args, job: list[str]) -> int:
             return run(names, args.nodes, nproc, job, args.port, args.log_dir, private=private,
                        min_nodes=args.min_nodes, last_call_s=args.last_call, pin_cpus=args.pin_cpus)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The testbed's network: N network namespaces ("nodes") on a bridge in a hub namespace, each link shaped with
 `tc tbf`, all named from one prefix so that `down` removes exactly what `up` made (`dtrain.analysis.testbed` is the command
-line; the jobs run on it: `dtrain.analysis.testbed_jobs`; the links: `dtrain.analysis.testbed_links`). Needs root and iproute2.
+line; the jobs run on it: `dtrain.analysis.testbed.jobs`; the links: `dtrain.analysis.testbed.links`). Needs root and iproute2.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtrain.analysis.testbed_links import Link, format_rate
+from dtrain.analysis.testbed.links import Link, format_rate
 from dtrain.common.errors import UserError
 
 PROG = "dtrain.analysis.testbed"  # the command line, named in messages

@@ -6,9 +6,9 @@ figures as headroom and never in quality figures (the training-loss and validati
 A figure whose data is missing is skipped with a note. Runs that kept their translations (hyps.<split>.txt) also get
 a table of BLEU with 95% confidence intervals and paired significance against a baseline run
 (`dtrain.analysis.significance`); runs that tuned their own communication (`sync.strategy: auto`) get their search,
-from tuning.csv (`dtrain.analysis.report_tuning`).
+from tuning.csv (`dtrain.analysis.report.tuning`).
 
-The tables are built in `dtrain.analysis.report_tables`, captioned and drawn in `dtrain.analysis.report_sections`; this module
+The tables are built in `dtrain.analysis.report.tables`, captioned and drawn in `dtrain.analysis.report.sections`; this module
 puts the sections in order and writes them.
 
     python -m dtrain.analysis.report runs/sweep-lossless-buckets --out reports/lossless
@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import argparse
 import html
-import sys
 from pathlib import Path
 
 import pandas as pd
 
-from dtrain.analysis.report_sections import (Section, fmt, machines, section_allreduce_size, section_breakdown,
+from dtrain.analysis.report.sections import (Section, fmt, machines, section_allreduce_size, section_breakdown,
                                       section_busbw, section_pareto, section_step_vs_bucket, section_timeline,
                                       sections_curves, sections_significance)
-from dtrain.analysis.report_scaling import parse_spec, section_scaling
-from dtrain.analysis.report_tables import summary_table
-from dtrain.analysis.report_tuning import sections_tuning
+from dtrain.analysis.report.scaling import parse_spec, section_scaling
+from dtrain.analysis.report.tables import summary_table
+from dtrain.analysis.report.tuning import sections_tuning
 from dtrain.analysis.runs import Run, find_runs, load_run
 from dtrain.common.errors import UserError, exit_on_user_error
 from dtrain.common.files import output_dir
@@ -41,7 +40,7 @@ def build(run_paths: list[str | Path], out: str | Path, bench: list[str | Path] 
           warmup: int | None = None, target: float | None = None, timeline: str | None = None,
           baseline: str | None = None, scaling: list[str] = ()) -> list[Section]:
     """Load the runs, build every section, write figures (PNG, SVG), tables (CSV), report.md and report.html.
-    `scaling`: 'NxR=FILE' per shape, FILE the simulator's JSON for that shape (`dtrain.analysis.report_scaling`)."""
+    `scaling`: 'NxR=FILE' per shape, FILE the simulator's JSON for that shape (`dtrain.analysis.report.scaling`)."""
     paths = find_runs(run_paths)
     if not paths:
         raise UserError(f"no run directories in {', '.join(map(str, run_paths))} (a run holds steps.jsonl)")
@@ -178,7 +177,3 @@ def main(argv=None) -> int:
         print(f"{s.key:<16} {'written' if s.figure is not None or s.display is not None else s.note}")
     print(f"report: {Path(args.out) / 'report.md'}, {Path(args.out) / 'report.html'}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

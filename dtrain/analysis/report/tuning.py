@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 
 from dtrain.analysis import plots
-from dtrain.analysis.report_sections import Section, fmt, missing
+from dtrain.analysis.report.sections import Section, fmt, missing
 from dtrain.analysis.runs import Run
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import TUNING, TUNING_COLUMNS, TUNING_FINAL

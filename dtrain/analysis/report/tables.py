@@ -1,6 +1,6 @@
 """The report's tables: each figure's data, reduced from the runs' records (and benchmark rows) to one frame.
 
-`dtrain.analysis.report_sections` captions and draws them; every frame is also written beside its figure as CSV. Timings
+`dtrain.analysis.report.sections` captions and draws them; every frame is also written beside its figure as CSV. Timings
 are over each run's steady steps (`dtrain.analysis.runs`' warm-up rule) unless a table says otherwise.
 """
 

@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dtrain.analysis.testbed_disks import prepare_disk, private_mounts
-from dtrain.analysis.testbed_net import IFACE, PROG, Names, descendants, kill_all, require_tools, shielded
+from dtrain.analysis.testbed.disks import prepare_disk, private_mounts
+from dtrain.analysis.testbed.net import IFACE, PROG, Names, descendants, kill_all, require_tools, shielded
 from dtrain.common.errors import UserError
 
 DEFAULT_PORT = 29500

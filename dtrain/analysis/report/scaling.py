@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from dtrain.analysis import plots
-from dtrain.analysis.report_sections import Section, missing
+from dtrain.analysis.report.sections import Section, missing
 from dtrain.common.errors import UserError
 
 COLUMNS = ["shape", "nodes", "ranks_per_node", "ranks", "configuration", "measured_step_ms", "modeled_step_ms",

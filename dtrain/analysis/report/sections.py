@@ -1,5 +1,5 @@
 """The report's sections: what one section is (a figure or a formatted table, its caption, or the note saying why
-it is missing) and the builder of each, which captions a table of `dtrain.analysis.report_tables` and draws it
+it is missing) and the builder of each, which captions a table of `dtrain.analysis.report.tables` and draws it
 (`dtrain.analysis.plots`).
 
 Captions give the axes, their units and the machine the runs were measured on (run.json), and label whatever the
@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from dtrain.analysis import plots, significance
-from dtrain.analysis.report_tables import (allreduce_size_table, bleu_points, breakdown_table, busbw_table,
+from dtrain.analysis.report.tables import (allreduce_size_table, bleu_points, breakdown_table, busbw_table,
                                            network_model, pick_timeline_run, quality_table, step_vs_bucket_table,
                                            timeline_table, train_loss_table, validation_table)
 from dtrain.analysis.runs import Run, steady_text

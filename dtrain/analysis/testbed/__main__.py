@@ -1,0 +1,7 @@
+"""`python -m dtrain.analysis.testbed`: the testbed's command line (`dtrain.analysis.testbed.cli`)."""
+
+import sys
+
+from dtrain.analysis.testbed.cli import main
+
+sys.exit(main())
