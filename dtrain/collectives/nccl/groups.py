@@ -276,7 +276,7 @@ def apply_global(cfg, backend: str | None = None, version=..., factory=None, log
     if applied and setup.mode == "tuner":
         build_tuner()
     warnings = list(setup.warnings) + (_set_job_env(setup) if applied else [])
-    if os.environ.get("RANK", "0") == "0":
+    if applied and os.environ.get("RANK", "0") == "0":  # elsewhere the run says in one line that none applies
         for w in warnings:
             print(f"dtrain.collectives.nccl: warning: {w}", file=sys.stderr, flush=True)
     record = {
