@@ -4,7 +4,7 @@
 #   DTRAIN_DATA_DIR=/path/to/data bash benchmarks/gpu_check.sh runs/gpu-check
 #
 # 1. facts: the GPU, torch, NCCL.
-# 2. `dtrain.collectives.nccl gpu-check`: two NCCL ranks on the one GPU, each its own NCCL host (NCCL_HOSTID: NCCL's
+# 2. `dtrain nccl gpu-check`: two NCCL ranks on the one GPU, each its own NCCL host (NCCL_HOSTID: NCCL's
 #    environment-variable docs), per-class
 #    protocol/algorithm forced per communicator (per_group) and by dtrain's tuner plugin; NCCL's own TUNING log lines
 #    parsed and checked against the requested choice.
@@ -81,7 +81,7 @@ part facts 40 bash -c 'nvidia-smi; python3 -c "import torch; print(\"torch\", to
     torch.version.cuda, \"nccl\", torch.cuda.nccl.version(), torch.cuda.get_device_name(0))"; nproc'
 
 # Most telling first: a short budget still shows per-class NCCL on real communicators and real training steps.
-part nccl-gpu-check 90 python3 -m dtrain.collectives.nccl gpu-check --out "$OUT_DIR/nccl-gpu-check"
+part nccl-gpu-check 90 python3 -m dtrain nccl gpu-check --out "$OUT_DIR/nccl-gpu-check"
 
 TRAIN="--set data.vocab_size=8000 --set train.amp=bf16 --set train.log_every=20 $EXTRA"
 NOEVAL="--set train.max_steps=$STEPS2 --set train.ckpt_every=100000 --set eval.at_end=false"

@@ -25,7 +25,7 @@ COMMANDS = {
     "model": ("dtrain.engine.model", "count a model preset's parameters"),
     "bench": ("dtrain.collectives.bench", "benchmark collectives, in nccl-tests' output format"),
     "costmodel": ("dtrain.collectives.costmodel", "NCCL's cost model: predictions, fits to benchmark logs (MODELED)"),
-    "nccl": ("dtrain.collectives.nccl", "per-class NCCL settings: plan, tuner plugin, checks"),
+    "nccl": ("dtrain.collectives.tools.nccl", "per-class NCCL settings: plan, tuner plugin, checks"),
     "tune": ("dtrain.analysis.tune", "what sync.strategy: auto would pick here, and its table"),
     "sweep": ("dtrain.analysis.sweep", "run a matrix of configurations, one run each"),
     "interleave": ("dtrain.analysis.interleave", "run every configuration in one job, step by step"),

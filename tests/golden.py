@@ -27,7 +27,7 @@ PROFILES = ("base", "big", "ll", "ll128", "multi30k-cpu", "per_group", "simple",
 SIMULATE = "dtrain.analysis.simulate"
 COSTMODEL = "dtrain.collectives.costmodel"
 RECOMMEND = "dtrain.analysis.recommend"
-NCCL = "dtrain.collectives.nccl"
+NCCL = "dtrain.collectives.tools.nccl"
 REPORT = "dtrain.analysis.report"
 
 

@@ -64,14 +64,9 @@ def test_the_setting_is_a_checked_bool():
 
 # attach's search on one gloo rank, in a process that keeps freed memory: a 64 MiB block freed during the search is
 # handed back to the OS, one freed after it is kept.
-SEARCH = """
-import sys
+# What a 64 MiB block freed now hands back to the OS (MiB of resident memory), in the scripts below.
+FREED = """
 import torch
-import torch.distributed as dist
-from dtrain.collectives import attach
-from dtrain.collectives.settings import SyncConfig, TuneConfig
-from dtrain.common import host_memory
-from dtrain.engine import verify
 
 def rss_mib():
     return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) // 1024
@@ -81,6 +76,15 @@ def freed_mib():
     held = rss_mib()
     del x
     return held - rss_mib()
+"""
+
+SEARCH = FREED + """
+import sys
+import torch.distributed as dist
+from dtrain.collectives import attach
+from dtrain.collectives.settings import SyncConfig, TuneConfig
+from dtrain.common import host_memory
+from dtrain.engine import verify
 
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 host_memory.keep_freed_memory()
@@ -118,18 +122,8 @@ def test_the_search_maps_large_blocks_and_keeps_freed_memory_after_it(tmp_path):
 
 # Kept memory inside the block, glibc's defaults after it even when the block raises: a 64 MiB block freed after it is
 # handed back to the OS again. Nothing is set where the setting does not ask, nor on a CUDA device.
-RESTORE = """
-import torch
+RESTORE = FREED + """
 from dtrain.common import host_memory
-
-def rss_mib():
-    return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) // 1024
-
-def freed_mib():
-    x = torch.ones(16 * 2**20)  # 64 MiB, touched
-    held = rss_mib()
-    del x
-    return held - rss_mib()
 
 with host_memory.kept_freed_memory(False, "cpu") as what:
     print("off:", what, host_memory.allocator_mode())

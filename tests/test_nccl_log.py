@@ -1,4 +1,4 @@
-"""dtrain.collectives.nccl parse-log: NCCL's TUNING lines in both formats (2.21-2.23 numeric, >= 2.24 named) and its ENV
+"""dtrain nccl parse-log: NCCL's TUNING lines in both formats (2.21-2.23 numeric, >= 2.24 named) and its ENV
 lines, read from constructed samples in tests/data/nccl, joined to a bucket plan; buckets off their requested choice
 are listed and make the command exit 1. And the init table of a log recorded on an H200."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.collectives import config, nccl
-from dtrain.collectives.nccl.__main__ import main
+from dtrain.collectives.tools.nccl import main
 from dtrain.collectives.settings import NcclSettings
 from dtrain.common.errors import UserError
 
@@ -97,7 +97,7 @@ def test_cli_exit_codes(capsys):
     code, out, _ = run_cli(capsys, str(DATA / "per_group_mismatch_2.24.log"), *common)
     assert code == 1 and "1 bucket(s) not on the requested choice" in out
     code, _, err = run_cli(capsys, str(DATA / "nope.log"))
-    assert code == 2 and err.startswith("dtrain.collectives.nccl: error: ") and err.count("\n") == 1
+    assert code == 2 and err.startswith("dtrain nccl: error: ") and err.count("\n") == 1
 
 
 def test_verify_run_writes_its_check(tmp_path):

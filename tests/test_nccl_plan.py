@@ -1,6 +1,6 @@
-"""dtrain.collectives.nccl, the profile side: validation, per-class resolution, version guards, the settings each process
-group gets (what `groups` and `--dry-run` print), the CSV for NCCL's example tuner plugin, and the command line's exit
-codes."""
+"""dtrain.collectives.nccl and its command line (`dtrain nccl`, dtrain.collectives.tools), the profile side:
+validation, per-class resolution, version guards, the settings each process group gets (what `groups` and
+`--dry-run` print), the CSV for NCCL's example tuner plugin, and the command line's exit codes."""
 
 import os
 import subprocess
@@ -12,8 +12,8 @@ import torch
 
 from dtrain.collectives import config, nccl
 from dtrain.collectives import tensor_classes as tc
-from dtrain.collectives.nccl import gpu_check
-from dtrain.collectives.nccl.__main__ import main
+from dtrain.collectives.tools import gpu_check
+from dtrain.collectives.tools.nccl import main
 from dtrain.collectives.settings import NcclSettings
 from dtrain.common.errors import UserError
 
@@ -214,7 +214,7 @@ def test_example_plugin_csv_covers_every_size_and_collective_with_explicit_chann
 
 
 def run_cli(capsys, *args):
-    """`python -m dtrain.collectives.nccl ARGS` in this process: (exit code, stdout, stderr)."""
+    """`dtrain nccl ARGS` in this process: (exit code, stdout, stderr)."""
     try:
         code = main(list(args))
     except SystemExit as e:
@@ -228,7 +228,7 @@ def test_cli_groups_and_its_one_line_errors(tmp_path, capsys):
     assert code == 0 and "NCCL_PROTO=allreduce:LL" in out
     code, out, err = run_cli(capsys, "groups", "--profile", "dtrain/profiles/tree.yaml", "--nccl-version", "2.23.4")
     assert code == 2 and out == ""
-    assert err.startswith("dtrain.collectives.nccl: error: 'collectives.default.algo'") and err.count("\n") == 1
+    assert err.startswith("dtrain nccl: error: 'collectives.default.algo'") and err.count("\n") == 1
     bad = tmp_path / "bad.yaml"
     bad.write_text("collectives:\n  mode: per_group\nsync:\n  classes:\n    ffn: {protocol: LL129}\n")
     code, _, err = run_cli(capsys, "groups", "--profile", str(bad))
@@ -251,7 +251,7 @@ def test_help_lists_every_verb(capsys):
 
 @pytest.mark.slow
 def test_module_entry_point_runs():
-    r = subprocess.run([sys.executable, "-m", "dtrain.collectives.nccl", "groups", "--profile", "dtrain/profiles/ll128.yaml"],
+    r = subprocess.run([sys.executable, "-m", "dtrain", "nccl", "groups", "--profile", "dtrain/profiles/ll128.yaml"],
                        capture_output=True, text=True, cwd=REPO, env=dict(os.environ))
     assert r.returncode == 0 and "NCCL_PROTO=allreduce:LL128" in r.stdout
 

@@ -8,7 +8,7 @@ thread that computes and waits for it there, so on gloo nothing overlaps (`sync.
 - `async`: torch's own collectives (`all_gather_single`, `reduce_scatter_single`; before torch 2.13
   `all_gather_into_tensor` and `reduce_scatter_tensor`, which 2.13 deprecates: `dtrain.collectives.dist` picks the
   name) issued with `async_op=True`, so that gloo runs them on its own threads.
-- `p2p`: the exchanges `sharded` runs (`dtrain.collectives.sharded.p2p`), point-to-point sends on a process group of
+- `p2p`: the exchanges `sharded` runs (`dtrain.collectives.p2p`), point-to-point sends on a process group of
   their own, issued the same way. On gloo the reduce-scatter moves as many bytes as an all-reduce, and the
   all-gather more than the (world - 1)/world of the output each rank must send; `isend` and `irecv`
   move each chunk once, at the link's rate. Each rank sums its chunk in rank order (on two ranks a + b, the
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.collectives.dist import all_gather_single, reduce_scatter_single
-from dtrain.collectives.sharded.p2p import Completions, exchange, rank_order_sum
+from dtrain.collectives.p2p import Completions, exchange, rank_order_sum
 from dtrain.common.errors import UserError
 
 MODES = ("stock", "async", "p2p")  # `sync.fsdp2_collectives`

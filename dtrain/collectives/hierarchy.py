@@ -13,7 +13,7 @@ float rounding, not bit for bit (`dtrain.verify` measures it).
 
 The three collectives of a bucket depend on each other, and gloo's reduce-scatter and all-gather futures cannot be
 chained with a collective safely from the backend's callback thread. So one thread of the reducer's own
-(`dtrain.collectives.sharded.p2p.Completions`) runs each bucket's three in launch order, the same on every rank,
+(`dtrain.collectives.p2p.Completions`) runs each bucket's three in launch order, the same on every rank,
 while backward goes on; `finish()` waits for each bucket's event.
 """
 
@@ -27,7 +27,7 @@ from torch import nn
 from dtrain.collectives.dist import all_gather_single, local_world_size, reduce_scatter_single
 from dtrain.collectives.plan import Bucket
 from dtrain.collectives.reducer import Reducer, _BucketState
-from dtrain.collectives.sharded.p2p import Completions
+from dtrain.collectives.p2p import Completions
 from dtrain.collectives.settings import SyncConfig
 from dtrain.collectives.timing import stamp
 from dtrain.common.errors import UserError

@@ -12,8 +12,8 @@ strategies create through `class_group`. Modules, by concept:
   tuner_check  the plugin driven through ctypes, without NCCL
   log          the one reader of NCCL_DEBUG logs (ENV, TUNING in both formats, the init table)
   check        observed against requested, per bucket (`verify_run`)
-  gpu_check    two NCCL ranks on one GPU, both modes checked
-  __main__     the command line: groups, build-tuner, tuner-config, tuner-check, parse-log, gpu-check
+Its command line (groups, build-tuner, tuner-config, tuner-check, parse-log, gpu-check) and the one-GPU check sit
+above it, with the profile's reader: `dtrain.collectives.tools`.
 """
 
 from dtrain.collectives.nccl.check import check_decisions, load_buckets, render_check, verify_run

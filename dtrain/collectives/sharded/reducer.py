@@ -42,7 +42,7 @@ from torch import nn
 
 from dtrain.collectives.reducer import Reducer, _BucketState
 from dtrain.collectives.sharded.exchange import REPLICATED, Exchange, member_offsets
-from dtrain.collectives.sharded.p2p import Completions, exchange, rank_order_sum
+from dtrain.collectives.p2p import Completions, exchange, rank_order_sum
 from dtrain.collectives.tensor_classes import WIRE_DTYPES
 from dtrain.collectives.timing import Stamp, record_ms, stamp
 from dtrain.common.rundir import BucketRecord

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.collectives.sharded.p2p import exchange, rank_order_sum
+from dtrain.collectives.p2p import exchange, rank_order_sum
 from dtrain.collectives.sharded.reducer import RowTable
 from dtrain.collectives.tied_split import Rows, TiedEmbeddingSplit
 from dtrain.collectives.timing import stamp

@@ -2,9 +2,10 @@
 `build`/`attach`, which make a strategy's handle. Importing this package imports every strategy (and so registers
 it); the registry's names are handed on from here for the layers above.
 
-A registered `BucketingStrategy` (per_tensor, flat, bucketed, per_class, sharded) is executed by its `handle` class
-(`PlannedSync` unless it names its own); a registered `GradSync` (ddp, powersgd, noop, fsdp2) is its own handle.
-`auto` (`dtrain.collectives.auto`) is a `GradSync` that builds the others through `build`.
+A registered `BucketingStrategy` (per_tensor, flat, bucketed, per_class; `sharded`, whose package builds on these) is
+executed by its `handle` class (`PlannedSync` unless it names its own); a registered `GradSync` (ddp, powersgd, noop,
+fsdp2) is its own handle. `auto` (`dtrain.collectives.auto`) is a `GradSync` that builds the others through `build`.
+`sharded` and `auto` register themselves when `dtrain.collectives` is imported, above this package.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from dtrain.collectives.registry import (  # noqa: F401 (handed on)
     CLASS_RULE_KEYS, CLASS_SETTING_KEYS, HIERARCHY_KEYS, Plan, attachable, available, get, plan_for, planner, register,
     unused_keys)
 from dtrain.collectives.plan import BucketingStrategy
-from dtrain.collectives.sharded import strategy as sharded  # noqa: F401 (registers it)
 from dtrain.collectives.strategies import (  # noqa: F401 (each registers itself)
     bucketed, ddp, flat, fsdp2, noop, per_class, per_tensor, powersgd)
 from dtrain.collectives.strategies.planned import PlannedSync

@@ -1,4 +1,4 @@
-"""`python -m dtrain.collectives.nccl VERB`: the group settings of a profile, the tuner plugin and its config files, the
+"""`dtrain nccl VERB` (`python -m dtrain.collectives.tools.nccl`): the group settings of a profile, the tuner plugin and its config files, the
 NCCL log check, and the one-GPU check. Reads only the library's sections of a profile (`dtrain.collectives.config.load`)."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ from pathlib import Path
 from dtrain.collectives.config import load
 from dtrain.collectives.nccl.check import check_decisions, load_buckets, render_check
 from dtrain.collectives.nccl.classes import class_names, resolved
-from dtrain.collectives.nccl.gpu_check import gpu_check
 from dtrain.collectives.nccl.groups import groups_text
 from dtrain.collectives.nccl.log import read_logs
 from dtrain.collectives.nccl.tuner import build_tuner, example_tuner_csv
 from dtrain.collectives.nccl.tuner_check import render_tuner_table, tuner_table
 from dtrain.collectives.nccl.versions import parse_version
+from dtrain.collectives.tools.gpu_check import gpu_check
 from dtrain.common.errors import ArgumentParser, UserError, exit_on_user_error
 from dtrain.common.schema import apply_overrides, read_overlay
 
-PROG = "dtrain.collectives.nccl"
+PROG = "dtrain nccl"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
