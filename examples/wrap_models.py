@@ -28,7 +28,6 @@ import argparse
 import copy
 import json
 import math
-import os
 from contextlib import nullcontext
 
 import torch
@@ -62,6 +61,14 @@ def build_model(name: str) -> torch.nn.Module:
     raise SystemExit(f"--model must be gpt2 or marian, not {name!r}")
 
 
+def decay_groups(model: torch.nn.Module) -> list[dict]:
+    """The GPT scripts' two optimizer groups over the parameters that train: weight decay on the matrices and
+    embeddings (two or more dimensions), none on the biases and norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def batch(name: str, gen: torch.Generator) -> dict:
     """One micro-batch of random tokens (4 sequences of 16), this rank's own."""
     x = torch.randint(2, VOCAB, (4, 16), generator=gen)
@@ -76,11 +83,7 @@ def run(args, strategy: str, steps: int, start: dict | None = None) -> dict:
     the state dicts of the model, the optimizer and the schedule and, under a wrap, its handle's stats. `start`: a
     run's returned states to resume from, loaded as a DDP loop loads its checkpoint, before DDP or `wrap`."""
     model = build_model(args.model)
-    # The GPT scripts' two groups: decay the matrices and embeddings, not the biases and norms
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(decay_groups(model), lr=args.lr, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())

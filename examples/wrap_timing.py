@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dtrain.collectives import wrap
 from dtrain.collectives.dist import cleanup
 from dtrain.common.stats import median_ci, paired_median
+from wrap_models import decay_groups  # this folder's: the GPT scripts' two groups
 
 VOCAB = 8000
 
@@ -52,10 +53,7 @@ class Loop:
 
     def __init__(self, seed: int, sync, steps: int):
         model = build_model(seed)
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.98))
+        self.optimizer = torch.optim.AdamW(decay_groups(model), lr=3e-4, betas=(0.9, 0.98))
         self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=steps)
         if isinstance(sync, int):  # stock DDP with this bucket cap (MiB)
             self.model = DistributedDataParallel(model, bucket_cap_mb=sync)

@@ -26,13 +26,18 @@ def test_the_layers_hold():
     assert "2 kept, 0 broken" in r.stdout
 
 
-@pytest.mark.slow
-def test_an_import_up_the_layers_breaks_the_contract(tmp_path):
+def lint_with_import(tmp_path: Path, module: str, line: str) -> subprocess.CompletedProcess:
+    """`lint_imports` over a copy of the tree whose `module` (a path under dtrain/) ends with the import `line`."""
     shutil.copytree(REPO / "dtrain", tmp_path / "dtrain", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path)
-    leaf = tmp_path / "dtrain" / "collectives" / "sync.py"
-    leaf.write_text(leaf.read_text() + "\nfrom dtrain.engine import model  # noqa: E402,F401\n")
-    r = lint_imports(tmp_path)
+    path = tmp_path / "dtrain" / module
+    path.write_text(path.read_text() + f"\n{line}  # noqa: E402,F401\n")
+    return lint_imports(tmp_path)
+
+
+@pytest.mark.slow
+def test_an_import_up_the_layers_breaks_the_contract(tmp_path):
+    r = lint_with_import(tmp_path, "collectives/sync.py", "from dtrain.engine import model")
     assert r.returncode != 0
     assert "dtrain.collectives is not allowed to import dtrain.engine" in r.stdout
     assert "dtrain.collectives.sync -> dtrain.engine.model" in r.stdout
@@ -41,10 +46,6 @@ def test_an_import_up_the_layers_breaks_the_contract(tmp_path):
 @pytest.mark.slow
 def test_a_circle_inside_the_communication_library_breaks_its_contract(tmp_path):
     """The registry importing a strategy back (as it once imported them all at its bottom) is a circle."""
-    shutil.copytree(REPO / "dtrain", tmp_path / "dtrain", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "pyproject.toml", tmp_path)
-    registry = tmp_path / "dtrain" / "collectives" / "registry.py"
-    registry.write_text(registry.read_text() + "\nfrom dtrain.collectives.strategies import ddp  # noqa: E402,F401\n")
-    r = lint_imports(tmp_path)
+    r = lint_with_import(tmp_path, "collectives/registry.py", "from dtrain.collectives.strategies import ddp")
     assert r.returncode != 0
     assert "no circle among dtrain.collectives' packages and modules BROKEN" in r.stdout

@@ -34,20 +34,23 @@ def choose_backend(cfg: DistConfig) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def device_for(cfg: DistConfig) -> torch.device:
+    """This rank's device under `cfg`: its GPU (torchrun's LOCAL_RANK) where the backend is NCCL, else the CPU."""
+    return torch.device("cuda", env_rank()[1]) if choose_backend(cfg) == "nccl" else torch.device("cpu")
+
+
 def init(cfg: DistConfig) -> tuple[torch.device, str]:
     """Join the job's default process group; returns this rank's device and the backend.
 
     With NCCL the device is bound at init (`device_id`), so later `new_group` calls create their communicators
     eagerly; the per-class NCCL settings of `collectives` depend on that.
     """
-    rank, local_rank, world = env_rank()
+    rank, _, world = env_rank()
     backend = choose_backend(cfg)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    device = device_for(cfg)
     if backend == "nccl":
-        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if dist.is_initialized():
         return device, backend
     kwargs = {"device_id": device} if backend == "nccl" else {}

@@ -74,6 +74,7 @@ class GradSync(StrategyFacts):
         # optimizer's): what `optimizer_groups()` maps to what this handle updates, and the numbering of the
         # whole-model optimizer state (`optimizer_state`), which is then what the loop's optimizer would save under DDP
         self.groups: list[list[nn.Parameter]] = param_groups_of(model, param_groups)
+        self._optimizer_checked = False  # `check_optimizer_once` has checked the loop's optimizer
 
     def close(self) -> None:
         """Release what the handle made besides the model's parameters: its hooks on the model, its threads, its
@@ -94,6 +95,12 @@ class GradSync(StrategyFacts):
     def optimizer_params(self) -> list[torch.Tensor]:
         """`optimizer_groups()` as one list."""
         return [p for g in self.optimizer_groups() for p in g]
+
+    def check_optimizer_once(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """`check_optimizer` at the first step the loop passes its optimizer (`stepped`), not at every step."""
+        if optimizer is not None and not self._optimizer_checked:
+            self.check_optimizer(optimizer)
+            self._optimizer_checked = True
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """A one-line error unless `optimizer` updates what this handle's gradients land in, group by group
@@ -172,6 +179,18 @@ class GradSync(StrategyFacts):
     def stats(self) -> dict:
         """Per-strategy facts for the run header (bucket count, sizes ...)."""
         return {"strategy": self.name, "lossless": self.lossless, "communicates": self.communicates}
+
+
+def first_tensor(out, requires_grad: bool = False) -> torch.Tensor | None:
+    """The first tensor in a model's output (a tensor, a tuple or list, a dict, a Hugging Face `ModelOutput`), or the
+    first that requires a gradient: its gradient is among the first backward computes."""
+    if isinstance(out, torch.Tensor):
+        return out if out.requires_grad or not requires_grad else None
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return next((t for t in (first_tensor(o, requires_grad) for o in out) if t is not None), None)
+    return None
 
 
 def param_groups_of(model: nn.Module, groups: list[list[nn.Parameter]] | None) -> list[list[nn.Parameter]]:

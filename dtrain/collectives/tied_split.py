@@ -56,13 +56,17 @@ def split_params(class_of: dict[str, str], settings: dict) -> list[str]:
     return names
 
 
+def embedding_lookups(model: nn.Module, param: nn.Parameter) -> list[nn.Embedding]:
+    """The `nn.Embedding` modules of `model` whose weight is `param`."""
+    return [m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is param]
+
+
 def unsplittable(model: nn.Module, name: str) -> str | None:
     """Why parameter `name` of `model` cannot be split into its lookup rows, or None where it can: it must be the
     weight of `nn.Embedding`s that run `nn.Embedding`'s own forward (a subclass that scales its output, as some
     translation models' do, would lose the scaling: the split recomputes the lookup) without max_norm,
     scale_grad_by_freq or sparse gradients."""
-    param = dict(model.named_parameters())[name]
-    lookups = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is param]
+    lookups = embedding_lookups(model, dict(model.named_parameters())[name])
     if not lookups:
         return (f"parameter '{name}' is not the weight of an nn.Embedding; only an embedding's gradient can be split "
                 "into its lookup rows")
@@ -119,7 +123,7 @@ class TiedEmbeddingSplit:
     def __init__(self, model: nn.Module, name: str, group: dist.ProcessGroup | None, world: int, is_armed):
         self.name, self.world, self.is_armed = name, world, is_armed  # is_armed(): this backward synchronizes
         self.param = dict(model.named_parameters())[name]
-        lookups = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is self.param]
+        self.lookups = embedding_lookups(model, self.param)  # the nn.Embedding modules that hold it
         why = unsplittable(model, name)
         if why:
             raise UserError(f"tied_split: {why}")
@@ -127,7 +131,7 @@ class TiedEmbeddingSplit:
         ranks = None if group is None else dist.get_process_group_ranks(group)
         self.group = dist.new_group(ranks)  # a collective call: every rank builds its splits in the same order
         self.anchor = torch.empty(0, device=self.param.device, requires_grad=True)
-        self._hooks = [m.register_forward_hook(self._lookup_forward) for m in lookups]
+        self._hooks = [m.register_forward_hook(self._lookup_forward) for m in self.lookups]
         # The projection's gradient, before autograd accumulates it into `.grad` (alone: the lookups are detached)
         self._hooks.append(self.param.register_hook(self._projection_grad))
         self.prepare()

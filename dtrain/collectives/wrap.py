@@ -36,19 +36,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.collectives.config import from_dict
 from dtrain.collectives.settings import SyncConfig
-from dtrain.collectives.strategies import attach, unused_keys
-from dtrain.collectives.sync import GradSync
+from dtrain.collectives.strategies import attach
+from dtrain.collectives.sync import GradSync, first_tensor
 from dtrain.collectives.tensor_classes import with_tied_embedding
 from dtrain.common.errors import UserError
-from dtrain.common.schema import Source, build, set_dotted
+from dtrain.common.schema import set_dotted
 
 PREFIX = "module."  # DDP's: a checkpoint of the wrapped model loads into DDP, and DDP's into it
 
 
 def sync_config(sync: str | dict | SyncConfig) -> SyncConfig:
     """`sync` as a `SyncConfig`: one already, a strategy's name, or a mapping of `sync` keys (dotted keys allowed:
-    {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True}), read by the strict loader."""
+    {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True}), read and checked as a
+    profile's `sync` section is (`dtrain.collectives.config.from_dict`)."""
     if isinstance(sync, SyncConfig):
         return sync
     raw: dict = {}
@@ -60,10 +62,7 @@ def sync_config(sync: str | dict | SyncConfig) -> SyncConfig:
     else:
         raise UserError(f"wrap: sync must be a strategy's name, a mapping of sync keys or a SyncConfig, not "
                         f"{type(sync).__name__}")
-    cfg = build(SyncConfig, raw, "sync", Source("wrap's sync"))
-    for key, message in unused_keys(cfg):
-        raise UserError(f"wrap: '{key}' {message}")
-    return cfg
+    return from_dict({"sync": raw}, "wrap's sync").sync
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, sync: str | dict | SyncConfig = "bucketed",
@@ -109,7 +108,7 @@ class Synced(nn.Module):
     def forward(self, *args, **kwargs):
         out = self.handle.module(*args, **kwargs)
         if torch.is_grad_enabled() and self._syncing:
-            first = _first_grad_tensor(out)
+            first = first_tensor(out, requires_grad=True)
             if first is not None:  # its gradient is among backward's first: the wait goes after backward's end
                 first.register_hook(self._queue_wait)
         return out
@@ -165,9 +164,17 @@ class Synced(nn.Module):
         self.handle.zero_grad(set_to_none)
 
     def _stepped(self, optimizer, args, kwargs) -> None:
+        self._handle_call(self.handle.stepped, optimizer)
+
+    def _handle_call(self, method, *args):
+        """`method(*args)` of the handle, with the optimizer's state-dict hooks off while it runs: the handle reads
+        and loads the optimizer's own (local) state dicts itself (`optimizer_state`, `auto`'s switches). None where
+        a call is already in progress (the hooks then leave the state dict as it is)."""
+        if self._inside:
+            return None
         self._inside = True
         try:
-            self.handle.stepped(optimizer)
+            return method(*args)
         finally:
             self._inside = False
 
@@ -186,22 +193,10 @@ class Synced(nn.Module):
         self.handle.load_model_state({k.removeprefix(PREFIX): v for k, v in state_dict.items()})
 
     def _whole_optimizer_state(self, optimizer, state: dict) -> dict | None:
-        if self._inside:
-            return None
-        self._inside = True
-        try:
-            return self.handle.optimizer_state(optimizer)
-        finally:
-            self._inside = False
+        return self._handle_call(self.handle.optimizer_state, optimizer)
 
     def _local_optimizer_state(self, optimizer, state: dict) -> dict | None:
-        if self._inside:
-            return None
-        self._inside = True
-        try:
-            return self.handle.local_optimizer_state(optimizer, state)
-        finally:
-            self._inside = False
+        return self._handle_call(self.handle.local_optimizer_state, optimizer, state)
 
     def close(self) -> None:
         """`wrap`'s hooks removed and the handle closed (its hooks, threads and process groups)."""
@@ -210,15 +205,3 @@ class Synced(nn.Module):
         self._hooks = []
         self._no_sync.close()
         self.handle.close()
-
-
-def _first_grad_tensor(out) -> torch.Tensor | None:
-    """The first tensor that requires a gradient in a model's output (a tensor, a tuple, a dict, a Hugging Face
-    `ModelOutput`)."""
-    if isinstance(out, torch.Tensor):
-        return out if out.requires_grad else None
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        return next((t for t in map(_first_grad_tensor, out) if t is not None), None)
-    return None

@@ -31,8 +31,6 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-import torch
-
 from dtrain.collectives import costmodel as cm
 from dtrain.collectives import dist as ddist
 from dtrain.collectives import nccl
@@ -86,13 +84,6 @@ def nccl_inactive(record: dict) -> str | None:
             "recorded in run.json (nccl: requested, not applied)")
 
 
-def device_of(cfg) -> torch.device:
-    """The device this launch's ranks would train on, without joining a process group (`ddist.init` binds it)."""
-    if ddist.choose_backend(cfg.dist) == "nccl":
-        return torch.device("cuda", ddist.env_rank()[1])
-    return torch.device("cpu")
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     stop = StopRequest().install()  # from here on SIGTERM/SIGUSR1 end the job at the end of a step, with a checkpoint
@@ -102,7 +93,7 @@ def main(argv=None) -> int:
         if args.dry_run:
             topo = cm.topology(args.topology) if args.topology else None  # a bad preset: before any output
             # its error (auto picking fp32 under bf16 exchanges) before any output too; the choice is printed below
-            _, amp = config_mod.resolve_amp(cfg, device_of(cfg), main=False)
+            _, amp = config_mod.resolve_amp(cfg, ddist.device_for(cfg.dist), main=False)
             print(config_mod.dump(cfg), end="")
             print(nccl.groups_text(cfg), end="")  # what each process group would get from NCCL
             print("\n".join(["# " + line for line in runplan.plan_lines(cfg, topo)]))

@@ -49,6 +49,7 @@ from dtrain.collectives.auto import predict, race
 from dtrain.collectives.auto.space import (
     ONLINE_SPACE, PROBE, candidate_sync, default_space, is_lossless, shards, splits_apply)
 from dtrain.collectives.registry import CLASS_RULE_KEYS, attachable, get, register
+from dtrain.collectives.settings import SyncConfig
 from dtrain.collectives.strategies import build
 from dtrain.collectives.sync import Front, GradSync, move_optimizer
 from dtrain.common import host_memory

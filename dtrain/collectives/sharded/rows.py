@@ -36,7 +36,6 @@ class ShardedTiedSplit(TiedEmbeddingSplit):
         self.table = table
         self.peers = [dist.get_global_rank(self.group, j) for j in range(world)]
         self.others = [j for j in range(world) if j != table.rank]
-        self.lookups = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is self.param]
         self.readers = [m for m in model.modules() if all(m is not k for k in self.lookups)
                         and any(p is self.param for p in m.parameters(recurse=False))]
         self.lookups_per_forward = 0  # counted in the last synchronized forward (0: not yet)

@@ -63,6 +63,7 @@ class ShardedSync(PlannedSync):
         strategy.group_of.update({n: -1 for n in set(name_of.values()) - set(strategy.group_of)})
         super().__init__(model, cfg, process_group, strategy, param_groups=param_groups)
         self._hidden: list[tuple[nn.Parameter, torch.Tensor]] = []  # (parameter, its bucket view) while hidden
+        self._stand_ins: dict[int, HiddenGrad] = {}  # id of a parameter -> its `.grad`'s stand-in, made once
         if strategy.config.shard_tied_split and not self.splits:
             raise UserError("'sync.shard_tied_split' shards a split tied embedding, but no class sets tied_split")
         for split in self.splits:
@@ -70,7 +71,6 @@ class ShardedSync(PlannedSync):
                 raise UserError(f"tied_split: '{split.name}' shares a bucket with other parameters under strategy "
                                 f"'{self.name}'; its plan must give it a bucket of its own")
         self._replanned = True  # the optimizer holds the shards of this plan
-        self._checked = False  # `stepped` has checked the loop's optimizer
         self._suspended = False  # another handle trains the model (`suspend`): the modules' waits do nothing
         # Each module with parameters of its own waits, just before it runs, for the buckets that hold them (a tied
         # parameter for every module that holds it), except that the lookups of a sharded matrix fetch their rows
@@ -195,7 +195,9 @@ class ShardedSync(PlannedSync):
             if not sh.replicated:
                 for p, view in zip(st.params, st.views):
                     if p.grad is view:
-                        p.grad = hidden_grad(p)
+                        if id(p) not in self._stand_ins:
+                            self._stand_ins[id(p)] = hidden_grad(p)
+                        p.grad = self._stand_ins[id(p)]
                         self._hidden.append((p, view))
 
     def _show_grads(self) -> None:
@@ -219,9 +221,7 @@ class ShardedSync(PlannedSync):
         return total_norm(grads, exact=exact, group=self.reducer.group, sharded=True)
 
     def stepped(self, optimizer=None, loss=None) -> None:
-        if optimizer is not None and not self._checked:
-            self.check_optimizer(optimizer)  # at the first step: one over the model's parameters updates nothing
-            self._checked = True
+        self.check_optimizer_once(optimizer)  # one over the model's parameters would update nothing
         self.reducer.gather()
 
     def suspend(self) -> None:

@@ -167,7 +167,6 @@ class Fsdp2Sync(GradSync):
             for m in (*self.units, model):
                 m.set_custom_all_gather(gather)
                 m.set_custom_reduce_scatter(scatter)
-        self._checked = False  # `stepped` has checked the loop's optimizer
         self._gathered = False  # `wait_params` left every unit's parameters gathered
         self._ahead = False  # with `fsdp2_collectives`: this step's all-gathers are issued
         model.register_forward_pre_hook(self._before_forward, prepend=True)
@@ -216,9 +215,7 @@ class Fsdp2Sync(GradSync):
         """With `fsdp2_collectives`, every unit's updated shards all-gathered from now, in the order the forward
         needs them (the root holds the embedding, which the forward reads first). An optimizer built over the
         parameters `fully_shard` replaced is an error here, at the first step: it would update nothing."""
-        if optimizer is not None and not self._checked:
-            self.check_optimizer(optimizer)
-            self._checked = True
+        self.check_optimizer_once(optimizer)
         if self.collectives is not None:
             self._gather_ahead()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from contextlib import contextmanager
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -20,20 +19,10 @@ from dtrain.collectives import tensor_classes as tc
 from dtrain.collectives.hierarchy import HierarchicalReducer, Levels, ranks_per_node
 from dtrain.collectives.plan import BucketingStrategy, plan_params, ready_order
 from dtrain.collectives.reducer import Reducer
-from dtrain.collectives.sync import Front, GradSync
+from dtrain.collectives.sync import Front, GradSync, first_tensor
 from dtrain.collectives.tied_split import TiedEmbeddingSplit, split_params
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
-
-
-def _first_tensor(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        return next((t for t in map(_first_tensor, out) if t is not None), None)
-    return None
 
 
 class PlannedSync(GradSync):
@@ -74,7 +63,7 @@ class PlannedSync(GradSync):
                 split.prepare()
 
     def after_forward(self, out) -> None:
-        first = _first_tensor(out)
+        first = first_tensor(out)
         if self.reducer.armed and first is not None and first.requires_grad:
             # The output's gradient is among the first computed: the backward of this micro-batch has started.
             first.register_hook(lambda grad: self.reducer.mark_backward_start())
