@@ -12,7 +12,7 @@ from dtrain.common.rundir import TUNING_COLUMNS
 from conftest import NO_EVAL, REPO, checkpoint_diff, records, torchrun, train_ranks
 from dtrain.collectives.auto import predict
 from dtrain.collectives.auto.race import Entrant
-from dtrain.collectives.auto.space import NCCL_SPACE
+from dtrain.collectives.auto.space import DEFAULT_SPACE, NCCL_SPACE
 from dtrain.engine import autotune
 from dtrain.engine import config as config_mod
 from dtrain.engine.model import Transformer
@@ -26,7 +26,7 @@ def auto_cfg(*overrides):
 
 def test_the_default_space_builds_and_only_lossless_candidates_are_searched_by_default(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # one rank, one node: no hierarchical plan
-    flat = [n for n, k in autotune.DEFAULT_SPACE.items() if not k.get("hierarchical") and n not in NCCL_SPACE]
+    flat = [n for n, k in DEFAULT_SPACE.items() if not k.get("hierarchical") and n not in NCCL_SPACE]
     cands = autotune.candidates(auto_cfg("train.amp=bf16"))
     assert [c.name for c in cands] == [n for n in flat if n != "fsdp2-bf16"]  # lossy: bf16 params
     assert all(c.lossless for c in cands)
@@ -34,7 +34,7 @@ def test_the_default_space_builds_and_only_lossless_candidates_are_searched_by_d
                                                              "sharded+split+bf16", "fsdp2"}
     # bf16 exchanges are exact only under bf16 autocast: without it they are not in the space
     fp32 = autotune.candidates(auto_cfg("train.amp=fp32"))
-    assert [c.name for c in fp32] == [n for n in flat if "gather_dtype" not in autotune.DEFAULT_SPACE[n]]
+    assert [c.name for c in fp32] == [n for n in flat if "gather_dtype" not in DEFAULT_SPACE[n]]
     lossy = autotune.candidates(auto_cfg("train.amp=bf16", "sync.tune.lossy=true"))
     assert [c.name for c in lossy if not c.lossless] == ["fsdp2-bf16"]
     split = next(c for c in cands if c.name == "bucketed-0.5-split")

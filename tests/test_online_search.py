@@ -16,7 +16,7 @@ from dtrain.collectives import dist as ddist
 from dtrain.collectives import attach
 from dtrain.collectives.settings import SyncConfig, TuneConfig
 from dtrain.collectives.auto.search import OnlineSearch
-from dtrain.collectives.auto.space import NCCL_SPACE, ONLINE_SPACE, candidate_sync
+from dtrain.collectives.auto.space import DEFAULT_SPACE, NCCL_SPACE, candidate_sync
 from dtrain.common.errors import UserError
 from dtrain.engine import verify
 
@@ -103,7 +103,7 @@ def test_a_switch_to_a_sharding_candidate_needs_the_loops_one_group_optimizer(on
 def test_the_default_space_leaves_out_the_split_where_the_model_has_no_tied_embedding(one_rank):
     plain = attach(torch.nn.Sequential(torch.nn.Linear(4, 4)), auto())
     transformer = attach(verify.tiny_model(), auto())
-    no_split = [n for n, k in ONLINE_SPACE.items() if not k.get("hierarchical")
+    no_split = [n for n, k in DEFAULT_SPACE.items() if not k.get("hierarchical") and k["strategy"] != "fsdp2"
                 and "classes.embedding.tied_split" not in k and n not in NCCL_SPACE]
     assert [c.name for c in plain.entrants] == no_split  # one rank, one node, gloo: no hierarchical plan nor NCCL
     assert {c.name for c in transformer.entrants} > set(no_split)

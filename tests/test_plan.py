@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dtrain.collectives import schedule
 from dtrain.collectives import strategies
 from dtrain.collectives import tensor_classes as tc
 from dtrain.collectives.plan import Bucket, BucketingStrategy, pack, ready_order
@@ -90,9 +91,13 @@ def test_per_class_never_mixes_and_uses_each_class_settings(named):
     pos = {n: i for i, (n, _) in enumerate(named)}
     last = [pos[b.names[-1]] for b in buckets]
     assert last == sorted(last)
-    assert not strategies.get("per_class")().lossless({"ffn": buckets[0].settings, "x": tc.CollectiveSettings(
-        wire_dtype="bf16")})
-    assert strategies.get("per_class")().lossless({"ffn": tc.CollectiveSettings()})
+    # Its schedule: each bucket all-reduced in its class's wire dtype, on its class's group; exact only in fp32
+    sch = schedule.all_reduce_schedule("per_class", buckets, named, 2, overlap=True, class_groups=True)
+    assert [(c.dtype, c.group, c.nbytes) for c in sch.collectives] == [
+        (b.settings.wire_dtype, b.tensor_class, b.nbytes) for b in buckets]
+    assert not sch.exact and not any(c.exact for c in sch.collectives if c.dtype != "fp32")
+    fp32 = [b for b in buckets if b.settings.wire_dtype == "fp32"]
+    assert schedule.all_reduce_schedule("per_class", fp32, named, 2, overlap=True, class_groups=True).exact
 
 
 def test_pack_keys_and_oversized_tensors():

@@ -10,14 +10,16 @@ import shutil
 import pytest
 
 from dtrain.analysis import simulate as sim
-from dtrain.analysis.plans import bucket_plan, ready_params, sharded_exchanges, sync_for
+from dtrain.analysis.plans import bucket_plan, meta_model, ready_params, sync_for
 from dtrain.analysis.runs import load_run, slowest_rank_records
 from dtrain.analysis.simulate.__main__ import main
 from dtrain.analysis.simulate.calibration import LOOKUP_GROUP, Calibration, record_groups
-from dtrain.analysis.simulate.predict import exchange_ms, hierarchical_ms, p2p_load
+from dtrain.collectives import schedule, strategies
+from dtrain.collectives.sharded.exchange import exchange_plan
+from dtrain.collectives.step_time import exchange_ms, hierarchical_ms, p2p_load
 from dtrain.collectives import costmodel as cm
-from dtrain.collectives.costmodel import CollectiveCost
-from dtrain.collectives.timeline import gather_stall, optimizer_saving, sharded_times
+from dtrain.collectives.costmodel import CollectiveCost, played
+from dtrain.collectives.timeline import gather_stall
 from dtrain.common.errors import UserError
 from dtrain.engine import config as config_mod
 
@@ -320,7 +322,7 @@ def test_a_split_embedding_is_played_as_the_reducer_runs_it_where_the_profile_re
     cal = sim.Calibration()
     plain = sim.predict(run.cfg, ref, curve, _Flat(), cal, "bucketed", 0.05, run.vocab)
     with_split = sim.predict(run.cfg, ref, curve, _Flat(), cal, "bucketed", 0.05, run.vocab, classes=split)
-    assert with_split.split and not plain.split
+    assert with_split.variant == "+split" and plain.variant == ""
     assert plain.exposed_ms == pytest.approx(exposed - 0.2)  # the recorded timeline, without wait()'s 0.2 ms
     # Split: the matrix's bucket goes first, and backward ends with the encoder lookup's 400 bytes alone, launched at
     # 10 ms: 1.0004 ms on the flat model.
@@ -336,9 +338,11 @@ def test_a_split_embedding_is_played_as_the_reducer_runs_it_where_the_profile_re
     assert sim.predict(run.cfg, ref, curve, _Flat(), cal, "bucketed", 0.05, run.vocab,
                        classes=split).step_ms == pytest.approx(with_split.step_ms)
     assert sim.predict(run.cfg, ref, curve, _Flat(), cal, "noop").step_ms == pytest.approx(ref.compute_ms - 6.0)
-    ref.records = [r for r in ref.records if r.get("part") != "lookup"]  # no rows recorded: the plain plan
+    # No rows recorded: the embedding still goes first, as the reducer re-plans it, and no lookup's rows are played
+    # (their bytes are the step's tokens'): backward ends with the last bucket's all-reduce, hidden here
+    ref.records = [r for r in ref.records if r.get("part") != "lookup"]
     assert sim.predict(run.cfg, ref, curve, _Flat(), cal, "bucketed", 0.05, run.vocab,
-                       classes=split).exposed_ms == pytest.approx(plain.exposed_ms)
+                       classes=split).exposed_ms == pytest.approx(0.0)
 
 
 def test_measured_runs_line_up_with_predictions(tmp_path, capsys):
@@ -411,7 +415,7 @@ def test_paper_projection_runs_and_states_assumptions(capsys):
     out = capsys.readouterr().out
     assert "MODELED projection" in out and "assumed" in out and "p100x8" in out
     with pytest.raises(UserError):
-        sim.predict(None, None, None, None, None, "powersgd")
+        sim.predict(config_mod.from_dict({}, "test"), None, None, None, None, "powersgd")
 
 
 def test_a_profiles_per_class_nccl_choice_is_honoured_by_the_preset():
@@ -437,46 +441,55 @@ class _FlatWithHost(_Flat):
         return 500.0
 
 
+def _schedule(cfg, world=2):
+    return strategies.schedule_for(cfg.sync, meta_model(cfg), world)
+
+
 def test_a_replicated_bucket_is_played_whole_from_the_start_of_backward_and_has_no_gather():
-    """sharded with tied_split: the embedding's bucket (first, replicated) is all-reduced whole as soon as backward
-    starts and the next forward needs no gather for it; the other buckets reduce-scatter half and gather."""
+    """sharded with tied_split: the embedding's bucket (first, replicated) is all-reduced whole from its projection
+    part (the first gradient of backward) and the next forward needs no gather for it; the other buckets are
+    reduce-scattered as their gradients are ready and gathered for the next forward."""
     cfg = config_mod.from_dict({"model": {"preset": "small"}, "data": {"vocab_size": 8000},
                                 "sync": {"strategy": "sharded", "bucket_cap_mb": 2,
                                          "classes": {"embedding": {"tied_split": True}}}}, "test")
-    plan = bucket_plan(cfg).buckets
-    plain = bucket_plan(config_mod.from_dict({"model": {"preset": "small"}, "data": {"vocab_size": 8000},
-                                              "sync": {"strategy": "sharded", "bucket_cap_mb": 2}}, "test")).buckets
-    exs = sharded_exchanges(cfg, cfg.sync, plan, 2)
-    assert [ex.gathered for ex in exs] == [False] + [True] * (len(plan) - 1) and plan[0].tensor_class == "embedding"
-    ready, dur = sharded_times(exs, [10.0 * (i + 1) for i in range(len(plan))], [4.0] * len(plan),
-                               lambda i, d: d / 2)
-    assert ready[0] == 0.0 and ready[1:] == [10.0 * (i + 1) for i in range(1, len(plan))]
-    assert dur == [4.0] + [2.0] * (len(plan) - 1)
+    plain = config_mod.from_dict({"model": {"preset": "small"}, "data": {"vocab_size": 8000},
+                                  "sync": {"strategy": "sharded", "bucket_cap_mb": 2}}, "test")
+    sch, ref = _schedule(cfg), _schedule(plain)
+    plan = list(sch.buckets)
+    assert plan[0].tensor_class == "embedding"
+    backward = [c for c in sch.collectives if c.ready != schedule.STEP and c.ready != schedule.LOOKUP]
+    assert [(c.kind, c.ready) for c in backward] == [("all_reduce", "projection")] + [
+        ("reduce_scatter", "gradient")] * (len(plan) - 1)
+    gathered = [c.bucket for c in sch.collectives if c.kind == "all_gather"]
+    assert gathered == list(range(1, len(plan)))
+    assert [c.group for c in sch.collectives if c.ready == schedule.LOOKUP] == [schedule.LOOKUP_GROUP]
     # The forward waits for the first gathered bucket it needs; the plain plan's embedding gather comes first
     # and is the largest, so the split's replicated embedding makes the stall shorter.
-    split_stall = gather_stall(plan, [d * b.numel / 1e6 for d, b in zip(dur, plan)], 100.0,
-                               [ex.gathered for ex in exs])
-    plain_stall = gather_stall(plain, [2.0 * b.numel / 1e6 for b in plain], 100.0)
+    split_stall = gather_stall([plan[i] for i in gathered], [2.0 * plan[i].numel / 1e6 for i in gathered], 100.0)
+    plain_stall = gather_stall(list(ref.buckets), [2.0 * b.numel / 1e6 for b in ref.buckets], 100.0)
     assert 0.0 <= split_stall < plain_stall
+    assert sch.updated == pytest.approx(1 - 0.5 * sum(b.numel for b in plan[1:]) / sum(b.numel for b in plan))
 
 
 def test_an_embedding_sharded_by_rows_is_reduce_scattered_from_the_start_of_backward_and_gathered_last():
     """sharded with tied_split and shard_tied_split: the embedding's bucket is ready with the projection's gradient
-    (the first of backward), reduce-scattered like the others, and the next forward needs its gather only at the
-    end (its lookups fetch their rows)."""
+    (the first of backward), reduce-scattered like the others, its lookups' rows reduce-scattered to their owners,
+    and the next forward needs its gather only at the end (its lookups fetch their rows)."""
     cfg = config_mod.from_dict({"model": {"preset": "small"}, "data": {"vocab_size": 8000},
                                 "sync": {"strategy": "sharded", "bucket_cap_mb": 2, "shard_tied_split": True,
                                          "classes": {"embedding": {"tied_split": True}}}}, "test")
-    plan = bucket_plan(cfg).buckets
-    exs = sharded_exchanges(cfg, cfg.sync, plan, 2)
+    sch = _schedule(cfg)
+    plan = list(sch.buckets)
+    exs = exchange_plan(cfg.sync, meta_model(cfg), plan, 2)
     assert exs[0].row_size == 256 and all(ex.gathered for ex in exs)  # d_model of the small preset
-    ready, dur = sharded_times(exs, [10.0 * (i + 1) for i in range(len(plan))], [4.0] * len(plan),
-                               lambda i, d: d / 2)
-    assert ready[0] == 0.0 and dur == [2.0] * len(plan)
+    first = sch.collectives[0]
+    assert (first.kind, first.ready, first.path) == ("reduce_scatter", "projection", "p2p")
+    assert [c.kind for c in sch.collectives if c.ready == schedule.LOOKUP] == ["reduce_scatter"]
+    assert sch.label == "+split+rows" and sch.exact
     # Gathered last, needed at the end of the forward: its gather stalls nothing that the others' do not.
-    durations = [d * b.numel / 1e6 for d, b in zip(dur, plan)]
+    durations = [2.0 * b.numel / 1e6 for b in plan]
     assert gather_stall(plan, durations, 1000.0) == gather_stall(plan[1:], durations[1:], 1000.0)
-    assert optimizer_saving(plan, 100.0, 2) == pytest.approx(50.0)
+    assert sch.updated == pytest.approx(0.5)  # every bucket sharded over 2 ranks
 
 
 def test_a_narrowed_sharded_plan_moves_its_linear_members_in_bf16(tmp_path):
@@ -487,7 +500,7 @@ def test_a_narrowed_sharded_plan_moves_its_linear_members_in_bf16(tmp_path):
                     "classes": {"embedding": {"tied_split": True}}}}
     cfg = config_mod.from_dict(raw, "test")
     plan = bucket_plan(cfg).buckets
-    sizes = [ex.nbytes("all_gather") or ex.bucket.nbytes for ex in sharded_exchanges(cfg, sync_for(cfg), plan, 2)]
+    sizes = [ex.nbytes("all_gather") or ex.bucket.nbytes for ex in exchange_plan(sync_for(cfg), meta_model(cfg), plan, 2)]
     assert sizes[0] == plan[0].nbytes  # the replicated embedding: read by the lookups in fp32
     assert all(b.nbytes / 2 < n < b.nbytes for b, n in zip(plan[1:], sizes[1:]) if "norm" in " ".join(b.names))
     assert sum(sizes[1:]) < 0.51 * sum(b.nbytes for b in plan[1:])  # almost all of the rest is Linear weights
@@ -644,7 +657,7 @@ def test_fsdp2_on_a_cpu_device_adds_every_collective_and_with_streams_overlaps_t
         return alpha + (whole - alpha) / 2
 
     one_way = sum(half(b.nbytes) for b in plan)
-    saving = optimizer_saving(plan, ref.optimizer_ms, 2)
+    saving = ref.optimizer_ms * 0.5  # each of 2 ranks updates half of every unit
     for reshard, again in ((False, 0.0), (True, sum(half(b.nbytes) for b in plan[:-1]))):
         cfg = config_mod.from_dict({**run.cfg.to_dict(), "sync": {"strategy": "fsdp2",
                                                                    "reshard_after_forward": reshard}}, "test")
@@ -685,7 +698,7 @@ def test_fsdp2_with_the_split_all_reduces_the_embedding_outside_its_units(tmp_pa
         return alpha + (whole - alpha) / 2
 
     p = sim.predict(split, ref, curve, _Flat(), cal, "fsdp2", None, run.vocab)
-    assert p.split and p.label == "fsdp2+split+keep+p2p"
+    assert p.label == "fsdp2+split+keep+p2p"
     assert p.comm_ms == pytest.approx(_Flat().allreduce_ms(plan[0].nbytes) + 2 * sum(half(b.nbytes) for b in plan[1:]))
 
 
@@ -737,17 +750,17 @@ def test_the_hierarchical_plan_costs_each_buckets_shard_by_the_load_it_puts_on_a
     def allreduce(_, nbytes):
         return model.allreduce_ms(nbytes)
 
-    one = hierarchical_ms(allreduce, model.allreduce_latency_ms, None, 3_000_000, 2, 4)
+    one = hierarchical_ms(lambda n: allreduce(None, n), model.allreduce_latency_ms, 3_000_000, 2, 4)
     assert one == pytest.approx(2 * model.allreduce_latency_ms(1_500_000) + model.allreduce_ms(2_000_000))
     hier = config_mod.from_dict({**run.cfg.to_dict(), "sync": {"strategy": "bucketed", "bucket_cap_mb": 0.05,
                                                                 "hierarchical": True, "ranks_per_node": 2}}, "test")
     flat = sim.predict(run.cfg, ref, curve, model, cal, "bucketed", 0.05, run.vocab)
     tiered = sim.predict(hier, ref, curve, model, cal, "bucketed", 0.05, run.vocab)
-    assert tiered.hierarchical and not flat.hierarchical and tiered.label == "bucketed@0.05M+hier"
+    assert tiered.label == "bucketed@0.05M+hier" and flat.label == "bucketed@0.05M"
     plan = bucket_plan(hier).buckets
     sizes = [b.nbytes for b in plan]
     # One lane: the buckets' durations add up wherever they overlap nothing else (after backward, in the end)
-    assert tiered.comm_ms == pytest.approx(sum(hierarchical_ms(allreduce, model.allreduce_latency_ms, None, n, 2, 4)
+    assert tiered.comm_ms == pytest.approx(sum(hierarchical_ms(lambda n: allreduce(None, n), model.allreduce_latency_ms, n, 2, 4)
                                                for n in sizes))
     # With the path inside a node modeled (simulate's --intra-topology), its reduce-scatter and all-gather cost what
     # that model says (here half an all-reduce each: it did not measure them itself), not their latency
@@ -755,7 +768,7 @@ def test_the_hierarchical_plan_costs_each_buckets_shard_by_the_load_it_puts_on_a
     inner.inside_node = _Flat()
     within = sim.predict(hier, ref, curve, inner, cal, "bucketed", 0.05, run.vocab)
     assert within.comm_ms == pytest.approx(sum(
-        hierarchical_ms(allreduce, model.allreduce_latency_ms, None, n, 2, 4, _Flat().allreduce_ms) for n in sizes))
+        hierarchical_ms(lambda n: allreduce(None, n), model.allreduce_latency_ms, n, 2, 4, _Flat().allreduce_ms) for n in sizes))
     assert within.comm_ms > tiered.comm_ms
     # The ranks per node must be known and split the cost model's world
     odd = config_mod.from_dict({**hier.to_dict(), "sync": {**hier.to_dict()["sync"], "ranks_per_node": 3}}, "test")
@@ -786,7 +799,7 @@ def test_a_sharded_plans_exchanges_load_a_nodes_link_by_the_ranks_it_holds(tmp_p
     # the hierarchical plan without 'sync.ranks_per_node': the model's layout
     hier = config_mod.from_dict({**run.cfg.to_dict(), "sync": {"strategy": "bucketed", "bucket_cap_mb": 0.05,
                                                                 "hierarchical": True}}, "test")
-    assert sim.predict(hier, ref, curve, nodes, cal, "bucketed", 0.05, run.vocab).hierarchical
+    assert sim.predict(hier, ref, curve, nodes, cal, "bucketed", 0.05, run.vocab).variant == "+hier"
     with pytest.raises(UserError, match="ranks per node"):
         sim.predict(hier, ref, curve, flat, cal, "bucketed", 0.05, run.vocab)
     # the command line: the layout printed; one that does not divide the fit's ranks, a one-line error
@@ -857,7 +870,7 @@ def test_in_lockstep_a_groups_collectives_share_its_link_by_size():
     equal = sim.play_timeline([0.0, 0.0], [8.0, 1.0], 0.0, lanes=2)
     by_size = sim.play_timeline([0.0, 0.0], [8.0, 1.0], 0.0, lanes=2, lockstep=True)
     assert equal.end == pytest.approx([9.0, 2.0]) and by_size.end == pytest.approx([9.0, 9.0])
-    assert sim.costs.lockstep(_Flat4()) and not sim.costs.lockstep(_Flat())
+    assert played.lockstep(_Flat4()) and not played.lockstep(_Flat())
 
 
 def _flat_floor_fit() -> cm.FittedModel:
@@ -871,12 +884,12 @@ def test_a_fits_flat_small_size_regime_still_puts_its_bytes_on_the_link():
     link's rate (the fit's cost per byte at the largest sizes), not the intercept of its size's regime: a 500 kB
     all-reduce in a flat regime keeps the link busy 5 ms of its 6, a 1 kB one almost none of it."""
     fit = _flat_floor_fit()
-    assert sim.costs.link_ms(fit, 500_000) == pytest.approx(5.0)
+    assert played.link_ms(fit, 500_000) == pytest.approx(5.0)
     assert sim.off_link_ms(fit, 500_000) == pytest.approx(1.0)  # the regime's intercept would say all 6
     assert sim.off_link_ms(fit, 1_000) == pytest.approx(5.99)
     assert sim.off_link_ms(fit, 2_000_000) == pytest.approx(0.0)
     assert sim.off_link_ms(fit, 500_000, ms=3.5, share=0.5) == pytest.approx(1.0)  # a reduce-scatter: half the bytes
-    assert sim.costs.link_ms(_Flat(), 500_000) is None  # not a fit: its own latency term
+    assert played.link_ms(_Flat(), 500_000) is None  # not a fit: its own latency term
     assert sim.off_link_ms(_Flat(), 500_000) == pytest.approx(_Flat().allreduce_latency_ms(500_000))
     # In lockstep beside a large one, a 500 kB bucket takes its share of the link: the pair ends 5 ms later
     # than the large one alone (with the intercept as latency it would cost the link nothing).

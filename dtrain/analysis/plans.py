@@ -16,7 +16,6 @@ import torch
 from dtrain.collectives import strategies
 from dtrain.collectives.plan import ready_order
 from dtrain.collectives.settings import ClassSettings
-from dtrain.collectives.sharded.exchange import Exchange, exchange_plan
 from dtrain.engine.model import Transformer
 
 
@@ -24,6 +23,12 @@ from dtrain.engine.model import Transformer
 def _meta_model(model_cfg, vocab: int) -> Transformer:
     with torch.device("meta"):
         return Transformer.from_config(model_cfg, vocab)
+
+
+def meta_model(cfg, vocab: int | None = None) -> Transformer:
+    """`cfg`'s model on meta tensors (no memory), whose schedule a prediction plays; `vocab` defaults to the
+    profile's."""
+    return _meta_model(cfg.model, vocab or cfg.data.vocab_size)
 
 
 @functools.lru_cache(maxsize=8)
@@ -53,9 +58,3 @@ def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = 
     """The plan of `cfg`'s model under `sync_for(cfg, strategy, bucket_cap_mb, classes)`, built on meta tensors in
     the expected ready order."""
     return strategies.plan_for(sync_for(cfg, strategy, bucket_cap_mb, classes), list(ready_params(cfg, vocab)))
-
-
-def sharded_exchanges(cfg, sync, plan, world: int, vocab: int | None = None) -> list[Exchange]:
-    """The exchange plan of `sharded`'s buckets `plan` for `cfg`'s model under `sync` (`sync_for`) on `world` ranks,
-    as training computes it (`dtrain.collectives.sharded.exchange`)."""
-    return exchange_plan(sync, _meta_model(cfg.model, vocab or cfg.data.vocab_size), plan, world)

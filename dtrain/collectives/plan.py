@@ -14,8 +14,11 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
+from dtrain.collectives import tensor_classes
+from dtrain.collectives.schedule import Schedule, all_reduce_schedule, nodes_of, split_first
 from dtrain.collectives.sync import StrategyFacts
 from dtrain.collectives.tensor_classes import CollectiveSettings, TensorClasses
+from dtrain.collectives.tied_split import split_params
 from dtrain.common.errors import UserError, unknown
 
 
@@ -137,8 +140,23 @@ class BucketingStrategy(StrategyFacts):
         """Build from a `SyncConfig`: the knobs are the fields of the same name."""
         return cls(cls.Config(**{f.name: getattr(sync_cfg, f.name) for f in dataclasses.fields(cls.Config)}))
 
-    def lossless(self, settings: dict[str, CollectiveSettings]) -> bool:
-        return True
+    @classmethod
+    def schedule(cls, sync, model: nn.Module, world: int, accum_steps: int = 1,
+                 ranks_per_node: int | None = None) -> Schedule:
+        """Each bucket all-reduced as its last gradient is ready (`dtrain.collectives.schedule`), as `PlannedSync`
+        runs the plan after its first step: with a split tied embedding (`tied_split`) re-planned in the order that
+        step observed, the embedding first. `model`: meta tensors do."""
+        strategy = cls.from_sync(sync)
+        named = ready_order(model)
+        classes = tensor_classes.from_config(sync)
+        class_of = classes.assign(named)
+        settings = classes.used(class_of)
+        split = set(split_params(class_of, settings)) if "classes.tied_split" in cls.sync_keys else set()
+        buckets = strategy.plan(split_first(named, split) if split and cls.overlap else named, class_of, settings)
+        per_node = None
+        if sync.hierarchical and "hierarchical" in cls.sync_keys:
+            per_node = nodes_of(sync.ranks_per_node or ranks_per_node, world, f"{cls.name} with 'sync.hierarchical'")
+        return all_reduce_schedule(cls.name, buckets, named, world, cls.overlap, cls.class_groups, split, per_node)
 
     def plan(self, named_params: Sequence[tuple[str, torch.Tensor]], classes: dict[str, str],
              settings: dict[str, CollectiveSettings]) -> list[Bucket]:

@@ -103,6 +103,12 @@ def planner(name: str) -> type[BucketingStrategy]:
     return cls
 
 
+def schedule_for(sync, model, world: int, accum_steps: int = 1, ranks_per_node: int | None = None):
+    """The schedule of `sync`'s strategy on `model` (meta tensors do) and `world` ranks: what it sends in a step
+    (`StrategyFacts.schedule`; a one-line error for a strategy without one)."""
+    return get(sync.strategy).schedule(sync, model, world, accum_steps, ranks_per_node)
+
+
 def plan_for(sync, named_params) -> Plan:
     """The buckets of `sync` (a `SyncConfig`) over `named_params`, (name, tensor) pairs in expected ready order (meta
     tensors do: only numel and dtype are read)."""

@@ -64,7 +64,7 @@ class TuneConfig:
     every candidate still in the race (and a lead-in step of each sharding one)."""
 
     # name -> the candidate's `sync` keys (dotted below `sync`, e.g. {strategy: bucketed, bucket_cap_mb: 0.5,
-    # classes.embedding.tied_split: true}); empty: the default space (dtrain.engine.autotune.DEFAULT_SPACE)
+    # classes.embedding.tied_split: true}); empty: the default space (dtrain.collectives.auto.space.DEFAULT_SPACE)
     candidates: dict[str, dict[str, Any]] = field(default_factory=dict)
     # training steps the search may spend, the probe's included: a tenth of an exhaustive sweep of the default
     # space (18 candidates at 40 steps each)

@@ -14,6 +14,7 @@ optimizer's own state dict; no state of its own).
 
 from __future__ import annotations
 
+import functools
 from contextlib import AbstractContextManager, nullcontext
 from typing import ClassVar
 
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.collectives.dist import local_world_size
+from dtrain.collectives.schedule import is_exact
 from dtrain.collectives.settings import SyncConfig
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
@@ -40,12 +43,17 @@ class StrategyFacts:
     # a planned strategy (by name, or a `BucketingStrategy` class of its own) whose buckets model this one's (None:
     # its own)
     plans_like: ClassVar[str | type | None] = None
-    # With `sync.gather_dtype` (where it reads it), the result is still the exact mean: `sharded` narrows only what
-    # autocast rounds anyway; FSDP2's mixed precision rounds every parameter the forward reads
-    gather_dtype_exact: ClassVar[bool] = True
     # `attach`'s search can switch it in and out between steps on the one model (not fsdp2: `fully_shard` replaces
     # the model's parameters and modules for good)
     switchable: ClassVar[bool] = True
+
+    @classmethod
+    def schedule(cls, sync, model: nn.Module, world: int, accum_steps: int = 1, ranks_per_node: int | None = None):
+        """The collectives this strategy issues in one synchronized step of `model` (meta tensors do) under `sync`
+        on `world` ranks, with `accum_steps` micro-batches a step: a `dtrain.collectives.schedule.Schedule`, which
+        says what each sends, when and whether it is exact. `ranks_per_node`: the job's layout where `sync` does
+        not give it. A strategy that decides what it sends only as it runs has none (a one-line error)."""
+        raise UserError(f"strategy '{cls.name}' decides what it sends as it runs: it has no schedule to predict")
 
 
 class Front(nn.Module):
@@ -64,7 +72,7 @@ class Front(nn.Module):
 class GradSync(StrategyFacts):
     """Base handle. Subclasses synchronize gradients so that after `wait()` each holds the mean over ranks."""
 
-    lossless = True  # False for strategies whose averaged gradients differ from the exact mean
+    strategy: StrategyFacts | None = None  # the registered strategy a generic handle runs (None: the handle's own)
 
     def __init__(self, model: nn.Module, cfg: SyncConfig, process_group: dist.ProcessGroup | None = None,
                  param_groups: list[list[nn.Parameter]] | None = None):
@@ -75,6 +83,13 @@ class GradSync(StrategyFacts):
         # whole-model optimizer state (`optimizer_state`), which is then what the loop's optimizer would save under DDP
         self.groups: list[list[nn.Parameter]] = param_groups_of(model, param_groups)
         self._optimizer_checked = False  # `check_optimizer_once` has checked the loop's optimizer
+
+    @functools.cached_property
+    def lossless(self) -> bool:
+        """Every rank's synchronized gradient (and the parameters the next forward reads) is the exact mean: its
+        schedule's answer (`schedule.is_exact`)."""
+        world = dist.get_world_size(self.process_group) if dist.is_initialized() else 1
+        return is_exact(self.strategy or type(self), self.cfg, self.model, world, local_world_size())
 
     def close(self) -> None:
         """Release what the handle made besides the model's parameters: its hooks on the model, its threads, its

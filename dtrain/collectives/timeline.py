@@ -1,5 +1,5 @@
 """The collectives of one backward played onto a timeline, and the gradient-ready curve they are launched from: the
-engine of the step simulator (`dtrain.analysis.simulate`) and of the tuner's predictions (`dtrain.engine.autotune`).
+engine of the one step-time predictor (`dtrain.collectives.step_time`).
 
 Everything here is modeled. Times are ms from the start of the synchronized backward; buckets are in index (launch)
 order.
@@ -154,28 +154,6 @@ def gather_stall(plan, durations_ms: list[float], forward_ms: float, gathered: l
         need.append(forward_ms * acc / total)
         acc += w
     return forward_stall(need, [durations_ms[i] for i in order], forward_ms)
-
-
-def sharded_times(exchanges, ready_ms: list[float], durations_ms: list[float], half,
-                  start_ms: float = 0.0) -> tuple[list[float], list[float]]:
-    """A sharded plan's (ready, duration) per bucket (`exchanges`, `dtrain.collectives.sharded.exchange`) from its
-    all-reduce's: a sharded bucket's reduce-scatter costs `half(i, all-reduce ms)`; a replicated bucket (a tied
-    embedding with `tied_split`) is all-reduced whole. Either way a split embedding's bucket (replicated, or sharded by
-    rows) is ready at the start of backward, with the pre-softmax projection's gradient, the first computed (its
-    lookup rows, the rows each lookup's tokens touched, sent as that lookup's backward ends, are not played):
-    `start_ms`, when every rank's backward has started."""
-    ready = [start_ms if ex.split else r for ex, r in zip(exchanges, ready_ms)]
-    dur = [half(i, d) if ex.gathered else d for i, (ex, d) in enumerate(zip(exchanges, durations_ms))]
-    return ready, dur
-
-
-def optimizer_saving(plan, optimizer_ms: float, world: int, sharded: list[bool] | None = None) -> float:
-    """What a sharded plan saves of an optimizer step that took `optimizer_ms` over every parameter: each rank
-    updates 1/world of the sharded buckets' elements (`sharded[i]`, default every bucket's) and all of the
-    others'."""
-    total = sum(b.numel for b in plan) or 1
-    updated = sum(b.numel for i, b in enumerate(plan) if sharded is None or sharded[i])
-    return optimizer_ms * (1 - 1 / world) * updated / total
 
 
 class ReadyCurve:

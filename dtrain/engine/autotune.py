@@ -4,8 +4,9 @@ candidates on its own first training steps, then trains on with the winner.
 The search is `attach`'s (`dtrain.collectives.auto.search.OnlineSearch`): one model, no replica. The trainer
 attaches it like any strategy, over this module's space, and every search step is a training step of the run, in its
 records:
-1. **Candidates**: `sync.tune.candidates` (name -> `sync` keys), or DEFAULT_SPACE. Lossy ones (a bf16/fp16 wire,
-   PowerSGD, a compressing hook) only with `sync.tune.lossy`, judged by the loss the trainer passes to `stepped`.
+1. **Candidates**: `sync.tune.candidates` (name -> `sync` keys), or the default space (`dtrain.collectives.auto.space`,
+   the one `attach`'s search draws from too). Lossy ones (a bf16/fp16 wire, PowerSGD, a compressing hook) only with
+   `sync.tune.lossy`, judged by the loss the trainer passes to `stepped`.
    bf16 exchanges are in the default space only where the profile trains under bf16 autocast, where they are exact;
    the hierarchical plan only where the job's nodes hold several ranks each; per-class NCCL protocol, algorithm and
    CTA bounds only on NCCL with `collectives.mode` per_group or tuner (global mode sets one choice for the job).
@@ -35,34 +36,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dtrain.collectives import dist as ddist
 from dtrain.collectives import strategies
 from dtrain.collectives.auto import predict, race
 from dtrain.collectives.auto.race import Entrant
 from dtrain.collectives.auto.search import OnlineSearch
-from dtrain.collectives.auto.space import ONLINE_SPACE, default_space, is_lossless
+from dtrain.collectives.auto.space import default_space, is_lossless
+from dtrain.collectives.dist import local_world_size
 from dtrain.common.errors import UserError
 from dtrain.common.files import replace_atomically
 from dtrain.common.rundir import TUNED, TUNING, TUNING_COLUMNS
 from dtrain.engine.config import RunConfig, candidate_config, from_dict
-from dtrain.engine.model import sdpa_backend
+from dtrain.engine.model import Transformer, sdpa_backend
 from dtrain.engine.trainer import Trainer
-
-# The search space when a profile names none: the strategies that send buckets, at caps around the sizes of the
-# base model's tensors, a small first bucket, a per-class cap, the tied embedding's split, the sharded strategy's
-# forward overlap and stock FSDP2 with each reshard setting.
-DEFAULT_SPACE: dict[str, dict[str, Any]] = {
-    **ONLINE_SPACE,  # ddp, bucketed, per_class, first and last buckets, the split, the hierarchical plan, sharded
-    # bf16 exchanges: exact only under bf16 autocast, so in the space only where the profile trains so
-    "sharded-2-split-bf16": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True,
-                             "gather_dtype": "bf16"},
-    "sharded-8-split-bf16": {"strategy": "sharded", "bucket_cap_mb": 8, "classes.embedding.tied_split": True,
-                             "gather_dtype": "bf16"},
-    "fsdp2": {"strategy": "fsdp2"},  # stock FSDP2's defaults
-    "fsdp2-keep": {"strategy": "fsdp2", "reshard_after_forward": False},
-    "fsdp2-bf16": {"strategy": "fsdp2", "gather_dtype": "bf16"},  # FSDP2's mixed precision: lossy, with tune.lossy
-}
-
 
 @dataclass
 class Candidate:
@@ -87,19 +75,19 @@ def candidates(cfg: RunConfig) -> list[Candidate]:
     """The space of the profile's search (the sweep of `dtrain.analysis.tune --matrix-out` too): lossless ones,
     and lossy ones with `sync.tune.lossy`."""
     t = cfg.sync.tune
-    space = t.candidates or DEFAULT_SPACE
     # per-class NCCL choices: on NCCL, where each class's communicator gets its own (collectives.mode per_group or
-    # tuner; global mode sets one choice for the job)
+    # tuner; global mode sets one choice for the job); bf16 parameters or exchanges where the forward runs under
+    # bf16 autocast; stock FSDP2 predicted and listed, not measured
     class_nccl = ddist.choose_backend(cfg.dist) == "nccl" and cfg.collectives.mode != "global"
-    applies = default_space(DEFAULT_SPACE, ddist.world_size(), class_nccl)
+    world = ddist.world_size()
+    space = t.candidates or default_space(world, class_nccl, cfg.train.amp == "bf16", predicted_only=True)
+    with torch.device("meta"):
+        shape = Transformer.from_config(cfg.model, cfg.data.vocab_size)
     out = []
     for name, keys in space.items():
-        if space is DEFAULT_SPACE and keys.get("gather_dtype") and cfg.train.amp != "bf16":
-            continue  # bf16 parameters or exchanges need the forward under bf16 autocast
-        if space is DEFAULT_SPACE and name not in applies:
-            continue
         c_cfg = candidate_config(cfg, name, keys)
-        out.append(Candidate(name, is_lossless(c_cfg.sync), keys=dict(keys), cfg=c_cfg))
+        out.append(Candidate(name, is_lossless(c_cfg.sync, shape, max(2, world), local_world_size()),
+                             keys=dict(keys), cfg=c_cfg))
     if not t.lossy:
         out = [c for c in out if c.lossless]
     if not out:

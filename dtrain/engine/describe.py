@@ -3,8 +3,9 @@
     python -m dtrain.engine.describe --profile dtrain/profiles/multi30k-cpu.yaml
     python -m dtrain.engine.describe --profile dtrain/profiles/smoke.yaml --set sync.classes.ffn.wire_dtype=bf16 --list
 
-Per class, in rule order: tensor count, total bytes, the size range, and the class's collective settings. The model is
-built on the meta device, so even `big` costs no memory.
+Per class, in rule order: tensor count, total bytes, the size range, and the class's collective settings; then the
+strategy's schedule on `--world` ranks: what it sends in a step, when, what waits for it, whether it is exact. The
+model is built on the meta device, so even `big` costs no memory.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import sys
 
 import torch
 
+from dtrain.collectives import strategies
 from dtrain.collectives import tensor_classes as tc
-from dtrain.common.errors import exit_on_user_error
+from dtrain.collectives.dist import local_world_size
+from dtrain.common.errors import UserError, exit_on_user_error
 from dtrain.engine import config as config_mod
 from dtrain.engine.model import Transformer
 
@@ -56,11 +59,21 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def schedule_lines(cfg, model, world: int) -> list[str]:
+    """What `cfg.sync`'s strategy sends in one step of `model` on `world` ranks (`dtrain.collectives.schedule`), or
+    why it has no schedule before it runs."""
+    try:
+        return strategies.schedule_for(cfg.sync, model, world, cfg.train.accum_steps, local_world_size()).lines()
+    except UserError as e:
+        return [f"schedule of {cfg.sync.strategy}: none before it runs ({e})"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dtrain.engine.describe", description="Per tensor class: count, bytes, size range.")
     ap.add_argument("--profile", required=True, help="a run profile (its model and sync.classes)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--list", action="store_true", help="also list every parameter with its class")
+    ap.add_argument("--world", type=int, default=2, help="ranks the schedule is for (default 2)")
     args = ap.parse_args(argv)
     with exit_on_user_error("dtrain.engine.describe"):
         cfg = config_mod.load(args.profile, args.overrides)
@@ -68,9 +81,13 @@ def main(argv=None) -> int:
             model = Transformer.from_config(cfg.model, cfg.data.vocab_size)
         named = list(model.named_parameters())
         classes = tc.from_config(cfg.sync)
+        if args.world < 1:
+            raise UserError(f"--world must be at least 1, got {args.world}")
     print(f"# {args.profile}: {len(named)} parameter tensors, vocab {cfg.data.vocab_size}; first matching rule wins")
     for line in table(summary(named, classes)):
         print(line)
+    for line in schedule_lines(cfg, model, args.world):
+        print("# " + line)
     if args.list:
         assigned = classes.assign(named)
         for n, p in named:

@@ -16,6 +16,7 @@ import torch
 from dtrain.collectives import costmodel as cm
 from dtrain.collectives.dist import env_rank
 from dtrain.engine.config import RunConfig
+from dtrain.engine.describe import schedule_lines
 from dtrain.engine.model import Transformer, count_parameters
 
 # Training pairs where the profile or the recipe says how many (before cleaning and data.max_len): Multi30k's
@@ -80,6 +81,9 @@ def plan_lines(cfg: RunConfig, topology: cm.Topology | None = None, step_ms: flo
     val = f"validation every {t.val_every:,} steps" if t.val_every else "validation at the end only"
     out.append(f"  checkpoints: every {t.ckpt_every:,} steps ({n_ckpt} in all, the last {t.keep_ckpts} kept, the last "
                f"{t.average_last} averaged for the final evaluation); {val}")
+    with torch.device("meta"):
+        shape = Transformer.from_config(cfg.model, cfg.data.vocab_size)
+    out += ["  " + line for line in schedule_lines(cfg, shape, ranks)]
     if topology is not None:
         model = cm.NcclModel(topology)
         ms = model.allreduce_ms(n_params * 4)

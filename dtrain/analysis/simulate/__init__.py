@@ -21,7 +21,7 @@ Everything it prints is modeled.
 from dtrain.analysis.simulate.calibration import Calibration, calibrate
 from dtrain.analysis.simulate.check import (EveryStep, Ranking, each_step, every_step, measured_runs, median_ci, paired,
                                      pooled, ranking, recorded_steps, run_level, speed_probe)
-from dtrain.analysis.simulate.costs import default_lanes, host_ms, off_link_ms, played_ms
+from dtrain.collectives.costmodel.played import default_lanes, host_ms, off_link_ms, played_ms
 from dtrain.analysis.simulate.paper import flop_step, flop_timeline, paper_profile
 from dtrain.analysis.simulate.predict import Prediction, predict, requested_nccl, sweep
 from dtrain.analysis.simulate.reference import ReferenceStep, ready_curve, reference_step

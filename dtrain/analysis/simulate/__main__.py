@@ -37,7 +37,7 @@ from dtrain.analysis.simulate.check import (
     recorded_steps,
     speed_probe,
 )
-from dtrain.analysis.simulate.costs import default_lanes
+from dtrain.collectives.costmodel.played import default_lanes
 from dtrain.analysis.simulate.paper import PAPER_STEP_S, flop_timeline, paper_profile
 from dtrain.analysis.simulate.predict import Prediction, predict, split_cost_ms, sweep
 from dtrain.analysis.simulate.reference import ready_curve, reference_step

@@ -6,34 +6,12 @@ measured over modeled collective time), and the time `wait()` spends after the l
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
-from dtrain.analysis.simulate.costs import host_ms, lockstep, off_link_ms, played_ms
+from dtrain.collectives.costmodel.played import host_ms, lockstep, off_link_ms, played_ms
 from dtrain.analysis.simulate.reference import ReferenceStep
+from dtrain.collectives.schedule import LOOKUP_GROUP
+from dtrain.collectives.step_time import Calibration
 from dtrain.collectives.timeline import Timeline, play_timeline
-
-LOOKUP_GROUP = "tied_split lookups"  # the process group of a split embedding's lookups' rows
-
-
-@dataclass
-class Calibration:
-    """What the reference step says about the cost model on this run: how much slower collectives run while
-    backward computes (or, when none overlapped it, measured/modeled collective time), and the time `wait()`
-    spends after the last collective."""
-
-    comm_scale: float = 1.0
-    post_ms: float = 0.0
-    note: str = "none"
-    slowdown: float = 1.0
-    # CPU machines: what the reference step's own collectives took from its backward (`host_ms` of its timeline),
-    # which its backward time already holds; a plan running more (or fewer) there costs the difference. None: not
-    # applied
-    host_base_ms: float | None = None
-    lanes: int = 1  # collectives at once per process group (`play_timeline`): 1 for NCCL's single stream, 2 for gloo
-    # The device has streams on which a collective runs beside the computing thread (CUDA). On a CPU device FSDP2
-    # issues each collective on the thread that computes and waits for it there (fsdp2's prediction adds them up).
-    streams: bool = True
-    timeline: Timeline | None = field(default=None, repr=False)  # the reference step's collectives, played again
 
 
 def in_launch_order(recs: list[dict]) -> list[dict]:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from dtrain.analysis.plans import bucket_plan, ready_params
+from dtrain.analysis.plans import bucket_plan, meta_model, ready_params
 from dtrain.analysis.runs import Run, slowest_rank_records, typical_step
+from dtrain.collectives import strategies
+from dtrain.collectives.schedule import IN_BACKWARD
 from dtrain.collectives.timeline import ReadyCurve, through
 from dtrain.common.errors import UserError
 
@@ -145,16 +147,23 @@ def _median_step(run: Run, steady: list[dict]) -> ReferenceStep:
 
 
 def _ddp_backward(run: Run, ref: ReferenceStep) -> ReferenceStep:
-    """A DDP run's backward without the communication DDP waits for inside it."""
-    if run.strategy == "ddp":
-        # DDP waits for its buckets inside backward(): its backward time holds exposed communication. The last
-        # gradient's ready time is the end of the compute.
+    """The backward without the communication the run's strategy waits for inside it (its schedule's collectives
+    waited by `backward()`: DDP's): its backward time holds that exposed communication, and the last gradient's
+    ready time is the end of the compute."""
+    try:
+        inside = any(c.waits == IN_BACKWARD for c in strategies.schedule_for(
+            run.cfg.sync, meta_model(run.cfg, run.vocab), max(2, run.world), run.cfg.train.accum_steps,
+            run.ranks_per_node).collectives)
+    except UserError:  # no schedule (powersgd): where it waits is not known, its backward is taken as recorded
+        inside = False
+    if inside:
         readies = [r["ready_ms"] for r in ref.records if r.get("ready_ms") is not None]
         if readies:
             ref.backward_ms = max(readies) * ref.accum_steps
-            ref.notes.append("ddp profile: backward compute taken as the last bucket's ready time")
+            ref.notes.append(f"{run.strategy} profile: backward compute taken as the last bucket's ready time")
         else:
-            ref.notes.append("ddp profile without bucket timings: backward includes DDP's exposed communication")
+            ref.notes.append(f"{run.strategy} profile without bucket timings: backward includes the communication "
+                             "it waits for inside backward()")
     return ref
 
 

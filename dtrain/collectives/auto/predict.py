@@ -8,10 +8,10 @@ Two measurements feed it, both taken by `attach`'s search (`dtrain.collectives.a
 - the network: an all-reduce timing of the job's own process group at a few sizes (as `dtrain.collectives.bench`
   does at more), fitted by `dtrain.collectives.costmodel`'s regime fit.
 
-A candidate's buckets (`dtrain.collectives.strategies.plan_for`) become ready uniformly over the probe's backward and
-are played onto `dtrain.collectives.timeline`; what is still in flight when backward ends is added to the probe's
-step, and a sharded candidate also pays the next forward's wait for its all-gathers and saves (world-1)/world of the
-optimizer. No calibration: the ranking only has to keep the best few of each family for measurement, which decides.
+A candidate's schedule (`dtrain.collectives.schedule`: what its strategy sends, when, and what waits for it) is
+played on the probe's compute by the one step-time predictor the simulator uses too (`dtrain.collectives.step_time`),
+its gradients ready uniformly over the probe's backward. No calibration: the ranking only has to keep the best few of
+each family for measurement, which decides.
 """
 
 from __future__ import annotations
@@ -23,20 +23,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dtrain.collectives import strategies
+from dtrain.collectives import step_time, strategies
 from dtrain.collectives.costmodel.fit import FittedModel, fit_regimes
 from dtrain.collectives.plan import ready_order
-from dtrain.collectives.sharded.exchange import exchange_plan
-from dtrain.collectives.strategies.fsdp2 import Fsdp2Units
-from dtrain.collectives.timeline import (
-    GLOO_LANES,
-    ReadyCurve,
-    gather_stall,
-    optimizer_saving,
-    play_timeline,
-    sharded_times,
-    through,
-)
+from dtrain.collectives.step_time import Basis, Calibration
+from dtrain.collectives.timeline import GLOO_LANES, ReadyCurve
 from dtrain.common.errors import UserError
 
 BENCH_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce sizes of the network probe
@@ -96,41 +87,24 @@ def network_model(sizes: list[int], times_us: list[float], world: int) -> Fitted
 
 def predict_ms(sync, model: torch.nn.Module, probe: Probe, net: FittedModel, world: int, backend: str
                ) -> float | None:
-    """Modeled step time of `sync` (a candidate's SyncConfig) on this job; None for a strategy that sends no bucket
-    plan (PowerSGD's low-rank factors): such a candidate is measured without a prediction."""
-    cls = strategies.get(sync.strategy)
-    if not cls.communicates:
-        return probe.step_ms
-    if sync.hierarchical:  # the in-job timing has the world's all-reduce, not each level's
+    """Modeled step time of `sync` (a candidate's SyncConfig) on this job: its strategy's schedule
+    (`dtrain.collectives.schedule`) played by the one predictor (`dtrain.collectives.step_time`) on the probe's
+    compute, its gradients ready uniformly over the probe's backward, with gloo's lanes on a CPU device (where a
+    collective that waits on the computing thread adds up to the step). None where the job cannot predict it: a
+    strategy without a schedule (PowerSGD's low-rank factors), or the hierarchical plan (the in-job timing has the
+    world's all-reduce, not each level's); such a candidate is measured without a prediction."""
+    if sync.hierarchical:
         return None
     params = ready_order(model)
     try:
-        plan = strategies.plan_for(sync, params)
-    except UserError:  # a strategy without a bucket plan (`strategies.planner` names those with one)
+        schedule = strategies.schedule_for(sync, model, world, probe.accum_steps)
+    except UserError:
         return None
     backward = probe.backward_ms / probe.accum_steps  # only the last micro-batch's backward communicates
-    curve = ReadyCurve.uniform(sum(p.numel() for _, p in params), backward)
-    ready = [curve.at(x) for x in through(plan.buckets, params)]
-    dur = [net.allreduce_ms(b.nbytes) for b in plan.buckets]
-    sharded = strategies.planner(sync.strategy).shards
-    if sharded:  # a reduce-scatter (an all-gather) moves half an all-reduce's bytes
-        exchanges = exchange_plan(sync, model, plan.buckets, world)
-        ready, dur = sharded_times(exchanges, ready, dur, lambda i, d: d / 2)
-    if cls.plans_like is Fsdp2Units and backend == "gloo" and sync.fsdp2_collectives == "stock":
-        # Stock FSDP2 on a CPU device waits for each collective on the computing thread: nothing overlaps. `dur` holds
-        # each unit's reduce-scatter; its all-gather costs as much, and reshard_after_forward gathers every unit but
-        # the root (the last) again in backward.
-        again = sum(dur[:-1]) if sync.reshard_after_forward else 0.0
-        return probe.step_ms + 2 * sum(dur) + again - optimizer_saving(plan.buckets, probe.optimizer_ms, world)
-    lanes = GLOO_LANES if backend == "gloo" else 1
-    groups = [b.tensor_class for b in plan.buckets] if plan.class_groups and lanes > 1 else None
-    tl = play_timeline(ready, dur, backward, plan.overlap, 1.0, lanes, None, groups, net.link_efficiency)
-    step = probe.step_ms + tl.exposed_ms
-    if sharded:
-        gathered = [ex.gathered for ex in exchanges]
-        step += gather_stall(plan.buckets, dur, probe.forward_ms / probe.accum_steps, gathered)
-        step -= optimizer_saving(plan.buckets, probe.optimizer_ms, world, gathered)
-    return step
+    basis = Basis(probe.step_ms, probe.forward_ms / probe.accum_steps, backward, probe.optimizer_ms,
+                  ReadyCurve.uniform(sum(p.numel() for _, p in params), backward))
+    calib = Calibration(lanes=GLOO_LANES if backend == "gloo" else 1, streams=backend != "gloo")
+    return step_time.predict(schedule, basis, net, calib).step_ms
 
 
 # Of the `top_k` measured, each family's best predicted member goes first where its prediction is within this factor

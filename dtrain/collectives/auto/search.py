@@ -47,7 +47,8 @@ from torch import nn
 
 from dtrain.collectives.auto import predict, race
 from dtrain.collectives.auto.space import (
-    ONLINE_SPACE, PROBE, candidate_sync, default_space, is_lossless, shards, splits_apply)
+    PROBE, candidate_sync, default_space, is_lossless, shards, splits_apply)
+from dtrain.collectives.dist import local_world_size
 from dtrain.collectives.registry import CLASS_RULE_KEYS, attachable, get, register
 from dtrain.collectives.settings import SyncConfig
 from dtrain.collectives.strategies import build
@@ -70,25 +71,26 @@ class OnlineSearch(GradSync):
         super().__init__(model, cfg, process_group, param_groups)
         t = cfg.tune
         world = dist.get_world_size(process_group)
-        space = t.candidates or default_space(ONLINE_SPACE, world, dist.get_backend(process_group) == "nccl")
+        space = t.candidates or default_space(world, dist.get_backend(process_group) == "nccl")
         syncs = {name: candidate_sync(cfg, name, keys) for name, keys in space.items()}
         if not t.candidates:  # the default space: the split only where the model has one tied embedding to split
             syncs = {name: sync for name, sync in syncs.items() if splits_apply(sync, model)}
+        exact = {name: is_lossless(sync, model, world, local_world_size()) for name, sync in syncs.items()}
         for name, sync in syncs.items():
             if not get(sync.strategy).switchable:
                 raise UserError(f"'sync.tune.candidates.{name}': {sync.strategy} replaces the model's parameters "
                                 "for good and cannot be switched between steps; attach's search takes the other "
                                 f"strategies ({', '.join(n for n in attachable() if get(n).switchable)})")
-            if not is_lossless(sync) and not t.lossy:
+            if not exact[name] and not t.lossy:
                 raise UserError(f"'sync.tune.candidates.{name}' is lossy; set sync.tune.lossy: true to search it "
                                 "(the loop then passes each step's loss: handle.stepped(optimizer, loss))")
         # A candidate's handle is built when its first turn comes (`_handle`), so that those the prediction drops
         # never hold memory; every rank builds the same handles in the same order (some make process groups).
         self.handles: dict[str, GradSync] = {}
         self.syncs = syncs
-        self.lossless = all(is_lossless(sync) for sync in syncs.values())
+        self.lossless = all(exact.values())
         self.sharding = {name: shards(sync.strategy) for name, sync in syncs.items()}
-        self.entrants = [race.Entrant(name, is_lossless(sync)) for name, sync in syncs.items()]
+        self.entrants = [race.Entrant(name, exact[name]) for name in syncs]
         self.alive = list(self.entrants)
         self.budget, self.steps_run, self.rounds = t.budget_steps, 0, 0
         self.order = random.Random(0)  # the same order on every rank

@@ -10,9 +10,10 @@ from typing import Any
 
 from torch import nn
 
-from dtrain.collectives import hooks, tensor_classes
+from dtrain.collectives import tensor_classes
 from dtrain.collectives.dist import local_world_size
 from dtrain.collectives.registry import CLASS_RULE_KEYS, get, planner, unused_keys
+from dtrain.collectives.schedule import is_exact
 from dtrain.collectives.settings import ClassSettings, SyncConfig
 from dtrain.collectives.tied_split import unsplittable
 from dtrain.common.errors import UserError
@@ -60,22 +61,40 @@ NCCL_SPACE: dict[str, dict[str, Any]] = {
     "per_class-2-Tree": {"strategy": "per_class", "bucket_cap_mb": 2,
                          **{f"classes.{c}.algorithm": "Tree" for c in _EVERY_CLASS}},
 }
-# The default space of `OnlineSearch` (the hierarchical plan only on nodes of several ranks, the split only where
-# the model has one tied embedding, NCCL_SPACE only on NCCL: `default_space`): every lossless family that can be
-# switched on the one model without knowing the loop's autocast (bf16 exchanges are exact only under bf16 autocast:
-# the engine's space adds them).
-ONLINE_SPACE: dict[str, dict[str, Any]] = {**REPLICATED_SPACE, **SHARDED_SPACE, **NCCL_SPACE}
+# bf16 exchanges (any candidate with `gather_dtype`): exact only under bf16 autocast, so in the space only where the
+# loop is known to train so (the trainer's search; `attach` does not see the loop's autocast).
+BF16_SPACE: dict[str, dict[str, Any]] = {
+    "sharded-2-split-bf16": {"strategy": "sharded", "bucket_cap_mb": 2, "classes.embedding.tied_split": True,
+                             "gather_dtype": "bf16"},
+    "sharded-8-split-bf16": {"strategy": "sharded", "bucket_cap_mb": 8, "classes.embedding.tied_split": True,
+                             "gather_dtype": "bf16"},
+}
+# Stock FSDP2 at each reshard setting, and its mixed precision (which rounds every parameter: lossy, searched only
+# with `sync.tune.lossy`): `fully_shard` replaces the model's parameters for good, so no search switches it in and
+# out; the trainer's search predicts and lists it, never measures it.
+FSDP2_SPACE: dict[str, dict[str, Any]] = {
+    "fsdp2": {"strategy": "fsdp2"},
+    "fsdp2-keep": {"strategy": "fsdp2", "reshard_after_forward": False},
+    "fsdp2-bf16": {"strategy": "fsdp2", "gather_dtype": "bf16"},
+}
+# The one default space of both searches, `attach`'s and the trainer's; `default_space` takes what applies to a job.
+DEFAULT_SPACE: dict[str, dict[str, Any]] = {**REPLICATED_SPACE, **SHARDED_SPACE, **NCCL_SPACE, **BF16_SPACE,
+                                            **FSDP2_SPACE}
 
 
 PROBE = "ddp-25"  # the probe's candidate where the space holds it: stock DDP's defaults, the step users start from
 
 
-def default_space(space: dict[str, dict[str, Any]], world: int, class_nccl: bool) -> dict[str, dict[str, Any]]:
-    """The candidates of a default `space` that apply to this job: the hierarchical plan where nodes hold several
-    ranks (`multi_rank_nodes`), NCCL_SPACE where each class's communicator can get its own NCCL choices
-    (`class_nccl`)."""
-    return {name: keys for name, keys in space.items()
-            if (not keys.get("hierarchical") or multi_rank_nodes(world)) and (name not in NCCL_SPACE or class_nccl)}
+def default_space(world: int, class_nccl: bool, bf16_autocast: bool = False, predicted_only: bool = False
+                  ) -> dict[str, dict[str, Any]]:
+    """The candidates of DEFAULT_SPACE that apply to this job: the hierarchical plan where nodes hold several ranks
+    (`multi_rank_nodes`), NCCL_SPACE where each class's communicator can get its own NCCL choices (`class_nccl`),
+    BF16_SPACE where the loop is known to train under bf16 autocast, FSDP2_SPACE where a candidate may be predicted
+    and listed without being measured (`predicted_only`: the trainer's search)."""
+    return {name: keys for name, keys in DEFAULT_SPACE.items()
+            if (not keys.get("hierarchical") or multi_rank_nodes(world)) and (name not in NCCL_SPACE or class_nccl)
+            and (not keys.get("gather_dtype") or bf16_autocast)
+            and (keys["strategy"] != "fsdp2" or predicted_only)}
 
 
 def multi_rank_nodes(world: int) -> bool:
@@ -112,17 +131,10 @@ def candidate_sync(base: SyncConfig, name: str, keys: Any) -> SyncConfig:
     return sync
 
 
-def is_lossless(sync) -> bool:
-    """Whether every rank's averaged gradient is the exact mean: the strategy's own answer, fp32 on the wire, and
-    for a DDP comm hook what `dtrain.collectives.hooks.resolve` says of it (the per-class hook: its classes' wire
-    dtypes)."""
-    fp32 = all(c.wire_dtype == "fp32" for c in sync.classes.values())
-    hook = hooks.resolve(sync.hook) if "hook" in get(sync.strategy).sync_keys else None
-    if hook is not None and not hook.per_class:
-        return hook.lossless
-    cls = get(sync.strategy)
-    narrowed = "gather_dtype" in cls.sync_keys and sync.gather_dtype is not None and not cls.gather_dtype_exact
-    return cls.lossless and fp32 and not narrowed
+def is_lossless(sync, model: nn.Module, world: int, ranks_per_node: int | None = None) -> bool:
+    """Whether every rank's averaged gradient is the exact mean under `sync` on `model` (meta tensors do): its
+    strategy's schedule says (`dtrain.collectives.schedule.is_exact`)."""
+    return is_exact(get(sync.strategy), sync, model, world, ranks_per_node)
 
 
 def shards(strategy: str) -> bool:

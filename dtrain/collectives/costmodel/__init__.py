@@ -11,6 +11,7 @@ otherwise.
     table_model   `NcclTableModel`: NCCL's printed table as a model (read by `dtrain.collectives.nccl.log`)
     measurements  `read_measurements`: nccl-tests logs and the benchmark's CSV/JSON
     fit           size regimes and `FittedModel`
+    played        what a collective costs a replayed step beyond its own time: off the link, on the host
     loading       `load_model(spec)`: a preset, `fit:<file>` (alias `local:<file>`) or `nccl-log:<file>`
     tables        the CLI's documents and text; `cli` the command line (`python -m dtrain.collectives.costmodel --help`)
 """

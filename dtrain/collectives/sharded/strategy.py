@@ -39,7 +39,11 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.collectives.dist import all_gather_single
-from dtrain.collectives.sharded.exchange import exchange_plan, member_offsets
+from dtrain.collectives import tensor_classes
+from dtrain.collectives.plan import ready_order
+from dtrain.collectives.schedule import (ALL_GATHER, ALL_REDUCE, EXCHANGE, FORWARD, GRADIENT, P2P, PROJECTION,
+                                         REDUCE_SCATTER, RING, STEP, WAIT, Collective, Schedule, lookup_rows)
+from dtrain.collectives.sharded.exchange import ROWS, exchange_plan, member_offsets
 from dtrain.collectives.sharded.grads import HiddenGrad, hidden_grad
 from dtrain.collectives.sharded.reducer import ShardedReducer
 from dtrain.collectives.sharded.rows import ShardedTiedSplit
@@ -47,6 +51,8 @@ from dtrain.collectives.registry import CLASS_RULE_KEYS, register
 from dtrain.collectives.strategies.bucketed import Bucketed
 from dtrain.collectives.strategies.planned import PlannedSync
 from dtrain.collectives.sync import param_groups_of, total_norm
+from dtrain.collectives.tied_split import split_params
+from dtrain.collectives.timeline import through
 from dtrain.common.errors import UserError
 
 
@@ -375,3 +381,40 @@ class Sharded(Bucketed):
         buckets += super().plan(rest, classes, settings)
         return [dataclasses.replace(b, index=i) for i, b in enumerate(buckets)]
 
+    @classmethod
+    def schedule(cls, sync, model, world, accum_steps=1, ranks_per_node=None) -> Schedule:
+        """Each bucket as its exchange plan moves it (`exchange_plan`): a sharded one reduce-scattered point to
+        point when its last gradient is ready and all-gathered for the next forward from the optimizer step; a
+        replicated one (a split tied embedding) all-reduced, or exchanged whole in bf16, from its projection part;
+        narrowed members in their bytes (the reduce-scatter's only in a step of one micro-batch, `accum_steps` 1);
+        each lookup's rows of a split embedding, all-reduced (reduce-scattered to their owners by rows). Every
+        rank's optimizer updates its shard of the sharded buckets and all of the replicated ones."""
+        strategy = cls.from_sync(sync)
+        named = ready_order(model)
+        classes = tensor_classes.from_config(sync)
+        class_of = classes.assign(named)
+        settings = classes.used(class_of)
+        plan = strategy.plan(named, class_of, settings)
+        exchanges = exchange_plan(sync, model, plan, world)
+        accumulated = accum_steps > 1
+        colls, gathers = [], []
+        for ex, after in zip(exchanges, through(plan, named)):
+            b, n = ex.bucket, ex.nbytes("reduce_scatter", accumulated)
+            whole = ex.whole and not accumulated
+            kind = EXCHANGE if whole else REDUCE_SCATTER if ex.gathered else ALL_REDUCE
+            dtype = (ex.wire if len(ex.narrowed) == len(b.names) else "mixed") if ex.narrowed else "fp32"
+            colls.append(Collective(kind, n, "fp32" if accumulated and not whole else dtype, b.index,
+                                    PROJECTION if ex.split else GRADIENT, WAIT, True, None, after,
+                                    RING if kind == ALL_REDUCE else P2P))
+            if ex.gathered:
+                gathers.append(Collective(ALL_GATHER, ex.nbytes("all_gather"), dtype, b.index, STEP, FORWARD, True,
+                                          None, 0, P2P))
+        split = any(ex.split for ex in exchanges)
+        rows = any(ex.layout == ROWS for ex in exchanges)
+        if split_params(class_of, settings):
+            colls.append(lookup_rows(REDUCE_SCATTER if rows else ALL_REDUCE, P2P if rows else RING))
+        sharded = sum(ex.bucket.numel for ex in exchanges if ex.gathered)
+        return Schedule(cls.name, tuple(plan), tuple(colls + gathers), world,
+                        updated=1 - (1 - 1 / world) * sharded / (sum(b.numel for b in plan) or 1), split=split,
+                        label=("+split" if split else "") + ("+rows" if rows else "")
+                        + (f"+{sync.gather_dtype}" if sync.gather_dtype else ""))

@@ -9,6 +9,7 @@ is timed from the hook (ready = launch, complete = the hook's future).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -17,8 +18,11 @@ from torch.nn.parallel import DistributedDataParallel
 from dtrain.collectives import hooks
 from dtrain.collectives import tensor_classes as tc
 from dtrain.collectives.registry import CLASS_RULE_KEYS, register
+from dtrain.collectives.schedule import IN_BACKWARD, HostWork, Schedule
+from dtrain.collectives.strategies.bucketed import Bucketed
 from dtrain.collectives.sync import GradSync
 from dtrain.collectives.timing import Stamp, record_ms, stamp
+from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
 from dtrain.common.torch_version import require_torch
 
@@ -73,8 +77,42 @@ class DDPSync(GradSync):
         if self._registered is not None:
             state, fn = self._registered
             self.module.register_comm_hook(state, self._timed(fn))
-        self.lossless = self.hook is None or (
-            self._registered[0].lossless if self.hook.per_class else self.hook.lossless)
+
+    @classmethod
+    def schedule(cls, sync, model, world, accum_steps=1, ranks_per_node=None) -> Schedule:
+        """Bucketed's buckets, as DDP's rebuilt reducer lays them out from the same two knobs, each all-reduced as
+        its last gradient is ready; through a comm hook, what the hook sends: a compress hook its bucket cast to
+        16 bits (and the cast on the computing thread), the per_class hook each class's part of a bucket on that
+        class's group in its wire dtype. A hook whose collectives torch decides at run time has none."""
+        # DDP reads neither the split nor the hierarchical plan (`sync_keys`): a profile's classes may still set them
+        sync = dataclasses.replace(sync, hierarchical=False, classes={
+            c: dataclasses.replace(s, tied_split=False) for c, s in sync.classes.items()})
+        plain = Bucketed.schedule(sync, model, world, accum_steps, ranks_per_node)
+        plain = dataclasses.replace(plain, collectives=tuple(  # DDP waits for them inside backward()
+            dataclasses.replace(c, waits=IN_BACKWARD) for c in plain.collectives))
+        hook = hooks.resolve(sync.hook)
+        if hook is None or hook.wire == "fp32" and not hook.per_class:
+            return dataclasses.replace(plain, strategy=cls.name)
+        colls, host = [], []
+        if hook.per_class:
+            classes = tc.from_config(sync)
+            class_of = classes.assign(model.named_parameters())
+            sizes = {n: p.numel() for n, p in model.named_parameters()}
+            for c, b in zip(plain.collectives, plain.buckets):
+                for name in dict.fromkeys(class_of[n] for n in b.names):  # the hook's spans, by class
+                    wire = classes.setting(name).wire_dtype
+                    numel = sum(sizes[n] for n in b.names if class_of[n] == name)
+                    colls.append(dataclasses.replace(c, nbytes=numel * tc.WIRE_DTYPES[wire].itemsize, dtype=wire,
+                                                     exact=wire == "fp32", group=name))
+        elif hook.wire in ("bf16", "fp16") and hook.one_collective:
+            for c, b in zip(plain.collectives, plain.buckets):
+                colls.append(dataclasses.replace(c, nbytes=b.numel * 2, dtype=hook.wire, exact=False))
+                host.append(HostWork("cast", b.nbytes, "backward"))  # to 16 bits and back: the hook's copies
+        else:
+            raise UserError(f"sync.hook '{hook.label}': what it sends is decided inside torch's hook as it runs "
+                            "(no schedule to predict)")
+        return dataclasses.replace(plain, strategy=cls.name, collectives=tuple(colls), host=tuple(host),
+                                   class_groups=hook.per_class, label=f"+{hook.label}")
 
     def comm_hook(self):
         """(state, hook) to register on DDP, or None for DDP's built-in all-reduce. Builds the hook's state (and

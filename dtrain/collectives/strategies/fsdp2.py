@@ -46,10 +46,14 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.collectives.fsdp2_collectives import AsyncAllGather, Exchanges, ReduceScatters
-from dtrain.collectives.plan import BucketingStrategy, pack
+from dtrain.collectives.plan import BucketingStrategy, pack, ready_order
 from dtrain.collectives.registry import register
+from dtrain.collectives.schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, GRADIENT, IN_BACKWARD, LOOKUP_GROUP, P2P, PREFETCH,
+                                         PROJECTION, REDUCE_SCATTER, STEP, TORCH, WAIT, FORWARD, Collective, HostWork,
+                                         Schedule, lookup_rows)
 from dtrain.collectives.sync import GradSync, total_norm
-from dtrain.collectives.tensor_classes import CollectiveSettings, from_config
+from dtrain.collectives.tensor_classes import WIRE_DTYPES, CollectiveSettings, from_config
+from dtrain.collectives.timeline import through
 from dtrain.collectives.tied_split import TiedEmbeddingSplit, split_params
 from dtrain.common.errors import UserError
 from dtrain.common.torch_version import require_torch
@@ -111,13 +115,52 @@ class Fsdp2Sync(GradSync):
     sync_keys = ("reshard_after_forward", "gather_dtype", "fsdp2_collectives", "classes.tied_split")
     plans_like = Fsdp2Units
     switchable = False
-    gather_dtype_exact = False
+
+    @classmethod
+    def schedule(cls, sync, model, world, accum_steps=1, ranks_per_node=None) -> Schedule:
+        """Per unit (`Fsdp2Units`' buckets): its reduce-scatter when its last gradient is ready, waited for by `wait()`;
+        its all-gather (in `gather_dtype`, FSDP2's mixed precision: not the exact parameters) issued at the
+        optimizer step for the next forward and, with `reshard_after_forward`, again as the unit after it starts its
+        backward (FSDP2's prefetch), but for the root (the last), which keeps its parameters. Stock FSDP2 waits for
+        each on the computing thread where the device has no streams (`blocking`); `fsdp2_collectives: p2p` moves
+        them point to point. FSDP2 copies each unit's parameters into a flat buffer for its all-gather and out of
+        it, and its gradients into one for the reduce-scatter (host work). A split tied embedding, outside FSDP2, is
+        all-reduced as the split does it: its projection part and each lookup's rows, on the split's group."""
+        named = ready_order(model)
+        classes = from_config(sync)
+        class_of = classes.assign(named)
+        settings = classes.used(class_of)
+        plan = Fsdp2Units().plan(named, class_of, settings)
+        split = set(split_params(class_of, settings))
+        stock = sync.fsdp2_collectives == "stock"
+        path = P2P if sync.fsdp2_collectives == "p2p" else TORCH
+        low = WIRE_DTYPES[sync.gather_dtype].itemsize if sync.gather_dtype else None
+        colls, units, host = [], [], []
+        for b, after in zip(plan, through(plan, named)):
+            if split & set(b.names):
+                colls.append(Collective(ALL_REDUCE, b.nbytes, "fp32", b.index, PROJECTION, WAIT, True, LOOKUP_GROUP))
+                continue
+            units.append((b, after))
+            colls.append(Collective(REDUCE_SCATTER, b.nbytes, "fp32", b.index, GRADIENT, IN_BACKWARD if stock else WAIT,
+                                    True, None, after, path, blocking=stock))
+            host += [HostWork("copy", b.nbytes, "backward"), HostWork("copy", b.nbytes, "forward")]
+        gather = [Collective(ALL_GATHER, b.numel * low if low else b.nbytes, sync.gather_dtype or "fp32", b.index,
+                             STEP, FORWARD, low is None, None, 0, path, blocking=stock) for b, _ in units]
+        if sync.reshard_after_forward:  # unit i gathered again as unit i - 1 starts its backward (unit i - 2 ends it)
+            ends = [0, 0] + [after for _, after in units]
+            gather += [dataclasses.replace(g, ready=PREFETCH, waits=BACKWARD, after=ends[i])
+                       for i, g in enumerate(gather[:-1])]
+        sharded = sum(b.numel for b, _ in units)
+        return Schedule(cls.name, tuple(plan), tuple(colls + gather + ([lookup_rows(ALL_REDUCE)] if split else [])),
+                        world, updated=1 - (1 - 1 / world) * sharded / (sum(b.numel for b in plan) or 1),
+                        host=tuple(host), split=bool(split),
+                        label=("+split" if split else "") + (f"+{sync.gather_dtype}" if sync.gather_dtype else "")
+                        + ("" if sync.reshard_after_forward else "+keep") + ("" if stock else f"+{sync.fsdp2_collectives}"))
 
     def __init__(self, model: nn.Module, cfg, process_group: dist.ProcessGroup | None = None, param_groups=None):
         super().__init__(model, cfg, process_group, param_groups)
         name_of = {id(p): n for n, p in model.named_parameters()}
         group_names = [[name_of[id(p)] for p in g] for g in self.groups]  # `fully_shard` replaces the Parameters
-        self.lossless = cfg.gather_dtype is None  # bf16 parameters: another forward, not the exact mean's update
         self.api = api = fsdp2_api()
         device = next(model.parameters()).device
         group = process_group if process_group is not None else dist.group.WORLD

@@ -14,9 +14,6 @@ class PerClass(BucketingStrategy):
     uses_cap = True
     sync_keys = ("bucket_cap_mb",) + CLASS_RULE_KEYS + CLASS_SETTING_KEYS  # the cap: each class's default
 
-    def lossless(self, settings):
-        return all(s.wire_dtype == "fp32" for s in settings.values())
-
     def plan(self, named_params, classes, settings):
         return pack(named_params, classes, key=lambda n, p: (classes[n], p.dtype),
                     settings_of=lambda k: settings[k[0]])

@@ -34,7 +34,6 @@ class PlannedSync(GradSync):
         self.classes = tc.from_config(cfg)
         buckets, self.class_of, self.settings = plan_params(strategy, self.classes, ready_order(model))
         used = list(self.settings)  # the classes of this model's parameters, in rule order
-        self.lossless = strategy.lossless(self.settings)
         groups = {}
         if strategy.class_groups:
             # One group per class, created in rule order on every rank (a collective call).

@@ -22,6 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from dtrain.collectives.registry import CLASS_RULE_KEYS, register
 from dtrain.collectives.strategies.ddp import DDPSync
+from dtrain.common.errors import UserError
 
 
 class BucketLayout(NamedTuple):
@@ -57,9 +58,13 @@ class PowerSGDSync(DDPSync):
     # DDP's bucket knobs, not its `sync.hook`: PowerSGD is the hook
     sync_keys = ("bucket_cap_mb", "first_bucket_mb", "powersgd_rank", "powersgd_start_iter") + CLASS_RULE_KEYS
 
+    @classmethod
+    def schedule(cls, sync, model, world, accum_steps=1, ranks_per_node=None):
+        raise UserError("powersgd sends low-rank factors whose sizes torch's hook decides bucket by bucket as it "
+                        "runs (which tensors it compresses): it has no schedule to predict")
+
     def __init__(self, model, cfg, process_group=None, param_groups=None):
         super().__init__(model, cfg, process_group, param_groups)
-        self.lossless = False
 
     def comm_hook(self):
         if not hasattr(self, "_powersgd"):

@@ -1,4 +1,4 @@
-"""What collectives cost the replay beyond their own time (the models' `allreduce_ms` and `allreduce_latency_ms`):
+"""What collectives cost a replayed step beyond their own time (the models' `allreduce_ms` and `allreduce_latency_ms`):
 the part of it that does not use the link, the computation they take from an overlapped backward on a CPU machine,
 and how many run at once per process group.
 
@@ -8,7 +8,7 @@ benchmark (`FittedModel`).
 
 from __future__ import annotations
 
-from dtrain.collectives import costmodel as cm
+from dtrain.collectives.costmodel.fit import FittedModel
 from dtrain.collectives.timeline import GLOO_LANES, Timeline
 
 
@@ -19,7 +19,7 @@ def link_ms(model, nbytes: float) -> float | None:
     """How long an all-reduce of `nbytes` keeps the link busy (ms): its bytes at the link's rate, a fit's cost of a
     byte at the largest sizes (`LINK_PROBE_BYTES`). None for a model that is not a fit to a benchmark (NCCL's
     analytical models and tables: their latency term is already the part that does not use the link)."""
-    if not isinstance(model, cm.FittedModel):
+    if not isinstance(model, FittedModel):
         return None
     per_byte = (model.allreduce_ms(2 * LINK_PROBE_BYTES) - model.allreduce_ms(LINK_PROBE_BYTES)) / LINK_PROBE_BYTES
     return nbytes * per_byte if per_byte > 0 else None
@@ -76,7 +76,7 @@ def host_ms(model, sizes: list[int], tl: Timeline, computing_ms: float | None = 
 def default_lanes(backend: str, model) -> int:
     """gloo runs GLOO_LANES collectives at once per process group, which a fit to its benchmark models; NCCL's
     models (a preset, or the table NCCL logged) are one stream."""
-    return GLOO_LANES if backend == "gloo" and isinstance(model, cm.FittedModel) else 1
+    return GLOO_LANES if backend == "gloo" and isinstance(model, FittedModel) else 1
 
 
 def lockstep(model) -> bool:

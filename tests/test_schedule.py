@@ -1,0 +1,151 @@
+"""Each strategy's schedule (`dtrain.collectives.schedule`): what it sends in a step, decided by the strategy, and
+read by the one step-time predictor (`dtrain.collectives.step_time`) for `auto` and the simulator alike."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+import torch
+
+from dtrain.collectives import schedule, step_time, strategies
+from dtrain.collectives.auto import predict as auto_predict
+from dtrain.collectives.costmodel import FittedModel, fit_regimes
+from dtrain.collectives.timeline import ReadyCurve
+from dtrain.common.errors import UserError
+from dtrain.engine import config as config_mod
+from dtrain.engine.model import Transformer
+
+from conftest import REPO
+
+SMALL = {"model": {"preset": "small"}, "data": {"vocab_size": 8000}}
+
+
+def _cfg(sync: dict, **extra):
+    return config_mod.from_dict({**SMALL, **extra, "sync": sync}, "test")
+
+
+@pytest.fixture(scope="module")
+def model():
+    with torch.device("meta"):
+        return Transformer.from_config(_cfg({}).model, 8000)
+
+
+def _schedule(model, sync: dict, world: int = 2, **extra):
+    cfg = _cfg(sync, **extra)
+    return strategies.schedule_for(cfg.sync, model, world, cfg.train.accum_steps)
+
+
+def test_every_bucket_is_sent_once_and_the_exact_mean_is_the_strategys_answer(model):
+    """Per strategy: the buckets cover every trainable parameter once; exactness follows what travels (a 16-bit
+    wire, FSDP2's bf16 parameters) and not the strategy's name; noop sends nothing and is not exact."""
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    for name in ("ddp", "bucketed", "flat", "per_tensor", "per_class", "sharded", "fsdp2"):
+        s = _schedule(model, {"strategy": name})
+        assert sum(b.numel for b in s.buckets) == total, name
+        assert s.exact and s.communicates, name
+    assert not _schedule(model, {"strategy": "ddp", "hook": "bf16_compress"}).exact
+    assert not _schedule(model, {"strategy": "per_class", "classes": {"ffn": {"wire_dtype": "bf16"}}}).exact
+    amp = {"train": {"amp": "bf16"}}
+    assert _schedule(model, {"strategy": "sharded", "gather_dtype": "bf16"}, **amp).exact  # narrows what autocast rounds
+    assert not _schedule(model, {"strategy": "fsdp2", "gather_dtype": "bf16"}, **amp).exact  # rounds every parameter
+    noop = _schedule(model, {"strategy": "noop"})
+    assert not noop.collectives and not noop.exact and not noop.communicates
+    with pytest.raises(UserError, match="powersgd"):
+        _schedule(model, {"strategy": "powersgd"})
+
+
+def test_a_compress_hook_halves_the_bytes_and_adds_the_casts(model):
+    plain = _schedule(model, {"strategy": "ddp"})
+    hooked = _schedule(model, {"strategy": "ddp", "hook": "bf16_compress"})
+    assert [c.nbytes * 2 for c in hooked.collectives] == [c.nbytes for c in plain.collectives]
+    assert {c.dtype for c in hooked.collectives} == {"bf16"} and hooked.label == "+bf16_compress"
+    assert sum(w.nbytes for w in hooked.host if w.what == "cast") == sum(b.nbytes for b in plain.buckets)
+    assert all(c.waits == schedule.IN_BACKWARD for c in plain.collectives)  # DDP waits inside backward()
+
+
+def test_the_per_class_hook_sends_each_class_on_its_own_group_in_its_wire(model):
+    s = _schedule(model, {"strategy": "ddp", "hook": "per_class", "classes": {"ffn": {"wire_dtype": "bf16"}}})
+    ffn = [c for c in s.collectives if c.group == "ffn"]
+    assert ffn and {c.dtype for c in ffn} == {"bf16"} and not any(c.exact for c in ffn)
+    assert all(c.exact for c in s.collectives if c.group != "ffn") and s.class_groups
+
+
+def test_stock_fsdp2_blocks_and_its_gathers_come_again_in_backward(model):
+    """Stock FSDP2: every collective waited for on the computing thread where the device has no streams; with
+    reshard_after_forward each unit but the root gathered again in backward; FSDP2's copies as host work."""
+    stock = _schedule(model, {"strategy": "fsdp2"})
+    units = len(stock.buckets)
+    kinds = [(c.kind, c.ready) for c in stock.collectives]
+    assert kinds.count(("reduce_scatter", "gradient")) == units and kinds.count(("all_gather", "prefetch")) == units - 1
+    assert all(c.blocking for c in stock.collectives) and stock.host
+    keep = _schedule(model, {"strategy": "fsdp2", "reshard_after_forward": False, "fsdp2_collectives": "p2p"})
+    assert not any(c.blocking or c.ready == "prefetch" for c in keep.collectives)
+    assert {c.path for c in keep.collectives} == {"p2p"} and keep.label == "+keep+p2p"
+    assert keep.updated == pytest.approx(0.5)
+
+
+def _basis(total: int) -> step_time.Basis:
+    return step_time.Basis(100.0, 30.0, 50.0, 20.0, ReadyCurve.uniform(total, 50.0))
+
+
+def _net() -> FittedModel:
+    sizes = [1 << 16, 1 << 20, 1 << 24]
+    return FittedModel({"t": fit_regimes(sizes, [200.0 + n / 100.0 for n in sizes], max_regimes=1)}, "allreduce", 2)
+
+
+def test_blocking_collectives_add_up_without_streams_and_overlap_with_them(model):
+    """The predictor reads only the schedule: the same stock FSDP2 schedule is slower on a device without streams
+    (each collective adds to the step) than with them (backward hides some); a sharded strategy saves the optimizer
+    work of the parameters it does not own."""
+    total = sum(p.numel() for p in model.parameters())
+    s = _schedule(model, {"strategy": "fsdp2"})
+    serial = step_time.predict(s, _basis(total), _net(), step_time.Calibration(streams=False))
+    overlapped = step_time.predict(s, _basis(total), _net(), step_time.Calibration(streams=True))
+    assert serial.step_ms > overlapped.step_ms
+    assert serial.comm_ms == pytest.approx(overlapped.comm_ms)
+    noop = step_time.predict(_schedule(model, {"strategy": "noop"}), _basis(total), _net(), step_time.Calibration())
+    assert noop.step_ms == 100.0 and noop.comm_ms == 0.0
+
+
+def test_auto_predicts_through_the_one_predictor(model, monkeypatch):
+    """`auto`'s pruning plays a candidate's schedule with `step_time.predict`, as the simulator does."""
+    seen = []
+    real = step_time.predict
+
+    def spy(sched, basis, net, calib, *args, **kwargs):
+        seen.append((sched.strategy, sched.label, calib.streams))
+        return real(sched, basis, net, calib, *args, **kwargs)
+
+    monkeypatch.setattr(step_time, "predict", spy)
+    probe = auto_predict.Probe(30.0, 50.0, 20.0, 100.0)
+    cfg = _cfg({"strategy": "ddp", "hook": "bf16_compress"})
+    ms = auto_predict.predict_ms(cfg.sync, model, probe, _net(), 2, "gloo")
+    assert ms is not None and seen == [("ddp", "+bf16_compress", False)]
+    assert auto_predict.predict_ms(_cfg({"strategy": "powersgd"}).sync, model, probe, _net(), 2, "gloo") is None
+
+
+# Modules that read a schedule and must not ask which strategy made it
+READERS = ("dtrain/collectives/step_time.py", "dtrain/collectives/auto/predict.py", "dtrain/analysis/simulate",
+           "dtrain/engine/describe.py", "dtrain/engine/runplan.py")
+
+
+def test_no_reader_of_a_schedule_compares_a_strategys_name():
+    """No comparison with a registered strategy's name (`== "fsdp2"`, `in ("sharded", ...)`) and no test of a
+    strategy's class (`plans_like is`, `.shards`) in the predictor, `auto`'s pruning, the simulator, describe
+    and the dry run."""
+    names = set(strategies.available())
+    bad = []
+    for where in READERS:
+        path = REPO / where
+        for f in ([path] if path.suffix else sorted(path.glob("*.py"))):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Compare):
+                    for side in [node.left, *node.comparators]:
+                        consts = [side] if isinstance(side, ast.Constant) else (
+                            list(side.elts) if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [])
+                        bad += [f"{f.relative_to(REPO)}:{node.lineno}" for c in consts
+                                if isinstance(c, ast.Constant) and c.value in names]
+                if isinstance(node, ast.Attribute) and node.attr in ("plans_like", "shards"):
+                    bad.append(f"{f.relative_to(REPO)}:{node.lineno} .{node.attr}")
+    assert not bad, bad
