@@ -14,6 +14,7 @@ from dtrain.collectives.costmodel import FittedModel, fit_regimes
 from dtrain.collectives.timeline import ReadyCurve
 from dtrain.common.errors import UserError
 from dtrain.engine import config as config_mod
+from dtrain.engine import describe
 from dtrain.engine.model import Transformer
 
 from conftest import REPO
@@ -149,3 +150,12 @@ def test_no_reader_of_a_schedule_compares_a_strategys_name():
                 if isinstance(node, ast.Attribute) and node.attr in ("plans_like", "shards"):
                     bad.append(f"{f.relative_to(REPO)}:{node.lineno} .{node.attr}")
     assert not bad, bad
+
+
+def test_describe_and_the_dry_run_print_the_schedule(capsys):
+    profile = str(REPO / "dtrain" / "profiles" / "smoke.yaml")
+    describe.main(["--profile", profile, "--set", "sync.strategy=sharded", "--world", "4"])
+    out = capsys.readouterr().out
+    assert "# schedule of sharded on 4 ranks" in out and "reduce_scatter" in out and "all_gather" in out
+    describe.main(["--profile", profile, "--set", "sync.strategy=powersgd"])
+    assert "schedule of powersgd: none before it runs" in capsys.readouterr().out

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable
 
 from dtrain.collectives import hooks
-from dtrain.collectives.fsdp2_collectives import MODES as FSDP2_COLLECTIVES
 from dtrain.collectives.nccl.settings import validate_config
 from dtrain.collectives.settings import CollectivesConfig, DistConfig, SyncConfig
 from dtrain.collectives.strategies import available, get, unused_keys
@@ -49,8 +48,6 @@ def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check:
     check(s.powersgd_start_iter >= 2, "sync.powersgd_start_iter",
           f"must be at least 2 (DDP rebuilds its buckets after iteration 1), got {s.powersgd_start_iter}")
     check(s.gather_dtype in (None, "bf16"), "sync.gather_dtype", f"must be bf16 or null, got '{s.gather_dtype}'")
-    check(s.fsdp2_collectives in FSDP2_COLLECTIVES, "sync.fsdp2_collectives",
-          f"must be one of {', '.join(FSDP2_COLLECTIVES)}, got '{s.fsdp2_collectives}'")
     t = s.tune
     for key, ok, need in (("budget_steps", t.budget_steps > 0, "positive"), ("top_k", t.top_k > 0, "positive"),
                           ("probe_steps", t.probe_steps > 0, "positive"),
@@ -65,6 +62,8 @@ def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check:
     # Strategy names are checked against the registry at attach time, and here early.
     check(s.strategy in available(), "sync.strategy",
           f"unknown strategy '{s.strategy}' (available: {', '.join(available())})")
+    for path, msg in get(s.strategy).problems(s) if s.strategy in available() else []:  # its own keys' values
+        check(False, path, msg)
     reads_hook = s.strategy in available() and "hook" in get(s.strategy).sync_keys
     if reads_hook:  # a name torch does not ship, a missing option, an option the hook's state does not take
         for path, msg in hooks.hook_problems(s):

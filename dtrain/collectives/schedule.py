@@ -27,6 +27,7 @@ LOOKUP = "lookup"  # each lookup's backward end: one per lookup, its rows' bytes
 BACKWARD_END = "backward end"  # all of backward: a plan without overlap launches at `wait()`
 PREFETCH = "prefetch"  # the unit after it starting its backward (`after`: elements ready by then; FSDP2's prefetch)
 STEP = "optimizer step"  # the optimizer step: the updated shards, gathered for the next forward
+FORWARD_START = "forward start"  # the next forward starting
 
 # What waits for it
 WAIT = "wait()"  # the handle's `wait()`, before the optimizer step
@@ -158,13 +159,3 @@ def nodes_of(per_node: int | None, world: int | None, what: str) -> int:
         raise UserError(f"{per_node} ranks per node ('sync.ranks_per_node' or --ranks-per-node) do not split the "
                         f"cost model's {world} ranks into nodes of several ranks")
     return per_node
-
-
-def is_exact(strategy, sync, model, world: int, ranks_per_node: int | None = None) -> bool:
-    """Whether `strategy` (a registered class) gives every rank the exact mean under `sync` (`Schedule.exact`). A
-    strategy that decides what it sends as it runs (powersgd, torch's other comm hooks) has no schedule, and is not
-    known to be exact."""
-    try:
-        return strategy.schedule(sync, model, world, ranks_per_node=ranks_per_node).exact
-    except UserError:
-        return False

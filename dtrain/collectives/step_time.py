@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from dtrain.collectives.costmodel.played import host_ms, lockstep, off_link_ms, played_ms
 from dtrain.collectives.schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, EXCHANGE, HIERARCHICAL, LOOKUP,
-                                         LOOKUP_GROUP, P2P, PREFETCH, PROJECTION, STEP, TORCH, Schedule)
+                                         FORWARD_START, LOOKUP_GROUP, P2P, PREFETCH, PROJECTION, STEP, TORCH,
+                                         Schedule)
 from dtrain.collectives.timeline import ReadyCurve, Timeline, gather_stall, play_timeline
 
 
@@ -81,13 +82,14 @@ def predict(schedule: Schedule, basis: Basis, model, calib: Calibration, cost=No
     uncalibrated), calibrated by `calib`. `ranks_per_node`: the job's layout, for point-to-point load."""
     costs = _Costs(model, calib, cost, nccl_of, schedule, ranks_per_node)
     blocking = [c for c in schedule.collectives if c.blocking and not calib.streams]
-    gathers = [c for c in schedule.collectives if c.ready == STEP and c not in blocking]
+    gathers = [c for c in schedule.collectives if c.ready in (STEP, FORWARD_START) and c not in blocking]
     backward = [c for c in schedule.collectives if c not in blocking and c not in gathers]
     entries = _launches(schedule, backward, basis, costs)
     lanes = 1 if any(c.path == HIERARCHICAL for c in schedule.collectives) else calib.lanes
     groups = [c.group if lanes > 1 or c.group == LOOKUP_GROUP else None for c, *_ in entries]
+    off_link = None if cost is not None else [a for *_, a, _ in entries]
     tl = play_timeline([r for _, r, _, _, _ in entries], [d for _, _, d, _, _ in entries], basis.backward_ms,
-                       schedule.overlap, calib.slowdown, lanes, None if cost is not None else [a for *_, a, _ in entries],
+                       schedule.overlap, calib.slowdown, lanes, off_link,
                        groups if any(g is not None for g in groups) else None, model.link_efficiency,
                        basis.compute_end_ms, lockstep(model))
     exposed = tl.exposed_ms + calib.post_ms if entries else 0.0
@@ -96,8 +98,8 @@ def predict(schedule: Schedule, basis: Basis, model, calib: Calibration, cost=No
         slower = (host_ms(model, [n for *_, n in entries], tl, basis.compute_end_ms) or 0.0) - calib.host_base_ms
     compute = basis.compute_ms - (0.0 if schedule.split else basis.split_cost_ms) + slower
     # waited for on the computing thread: in backward exposed, in forward compute
-    exposed += sum(costs.ms(c) for c in blocking if c.ready != STEP)
-    compute += sum(costs.ms(c) for c in blocking if c.ready == STEP)
+    exposed += sum(costs.ms(c) for c in blocking if c.ready not in (STEP, FORWARD_START))
+    compute += sum(costs.ms(c) for c in blocking if c.ready in (STEP, FORWARD_START))
     gather_ms = [costs.ms(c) for c in gathers]
     if gathers:
         compute += gather_stall([schedule.buckets[c.bucket] for c in gathers], gather_ms, basis.forward_ms)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.collectives.dist import local_world_size
-from dtrain.collectives.schedule import is_exact
+from dtrain.collectives.schedule import Schedule
 from dtrain.collectives.settings import SyncConfig
 from dtrain.common.errors import UserError
 from dtrain.common.rundir import BucketRecord
@@ -46,6 +46,12 @@ class StrategyFacts:
     # `attach`'s search can switch it in and out between steps on the one model (not fsdp2: `fully_shard` replaces
     # the model's parameters and modules for good)
     switchable: ClassVar[bool] = True
+
+    @classmethod
+    def problems(cls, sync) -> list[tuple[str, str]]:
+        """(dotted key, message) for each bad value of the keys this strategy reads (`sync_keys`), which only it
+        knows; `dtrain.collectives.config.validate` reports them where the profile sets them."""
+        return []
 
     @classmethod
     def schedule(cls, sync, model: nn.Module, world: int, accum_steps: int = 1, ranks_per_node: int | None = None):
@@ -85,11 +91,21 @@ class GradSync(StrategyFacts):
         self._optimizer_checked = False  # `check_optimizer_once` has checked the loop's optimizer
 
     @functools.cached_property
+    def schedule_now(self) -> Schedule | None:
+        """What this handle sends in a step (`StrategyFacts.schedule` of its model on its world); None for a strategy
+        that decides it as it runs."""
+        world = dist.get_world_size(self.process_group) if dist.is_initialized() else 1
+        strategy = self.strategy or type(self)
+        try:
+            return strategy.schedule(self.cfg, self.model, world, ranks_per_node=local_world_size())
+        except UserError:
+            return None
+
+    @functools.cached_property
     def lossless(self) -> bool:
         """Every rank's synchronized gradient (and the parameters the next forward reads) is the exact mean: its
-        schedule's answer (`schedule.is_exact`)."""
-        world = dist.get_world_size(self.process_group) if dist.is_initialized() else 1
-        return is_exact(self.strategy or type(self), self.cfg, self.model, world, local_world_size())
+        schedule's answer (`Schedule.exact`); a strategy without one is not known to be exact."""
+        return self.schedule_now is not None and self.schedule_now.exact
 
     def close(self) -> None:
         """Release what the handle made besides the model's parameters: its hooks on the model, its threads, its
@@ -193,7 +209,8 @@ class GradSync(StrategyFacts):
 
     def stats(self) -> dict:
         """Per-strategy facts for the run header (bucket count, sizes ...)."""
-        return {"strategy": self.name, "lossless": self.lossless, "communicates": self.communicates}
+        return {"strategy": self.name, "lossless": self.lossless, "communicates": self.communicates,
+                "schedule": self.schedule_now.lines() if self.schedule_now is not None else None}
 
 
 def first_tensor(out, requires_grad: bool = False) -> torch.Tensor | None:

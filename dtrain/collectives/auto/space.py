@@ -13,7 +13,6 @@ from torch import nn
 from dtrain.collectives import tensor_classes
 from dtrain.collectives.dist import local_world_size
 from dtrain.collectives.registry import CLASS_RULE_KEYS, get, planner, unused_keys
-from dtrain.collectives.schedule import is_exact
 from dtrain.collectives.settings import ClassSettings, SyncConfig
 from dtrain.collectives.tied_split import unsplittable
 from dtrain.common.errors import UserError
@@ -133,8 +132,12 @@ def candidate_sync(base: SyncConfig, name: str, keys: Any) -> SyncConfig:
 
 def is_lossless(sync, model: nn.Module, world: int, ranks_per_node: int | None = None) -> bool:
     """Whether every rank's averaged gradient is the exact mean under `sync` on `model` (meta tensors do): its
-    strategy's schedule says (`dtrain.collectives.schedule.is_exact`)."""
-    return is_exact(get(sync.strategy), sync, model, world, ranks_per_node)
+    strategy's schedule says (`Schedule.exact`); a strategy that decides what it sends as it runs (powersgd, torch's
+    other comm hooks) has no schedule, and is not known to be exact."""
+    try:
+        return get(sync.strategy).schedule(sync, model, world, ranks_per_node=ranks_per_node).exact
+    except UserError:
+        return False
 
 
 def shards(strategy: str) -> bool:

@@ -45,12 +45,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.collectives.fsdp2_collectives import MODES as FSDP2_COLLECTIVES
 from dtrain.collectives.fsdp2_collectives import AsyncAllGather, Exchanges, ReduceScatters
 from dtrain.collectives.plan import BucketingStrategy, pack, ready_order
 from dtrain.collectives.registry import register
-from dtrain.collectives.schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, GRADIENT, IN_BACKWARD, LOOKUP_GROUP, P2P, PREFETCH,
-                                         PROJECTION, REDUCE_SCATTER, STEP, TORCH, WAIT, FORWARD, Collective, HostWork,
-                                         Schedule, lookup_rows)
+from dtrain.collectives.schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, FORWARD, FORWARD_START, GRADIENT,
+                                         IN_BACKWARD, LOOKUP_GROUP, P2P, PREFETCH, PROJECTION, REDUCE_SCATTER, STEP,
+                                         TORCH, WAIT, Collective, HostWork, Schedule, lookup_rows)
 from dtrain.collectives.sync import GradSync, total_norm
 from dtrain.collectives.tensor_classes import WIRE_DTYPES, CollectiveSettings, from_config
 from dtrain.collectives.timeline import through
@@ -117,10 +118,17 @@ class Fsdp2Sync(GradSync):
     switchable = False
 
     @classmethod
+    def problems(cls, sync) -> list[tuple[str, str]]:
+        if sync.fsdp2_collectives not in FSDP2_COLLECTIVES:
+            return [("sync.fsdp2_collectives",
+                     f"must be one of {', '.join(FSDP2_COLLECTIVES)}, got '{sync.fsdp2_collectives}'")]
+        return []
+
+    @classmethod
     def schedule(cls, sync, model, world, accum_steps=1, ranks_per_node=None) -> Schedule:
         """Per unit (`Fsdp2Units`' buckets): its reduce-scatter when its last gradient is ready, waited for by `wait()`;
-        its all-gather (in `gather_dtype`, FSDP2's mixed precision: not the exact parameters) issued at the
-        optimizer step for the next forward and, with `reshard_after_forward`, again as the unit after it starts its
+        its all-gather (in `gather_dtype`, FSDP2's mixed precision: not the exact parameters) issued as the next
+        forward starts (with `fsdp2_collectives`: at the optimizer step, `stepped`) and, with `reshard_after_forward`, again as the unit after it starts its
         backward (FSDP2's prefetch), but for the root (the last), which keeps its parameters. Stock FSDP2 waits for
         each on the computing thread where the device has no streams (`blocking`); `fsdp2_collectives: p2p` moves
         them point to point. FSDP2 copies each unit's parameters into a flat buffer for its all-gather and out of
@@ -145,7 +153,8 @@ class Fsdp2Sync(GradSync):
                                     True, None, after, path, blocking=stock))
             host += [HostWork("copy", b.nbytes, "backward"), HostWork("copy", b.nbytes, "forward")]
         gather = [Collective(ALL_GATHER, b.numel * low if low else b.nbytes, sync.gather_dtype or "fp32", b.index,
-                             STEP, FORWARD, low is None, None, 0, path, blocking=stock) for b, _ in units]
+                             FORWARD_START if stock else STEP, FORWARD, low is None, None, 0, path, blocking=stock)
+                  for b, _ in units]
         if sync.reshard_after_forward:  # unit i gathered again as unit i - 1 starts its backward (unit i - 2 ends it)
             ends = [0, 0] + [after for _, after in units]
             gather += [dataclasses.replace(g, ready=PREFETCH, waits=BACKWARD, after=ends[i])
