@@ -201,7 +201,7 @@ KNOB_VALUES = {"bucket_cap_mb": 2, "first_bucket_mb": 0.5, "last_bucket_mb": 1, 
                "powersgd_start_iter": 3, "classes.match": "*.feed_forward.*", "classes.min_numel": 1,
                "classes.max_numel": 10**9, "classes.wire_dtype": "bf16", "classes.bucket_cap_mb": 1,
                "classes.protocol": "LL", "classes.algorithm": "Ring", "classes.min_ctas": 1, "classes.max_ctas": 8,
-               "classes.tied_split": True, "shard_tied_split": True, "gather_dtype": "bf16",
+               "classes.tied_split": True, "shard_tied_split": True, "gather_dtype": "bf16", "gather_at": "forward",
                "reshard_after_forward": False, "fsdp2_collectives": "p2p", "hierarchical": True, "ranks_per_node": 2,
                "tune": {"budget_steps": 30}}
 

@@ -14,10 +14,11 @@ from dtrain.collectives.costmodel import FittedModel, fit_regimes
 from dtrain.collectives.timeline import ReadyCurve
 from dtrain.common.errors import UserError
 from dtrain.engine import config as config_mod
-from dtrain.engine import describe
+from dtrain.engine import describe, verify
 from dtrain.engine.model import Transformer
 
 from conftest import REPO
+from test_strategies import one_rank  # noqa: F401 - the one-rank gloo group fixture
 
 SMALL = {"model": {"preset": "small"}, "data": {"vocab_size": 8000}}
 
@@ -159,3 +160,31 @@ def test_describe_and_the_dry_run_print_the_schedule(capsys):
     assert "# schedule of sharded on 4 ranks" in out and "reduce_scatter" in out and "all_gather" in out
     describe.main(["--profile", profile, "--set", "sync.strategy=powersgd"])
     assert "schedule of powersgd: none before it runs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gather_at,pending_after_step", [("step", False), ("forward", True)])
+def test_sharded_starts_its_all_gathers_where_gather_at_says(one_rank, gather_at, pending_after_step):
+    """`sync.gather_at`: the updated shards' all-gathers start as the optimizer step ends (`stepped`), or wait for
+    the next forward to start; the schedule says which."""
+    sync = _cfg({"strategy": "sharded", "bucket_cap_mb": 0.05, "gather_at": gather_at}).sync
+    model = verify.tiny_model()
+    handle = strategies.attach(model, sync)
+    optimizer = torch.optim.SGD(handle.optimizer_params(), lr=0.1)
+    src, tgt_in, tgt_out = verify.batch(0, 0, 0)
+    verify.loss_fn(handle.module(src, tgt_in), tgt_out, 1).backward()
+    handle.wait()
+    optimizer.step()
+    handle.stepped(optimizer)
+    assert handle.reducer.gather_pending is pending_after_step
+    handle.module(src, tgt_in)  # the next forward: every gather started, and waited for by the modules
+    assert not handle.reducer.gather_pending
+    readies = {c.ready for c in strategies.schedule_for(sync, model, 2).collectives if c.kind == "all_gather"}
+    assert readies == {schedule.STEP if gather_at == "step" else schedule.FORWARD_START}
+    handle.close()
+
+
+def test_gather_at_is_checked_and_read_by_sharded_only():
+    with pytest.raises(UserError, match="sync.gather_at.*must be one of step, forward, got 'later'"):
+        _cfg({"strategy": "sharded", "gather_at": "later"})
+    with pytest.raises(UserError, match="sync.gather_at.*is not used by strategy 'bucketed'"):
+        _cfg({"strategy": "bucketed", "gather_at": "forward"})

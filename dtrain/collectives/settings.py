@@ -101,6 +101,9 @@ class SyncConfig:
     # micro-batch (then bf16 holds them exactly); null: in their own. fsdp2: bf16 is its mixed precision (every
     # parameter gathered in bf16, gradients reduced in fp32)
     gather_dtype: str | None = None
+    # sharded: when the updated shards' all-gathers start: "step", as the optimizer step ends (`stepped`), so that
+    # they run during whatever the loop does before its next forward; "forward", as the next forward starts
+    gather_at: str = "step"
     # fsdp2: free a unit's gathered parameters after its forward and gather them again for its backward (FSDP2's
     # default); false: keep them from forward to backward
     reshard_after_forward: bool = True

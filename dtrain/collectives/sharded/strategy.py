@@ -41,8 +41,9 @@ from torch import nn
 from dtrain.collectives.dist import all_gather_single
 from dtrain.collectives import tensor_classes
 from dtrain.collectives.plan import ready_order
-from dtrain.collectives.schedule import (ALL_GATHER, ALL_REDUCE, EXCHANGE, FORWARD, GRADIENT, P2P, PROJECTION,
-                                         REDUCE_SCATTER, RING, STEP, WAIT, Collective, Schedule, lookup_rows)
+from dtrain.collectives.schedule import (ALL_GATHER, ALL_REDUCE, EXCHANGE, FORWARD, FORWARD_START, GRADIENT, P2P,
+                                         PROJECTION, REDUCE_SCATTER, RING, STEP, WAIT, Collective, Schedule,
+                                         lookup_rows)
 from dtrain.collectives.sharded.exchange import ROWS, exchange_plan, member_offsets
 from dtrain.collectives.sharded.grads import HiddenGrad, hidden_grad
 from dtrain.collectives.sharded.reducer import ShardedReducer
@@ -57,6 +58,7 @@ from dtrain.common.errors import UserError
 
 
 LOOKUP = object()  # in a recorded forward: a lookup of a sharded matrix ran here
+GATHER_AT = {"step": STEP, "forward": FORWARD_START}  # `sync.gather_at`: when the all-gathers start
 
 
 class ShardedSync(PlannedSync):
@@ -228,7 +230,8 @@ class ShardedSync(PlannedSync):
 
     def stepped(self, optimizer=None, loss=None) -> None:
         self.check_optimizer_once(optimizer)  # one over the model's parameters would update nothing
-        self.reducer.gather()
+        if self.strategy.config.gather_at == "step":  # else as the next forward starts (`before_forward`)
+            self.reducer.gather()
 
     def suspend(self) -> None:
         """Every rank's updated shard all-gathered (exact) into the model's parameters, which stay in P, and the
@@ -359,7 +362,7 @@ def _options(sd: dict, groups: int) -> list[dict]:
 @register("sharded")
 class Sharded(Bucketed):
     sync_keys = ("bucket_cap_mb", "first_bucket_mb", "last_bucket_mb") + CLASS_RULE_KEYS + (
-        "classes.tied_split", "shard_tied_split", "gather_dtype")
+        "classes.tied_split", "shard_tied_split", "gather_dtype", "gather_at")
     handle = ShardedSync
     shards = True
 
@@ -367,6 +370,7 @@ class Sharded(Bucketed):
     class Config(Bucketed.Config):
         shard_tied_split: bool = False  # a tied_split embedding sharded by rows too, not replicated
         gather_dtype: str | None = None  # "bf16": Linear-only parameters all-gathered as the autocast reads them
+        gather_at: str = "step"  # the all-gathers start as the optimizer step ends, or as the next forward starts
 
     def plan(self, named_params, classes, settings):
         """Bucketed's plan; a `tied_split` parameter gets a bucket of its own, first: with the split its gradient is
@@ -382,9 +386,16 @@ class Sharded(Bucketed):
         return [dataclasses.replace(b, index=i) for i, b in enumerate(buckets)]
 
     @classmethod
+    def problems(cls, sync) -> list[tuple[str, str]]:
+        if sync.gather_at not in GATHER_AT:
+            return [("sync.gather_at", f"must be one of {', '.join(GATHER_AT)}, got '{sync.gather_at}'")]
+        return []
+
+    @classmethod
     def schedule(cls, sync, model, world, accum_steps=1, ranks_per_node=None) -> Schedule:
         """Each bucket as its exchange plan moves it (`exchange_plan`): a sharded one reduce-scattered point to
-        point when its last gradient is ready and all-gathered for the next forward from the optimizer step; a
+        point when its last gradient is ready and all-gathered for the next forward from the optimizer step (or as
+        that forward starts, `gather_at`); a
         replicated one (a split tied embedding) all-reduced, or exchanged whole in bf16, from its projection part;
         narrowed members in their bytes (the reduce-scatter's only in a step of one micro-batch, `accum_steps` 1);
         each lookup's rows of a split embedding, all-reduced (reduce-scattered to their owners by rows). Every
@@ -407,8 +418,8 @@ class Sharded(Bucketed):
                                     PROJECTION if ex.split else GRADIENT, WAIT, True, None, after,
                                     RING if kind == ALL_REDUCE else P2P))
             if ex.gathered:
-                gathers.append(Collective(ALL_GATHER, ex.nbytes("all_gather"), dtype, b.index, STEP, FORWARD, True,
-                                          None, 0, P2P))
+                gathers.append(Collective(ALL_GATHER, ex.nbytes("all_gather"), dtype, b.index, GATHER_AT[sync.gather_at],
+                                          FORWARD, True, None, 0, P2P))
         split = any(ex.split for ex in exchanges)
         rows = any(ex.layout == ROWS for ex in exchanges)
         if split_params(class_of, settings):
