@@ -314,12 +314,20 @@ def test_a_recorded_config_of_an_earlier_version_still_loads(tmp_path):
     with pytest.raises(UserError, match="unknown key 'collectives.classes'"):
         config.load(path)  # as a profile: refused
     del raw["collectives"]["classes"]
+    assert raw["collectives"]["default"]["proto"] is None  # named as NCCL's variables, now as a class's keys
     path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(UserError, match="unknown key 'collectives.default.(algo|proto)'; did you mean "
+                                        "'collectives.default.(algorithm|protocol)'"):
+        config.load(path)
+    current = {**raw, "collectives": {**raw["collectives"], "default": {"protocol": None, "algorithm": None}}}
+    path.write_text(yaml.safe_dump(current))
     with pytest.raises(UserError, match="'sync.hook' is not used by strategy 'per_class'"):
         config.load(path)
     raw["collectives"]["classes"] = {"ffn": {"proto": "LL", "algo": "Ring", "min_ctas": None, "max_ctas": 4}}
+    raw["collectives"]["default"]["algo"] = "Tree"
     path.write_text(yaml.safe_dump(raw))
     cfg = config.load_recorded(path)
     ffn = cfg.sync.classes["ffn"]
     assert (ffn.protocol, ffn.algorithm, ffn.max_ctas) == ("LL", "Ring", 4)
+    assert cfg.collectives.default.algorithm == "Tree"
     assert cfg.sync.hook is None and cfg.collectives.mode == "per_group"

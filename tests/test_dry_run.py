@@ -94,14 +94,15 @@ def test_dtrain_train_is_the_engine_s_entry_point():
 
 
 def test_nccl_settings_on_gloo_are_named_inactive_and_none_requested_is_silent():
-    none = {"default": {"proto": None, "algo": None}, "classes": {"ffn": {"proto": None, "algo": None}}}
-    ll128 = {"default": {"proto": "LL128", "algo": None}, "classes": {"ffn": {"proto": "LL128", "algo": "ring"}}}
+    none = {"default": {"protocol": None, "algorithm": None}, "classes": {"ffn": {"protocol": None, "algorithm": None}}}
+    ll128 = {"default": {"protocol": "LL128", "algorithm": None},
+             "classes": {"ffn": {"protocol": "LL128", "algorithm": "ring"}}}
 
     def record(requested, applied=False):
         return {"applied": applied, "backend": "nccl" if applied else "gloo", "requested": requested}
 
     assert engine_train.nccl_inactive(record(ll128)) == (
-        "dtrain.engine.train: NCCL settings inactive on backend gloo: algo ring, proto LL128 recorded in run.json "
+        "dtrain.engine.train: NCCL settings inactive on backend gloo: algorithm ring, protocol LL128 recorded in run.json "
         "(nccl: requested, not applied)")
     assert engine_train.nccl_inactive(record(none)) is None
     assert engine_train.nccl_inactive(record(ll128, applied=True)) is None
@@ -113,7 +114,7 @@ def test_the_readme_s_form_from_another_folder_finds_the_shipped_profile(tmp_pat
     cmd = [sys.executable, "-m", "dtrain.train", "--profile", "profiles/ll128.yaml", "--dry-run"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "name: base-ll128" in r.stdout and "proto: LL128" in r.stdout
+    assert "name: base-ll128" in r.stdout and "protocol: LL128" in r.stdout
     (tmp_path / "profiles").mkdir()
     (tmp_path / "profiles" / "ll128.yaml").write_text("name: mine\nmodel: {preset: tiny}\n")
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)

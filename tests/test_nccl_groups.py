@@ -151,7 +151,7 @@ def test_gloo_records_requested_not_applied_and_sets_nothing():
     record = nccl.apply_global(config.load("dtrain/profiles/per_group.yaml"), backend="gloo", factory=fake)
     assert dict(os.environ) == before
     assert record["applied"] is False and record["status"] == "requested, not applied (backend gloo)"
-    assert record["requested"]["classes"]["embedding"] == {"proto": "Simple", "algo": "Ring", "min_ctas": None,
+    assert record["requested"]["classes"]["embedding"] == {"protocol": "Simple", "algorithm": "Ring", "min_ctas": None,
                                                            "max_ctas": 16}
     nccl.class_group("embedding")
     assert fake.events == [("new_group", "dtrain:embedding", {}, {})]  # no barrier, no variables
@@ -186,7 +186,7 @@ def test_two_gloo_ranks_create_the_class_groups_and_record_them(tmp_path):
         r = records[rank]
         assert r["status"] == "requested, not applied (backend gloo)"
         assert [(g["class"], g["applied"]) for g in r["groups"]] == [("projection", False), ("embedding", False)]
-        assert r["groups"][0]["requested"] == {"proto": "LL", "algo": "Ring", "min_ctas": None, "max_ctas": None}
+        assert r["groups"][0]["requested"] == {"protocol": "LL", "algorithm": "Ring", "min_ctas": None, "max_ctas": None}
 
 
 def test_without_a_profile_applied_an_attached_class_group_gets_its_own_choices_on_nccl(monkeypatch):

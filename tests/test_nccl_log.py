@@ -62,14 +62,14 @@ def test_a_bucket_off_its_choice_is_listed():
                                              nccl.load_buckets(DATA / "buckets.jsonl"), wanted())
     assert [(m["index"], m["class"], m["observed"]) for m in mismatches] == [(2, "embedding", "Ring/LL128")]
     text = nccl.render_check(table, mismatches)
-    assert ("bucket 2 (embedding, 8388608 B): requested proto Simple, algo Ring, max_ctas 16, observed Ring/LL128"
+    assert ("bucket 2 (embedding, 8388608 B): requested protocol Simple, algorithm Ring, max_ctas 16, observed Ring/LL128"
             in text)
 
 
 def test_same_size_in_two_classes_and_unseen_buckets():
     buckets = [{"index": 0, "class": "a", "nbytes": 4096}, {"index": 1, "class": "b", "nbytes": 4096},
                {"index": 2, "class": "c", "nbytes": 8192}]
-    want = {"a": NcclSettings(proto="LL"), "b": NcclSettings(proto="Simple"), "c": NcclSettings()}
+    want = {"a": NcclSettings(protocol="LL"), "b": NcclSettings(protocol="Simple"), "c": NcclSettings()}
     ok = [nccl.Decision(1, "-", "allreduce", 4096, "Ring", "LL", 1),
           nccl.Decision(2, "-", "allreduce", 4096, "Ring", "Simple", 1),
           nccl.Decision(3, "-", "allreduce", 8192, "Tree", "LL", 1)]

@@ -41,8 +41,8 @@ PER_GROUP = {"projection": {"protocol": "LL", "algorithm": "Ring"},
     ({"mode": "tuner"}, {"ffn": {"proto": "LL"}}, "sync.classes.ffn.proto"),  # not a key of a class
     ({"mode": "per_group", "classes": {"ffn": {"proto": "LL"}}}, {}, "collectives.classes"),  # the old home
     ({"mode": "pergroup"}, {}, "collectives.mode"),
-    ({"default": {"proto": "LL", "channels": 4}}, {}, "collectives.default.channels"),
-    ({"default": {"algo": "PAT"}}, {}, "collectives.default.algo"),
+    ({"default": {"protocol": "LL", "channels": 4}}, {}, "collectives.default.channels"),
+    ({"default": {"algorithm": "PAT"}}, {}, "collectives.default.algorithm"),
 ])
 def test_bad_sections_name_their_key(section, classes, key):
     with pytest.raises(UserError, match=f"'{key}'"):
@@ -70,16 +70,16 @@ def test_every_shipped_nccl_profile_loads_and_renders():
 def test_global_mode_sets_one_job_environment_restricted_to_allreduce():
     setup = nccl.build_groups(config.load(REPO / "dtrain" / "profiles" / "ll128.yaml"), version=(2, 26, 2))
     assert setup.process_env == {"NCCL_PROTO": "allreduce:LL128"}
-    assert all(g.env == {} and g.settings.proto == "LL128" for g in setup.groups)
+    assert all(g.env == {} and g.settings.protocol == "LL128" for g in setup.groups)
     assert any("LL128 is forced" in w and "#wrong" in w for w in setup.warnings)
-    validated = cfg_of({"default": {"proto": "LL128"}, "validated": True})
+    validated = cfg_of({"default": {"protocol": "LL128"}, "validated": True})
     assert not any("LL128" in w for w in nccl.build_groups(validated).warnings)
     tree = nccl.build_groups(config.load(REPO / "dtrain" / "profiles" / "tree.yaml"), version=(2, 30, 1))
     assert tree.process_env == {"NCCL_ALGO": "allreduce:Tree"}
 
 
 def test_global_ctas_go_to_the_process_wide_variables():
-    setup = nccl.build_groups(cfg_of({"default": {"proto": "Simple", "min_ctas": 2, "max_ctas": 8}}))
+    setup = nccl.build_groups(cfg_of({"default": {"protocol": "Simple", "min_ctas": 2, "max_ctas": 8}}))
     assert setup.process_env == {"NCCL_PROTO": "allreduce:Simple", "NCCL_MIN_CTAS": "2", "NCCL_MAX_CTAS": "8"}
 
 
@@ -98,21 +98,21 @@ def test_per_group_gives_each_class_its_variables_and_cta_options():
 
 
 def test_default_fills_what_a_class_leaves_open():
-    cfg = cfg_of({"mode": "per_group", "default": {"proto": "LL128"}},
+    cfg = cfg_of({"mode": "per_group", "default": {"protocol": "LL128"}},
                  {"projection": {"algorithm": "Ring"}, "embedding": {"protocol": "Simple"}})
-    assert nccl.resolve(cfg, "projection") == NcclSettings(proto="LL128", algo="Ring")
-    assert nccl.resolve(cfg, "embedding") == NcclSettings(proto="Simple")
-    assert nccl.resolve(cfg, "ffn") == NcclSettings(proto="LL128")
+    assert nccl.resolve(cfg, "projection") == NcclSettings(protocol="LL128", algorithm="Ring")
+    assert nccl.resolve(cfg, "embedding") == NcclSettings(protocol="Simple")
+    assert nccl.resolve(cfg, "ffn") == NcclSettings(protocol="LL128")
 
 
 def test_what_the_strategy_passes_replaces_the_profiles_class_settings():
-    cfg = cfg_of({"mode": "per_group", "default": {"algo": "Ring"}}, {"ffn": {"protocol": "LL128", "max_ctas": 4}})
-    assert nccl.resolve(cfg, "ffn") == NcclSettings(proto="LL128", algo="Ring", max_ctas=4)
+    cfg = cfg_of({"mode": "per_group", "default": {"algorithm": "Ring"}}, {"ffn": {"protocol": "LL128", "max_ctas": 4}})
+    assert nccl.resolve(cfg, "ffn") == NcclSettings(protocol="LL128", algorithm="Ring", max_ctas=4)
     # What the strategy passes to class_group: a CollectiveSettings (or ClassSettings) or its .nccl() mapping.
     settings = tc.from_config(cfg.sync).setting("ffn")
     assert nccl.resolve(cfg, "ffn", settings) == nccl.resolve(cfg, "ffn")
     assert nccl.resolve(cfg, "ffn", settings.nccl()) == nccl.resolve(cfg, "ffn")
-    assert nccl.resolve(cfg, "ffn", {"protocol": "Simple"}) == NcclSettings(proto="Simple", algo="Ring")
+    assert nccl.resolve(cfg, "ffn", {"protocol": "Simple"}) == NcclSettings(protocol="Simple", algorithm="Ring")
     with pytest.raises(UserError, match="'sync.classes.ffn' sets NCCL choices"):
         nccl.resolve(cfg_of({"mode": "global"}), "ffn", {"protocol": "LL"})
 
@@ -121,11 +121,11 @@ def test_unknown_class_name_is_an_error():
     with pytest.raises(UserError, match="'sync.classes.embeding.match' is required"):
         cfg_of({"mode": "per_group"}, {"embeding": {"protocol": "LL"}})
     cfg = cfg_of({"mode": "per_group"}, {"big_ffn": {"match": "*.w_1.weight", "protocol": "LL"}})
-    assert nccl.class_names(cfg)[0] == "big_ffn" and nccl.resolve(cfg, "big_ffn").proto == "LL"
+    assert nccl.class_names(cfg)[0] == "big_ffn" and nccl.resolve(cfg, "big_ffn").protocol == "LL"
 
 
 def test_tuner_mode_ships_rules_and_names_each_class_at_creation():
-    cfg = cfg_of({"mode": "tuner", "default": {"proto": "Simple"}},
+    cfg = cfg_of({"mode": "tuner", "default": {"protocol": "Simple"}},
                  {"projection": {"protocol": "LL", "algorithm": "Ring"}, "ffn": {"algorithm": "Tree", "max_ctas": 8}})
     setup = nccl.build_groups(cfg)
     (path, rules), = setup.files.items()
@@ -140,7 +140,7 @@ def test_tuner_mode_ships_rules_and_names_each_class_at_creation():
 
 @pytest.mark.parametrize("section, classes, version, message", [
     ({"mode": "per_group"}, PER_GROUP, (2, 27, 3), "2.27.0-2.27.4 cache NCCL_PROTO/NCCL_ALGO"),
-    ({"default": {"algo": "Tree"}}, {}, (2, 23, 4), "'collectives.default.algo' Tree needs NCCL >= 2.24"),
+    ({"default": {"algorithm": "Tree"}}, {}, (2, 23, 4), "'collectives.default.algorithm' Tree needs NCCL >= 2.24"),
     ({"mode": "tuner"}, {"ffn": {"protocol": "LL"}}, (2, 21, 5), "tuner needs NCCL >= 2.22"),
 ])
 def test_version_guards_that_refuse(section, classes, version, message):
@@ -153,7 +153,7 @@ def test_version_guards_that_pass_or_warn():
     assert nccl.build_groups(per_group, version=(2, 27, 5)).group("projection").env["NCCL_PROTO"]
     tuner = cfg_of({"mode": "tuner"}, PER_GROUP)
     assert nccl.build_groups(tuner, version=(2, 27, 3)).mode == "tuner"  # the plugin reads no cached variable
-    old = nccl.build_groups(cfg_of({"default": {"proto": "LL"}}), version=(2, 23, 4))
+    old = nccl.build_groups(cfg_of({"default": {"protocol": "LL"}}), version=(2, 23, 4))
     assert old.process_env == {"NCCL_PROTO": "LL"}
     assert any("no per-collective syntax" in w for w in old.warnings)
     hw = nccl.build_groups(cfg_of({"mode": "per_group"}, {"embedding": {"algorithm": "NVLS"}}))
@@ -178,7 +178,7 @@ def test_nonblocking_init_is_refused_for_per_group(monkeypatch):
     monkeypatch.setenv("TORCH_NCCL_USE_COMM_NONBLOCKING", "1")
     with pytest.raises(UserError, match="needs blocking communicator init"):
         nccl.build_groups(cfg_of({"mode": "per_group"}, PER_GROUP))
-    assert nccl.build_groups(cfg_of({"default": {"proto": "LL"}})).mode == "global"
+    assert nccl.build_groups(cfg_of({"default": {"protocol": "LL"}})).mode == "global"
 
 
 def test_parse_log_flag_turns_on_the_debug_log(tmp_path):
@@ -190,7 +190,7 @@ def test_parse_log_flag_turns_on_the_debug_log(tmp_path):
 def test_rendered_groups_name_variables_options_and_files():
     per_group = cfg_of({"mode": "per_group"}, PER_GROUP)
     text = nccl.render_groups(nccl.build_groups(per_group))
-    assert ("  group class embedding: proto Simple, algo Ring, max_ctas 16\n"
+    assert ("  group class embedding: protocol Simple, algorithm Ring, max_ctas 16\n"
             "    env while its communicator is created, restored after its barrier: NCCL_PROTO=allreduce:Simple "
             "NCCL_ALGO=allreduce:Ring\n"
             "    options: ProcessGroupNCCL.Options().config.max_ctas=16\n") in text
@@ -228,7 +228,7 @@ def test_cli_groups_and_its_one_line_errors(tmp_path, capsys):
     assert code == 0 and "NCCL_PROTO=allreduce:LL" in out
     code, out, err = run_cli(capsys, "groups", "--profile", "dtrain/profiles/tree.yaml", "--nccl-version", "2.23.4")
     assert code == 2 and out == ""
-    assert err.startswith("dtrain nccl: error: 'collectives.default.algo'") and err.count("\n") == 1
+    assert err.startswith("dtrain nccl: error: 'collectives.default.algorithm'") and err.count("\n") == 1
     bad = tmp_path / "bad.yaml"
     bad.write_text("collectives:\n  mode: per_group\nsync:\n  classes:\n    ffn: {protocol: LL129}\n")
     code, _, err = run_cli(capsys, "groups", "--profile", str(bad))
@@ -259,7 +259,7 @@ def test_module_entry_point_runs():
 def test_gpu_check_profiles_are_valid_and_it_refuses_without_a_gpu(capsys):
     for mode in ("per_group", "tuner"):
         setup = nccl.build_groups(gpu_check.gpu_check_config(mode), log_dir="out")
-        assert setup.group("projection").settings == NcclSettings(proto="LL", algo="Ring")
+        assert setup.group("projection").settings == NcclSettings(protocol="LL", algorithm="Ring")
         assert setup.process_env["NCCL_DEBUG_SUBSYS"] == "ENV,TUNING"
     if not torch.cuda.is_available():
         code, _, err = run_cli(capsys, "gpu-check", "--out", "unused")

@@ -110,10 +110,10 @@ def test_the_readme_s_ll128_command_trains_on_cpu_ranks_with_its_nccl_setting_in
     assert r.returncode == 0, out[-2000:] + err[-3000:]
     assert "done: steps=2" in out and "\r" not in err  # plain progress lines, no bar redraws
     inactive = [line for line in err.splitlines() if "NCCL settings inactive" in line]
-    assert inactive == ["dtrain.engine.train: NCCL settings inactive on backend gloo: proto LL128 recorded in "
+    assert inactive == ["dtrain.engine.train: NCCL settings inactive on backend gloo: protocol LL128 recorded in "
                         "run.json (nccl: requested, not applied)"]  # rank 0 alone
     header = json.loads((tmp_path / "run" / "run.json").read_text())
     assert header["name"] == "base-ll128" and header["backend"] == "gloo"
     assert header["nccl"]["applied"] is False and header["nccl"]["status"] == "requested, not applied (backend gloo)"
-    assert header["nccl"]["requested"]["default"]["proto"] == "LL128"
+    assert header["nccl"]["requested"]["default"]["protocol"] == "LL128"
     assert header["amp_setting"] == "auto" and header["amp"] in ("bf16", "fp32") and header["amp_reason"]

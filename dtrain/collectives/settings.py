@@ -140,8 +140,8 @@ class NcclSettings:
     `sync.classes.<name>` protocol/algorithm/CTA bounds over the default); null = NCCL decides. Validated and applied
     by `dtrain.collectives.nccl`."""
 
-    proto: str | None = None  # LL, LL128, Simple
-    algo: str | None = None  # Ring, Tree, CollNetDirect, CollNetChain, NVLS, NVLSTree, PAT
+    protocol: str | None = None  # NCCL_PROTOCOLS
+    algorithm: str | None = None  # NCCL_ALGORITHMS
     min_ctas: int | None = None
     max_ctas: int | None = None
 

@@ -340,10 +340,15 @@ _RECORDED_NCCL_KEYS = {"proto": "protocol", "algo": "algorithm", "min_ctas": "mi
 
 def upgrade_recorded(raw: dict, src: Source) -> dict:
     """A run's recorded config.yaml as this version reads it. Earlier versions wrote per-class NCCL choices under
-    `collectives.classes.<class>` (proto, algo, min_ctas, max_ctas; now `sync.classes.<class>`) and could record a
+    `collectives.classes.<class>` (proto, algo, min_ctas, max_ctas; now `sync.classes.<class>`), named
+    `collectives.default`'s `proto` and `algo` (now `protocol` and `algorithm`, as a class's) and could record a
     knob that the run's strategy never read (now refused in a profile): the choices move, the ignored knobs go, so
     that recorded runs stay readable."""
     coll = raw.get("collectives")
+    default = coll.get("default") if isinstance(coll, dict) else None
+    for old, new in _RECORDED_NCCL_KEYS.items():  # `collectives.default` named them as NCCL's variables do
+        if isinstance(default, dict) and old in default and old != new:
+            default[new] = default.pop(old)
     if isinstance(coll, dict) and isinstance(coll.get("classes"), dict):
         classes = raw.setdefault("sync", {}).setdefault("classes", {}) or {}
         raw["sync"]["classes"] = classes

@@ -43,7 +43,7 @@ def load_buckets(path: str | Path) -> list[dict]:
 
 
 def _satisfies(d: Decision, s: NcclSettings) -> bool:
-    return (s.algo is None or d.algo == s.algo) and (s.proto is None or d.proto == s.proto)
+    return (s.algorithm is None or d.algo == s.algorithm) and (s.protocol is None or d.proto == s.protocol)
 
 
 def check_decisions(decisions: list[Decision], buckets: list[dict], want: dict[str, NcclSettings]):
@@ -66,7 +66,7 @@ def check_decisions(decisions: list[Decision], buckets: list[dict], want: dict[s
         if not seen:
             mismatches.append({**b, "requested": describe(s), "observed": "no TUNING line of this size"})
             continue
-        if s.proto is None and s.algo is None:
+        if s.protocol is None and s.algorithm is None:
             continue
         peers = [want.get(c, NcclSettings()) for c in by_size[b["nbytes"]]]
         unexplained = [d for d in seen if not any(_satisfies(d, p) for p in peers)]

@@ -39,5 +39,5 @@ def resolved(cfg) -> dict[str, NcclSettings]:
 
 
 def requested(cfg) -> dict[str, dict]:
-    """{class: {proto, algo, min_ctas, max_ctas}} as requested: for the run header and the cost model."""
+    """{class: {protocol, algorithm, min_ctas, max_ctas}} as requested: for the run header and the cost model."""
     return {n: dataclasses.asdict(s) for n, s in resolved(cfg).items()}

@@ -72,10 +72,10 @@ def proto_algo_env(s: NcclSettings, version) -> dict[str, str]:
     """NCCL_PROTO/NCCL_ALGO for one setting; restricted to all-reduce where NCCL understands that (2.24 on)."""
     scope = "allreduce:" if per_collective_syntax(version) else ""
     env = {}
-    if s.proto:
-        env["NCCL_PROTO"] = scope + s.proto
-    if s.algo:
-        env["NCCL_ALGO"] = scope + s.algo
+    if s.protocol:
+        env["NCCL_PROTO"] = scope + s.protocol
+    if s.algorithm:
+        env["NCCL_ALGO"] = scope + s.algorithm
     return env
 
 

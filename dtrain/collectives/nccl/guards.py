@@ -47,19 +47,19 @@ def guards(cfg, version, settings: dict[str, NcclSettings]) -> list[str]:
                         f"this is NCCL {vs}")
     if c.mode == "global" and not per_collective_syntax(version):
         d = c.default
-        if d.algo not in (None, "Ring"):
-            raise UserError(f"'collectives.default.algo' {d.algo} needs NCCL >= 2.24 in global mode: before it "
-                            f"NCCL_ALGO has no per-collective syntax, so {d.algo} would also be forced on "
+        if d.algorithm not in (None, "Ring"):
+            raise UserError(f"'collectives.default.algorithm' {d.algorithm} needs NCCL >= 2.24 in global mode: before "
+                            f"it NCCL_ALGO has no per-collective syntax, so {d.algorithm} would also be forced on "
                             f"broadcasts and all-gathers, which only Ring runs (this is NCCL {vs})")
-        if d.proto:
-            warn.append(f"NCCL {vs} has no per-collective syntax: NCCL_PROTO={d.proto} applies to every "
+        if d.protocol:
+            warn.append(f"NCCL {vs} has no per-collective syntax: NCCL_PROTO={d.protocol} applies to every "
                         f"collective of the job, not only the gradient all-reduces")
     if c.mode in ("per_group", "tuner") and nonblocking_init():
         raise UserError(f"'collectives.mode' {c.mode} needs blocking communicator init, but {NONBLOCKING_VAR}="
                         f"{os.environ[NONBLOCKING_VAR]}: NCCL would read the class's variables from a background "
                         f"thread after dtrain restored them (unset it)")
     if c.mode in ("global", "per_group"):
-        warn += _forced_warnings(cfg, {n: s for n, s in settings.items() if s.proto or s.algo})
+        warn += _forced_warnings(cfg, {n: s for n, s in settings.items() if s.protocol or s.algorithm})
     if c.mode in ("per_group", "tuner") and not any(map(creates_class_groups, _searched(cfg.sync))):
         what = "nor does any candidate of its search" if cfg.sync.strategy == "auto" else ""
         warn.append(f"sync.strategy '{cfg.sync.strategy}' creates no per-class process groups{what and ', ' + what}: "
@@ -73,14 +73,14 @@ def _forced_warnings(cfg, forced: dict[str, NcclSettings]) -> list[str]:
     """Settings forced through the environment: LL128 (NCCL's maintainers call NCCL_PROTO a debugging knob; forced
     where NCCL disables LL128 it can give wrong results), and algorithms that need hardware NCCL may not find."""
     c, warn = cfg.collectives, []
-    ll128 = sorted(n for n, s in forced.items() if s.proto == "LL128")
+    ll128 = sorted(n for n, s in forced.items() if s.protocol == "LL128")
     if ll128 and not c.validated:
         who = "every gradient all-reduce" if c.mode == "global" else ", ".join(ll128)
         warn.append(f"LL128 is forced for {who}: where NCCL disables LL128 by default, forcing it can "
                     f"give wrong results; validate these settings with the benchmark (#wrong must be 0), then set "
                     f"collectives.validated: true")
     for n, s in sorted(forced.items()):
-        if s.algo in NEEDS_HARDWARE:
-            warn.append(f"{n}: {s.algo} needs {NEEDS_HARDWARE[s.algo]}; forced through the environment where it "
+        if s.algorithm in NEEDS_HARDWARE:
+            warn.append(f"{n}: {s.algorithm} needs {NEEDS_HARDWARE[s.algorithm]}; forced through the environment where it "
                         f"is missing, NCCL fails at the first all-reduce")
     return warn

@@ -18,9 +18,7 @@ PLUGIN_ALGOS = ("tree", "ring", "collnet_direct", "collnet_chain", "nvls", "nvls
 PLUGIN_PROTOS = ("ll", "ll128", "simple")
 # NCCL's cost model (src/graph/tuning.cc) has no LL/LL128 cell for these algorithms, and no PAT cell for AllReduce.
 SIMPLE_ONLY = ("CollNetDirect", "CollNetChain", "NVLS", "NVLSTree")
-NCCL_KEYS = ("proto", "algo", "min_ctas", "max_ctas")  # NcclSettings' fields
-# A class's keys in `sync.classes.<name>` -> NcclSettings' fields.
-CLASS_KEYS = {"protocol": "proto", "algorithm": "algo", "min_ctas": "min_ctas", "max_ctas": "max_ctas"}
+NCCL_KEYS = ("protocol", "algorithm", "min_ctas", "max_ctas")  # NcclSettings' fields, a class's keys of the same name
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -30,8 +28,8 @@ def class_nccl(obj) -> NcclSettings:
     if obj is None or isinstance(obj, NcclSettings):
         return obj or NcclSettings()
     if isinstance(obj, dict):
-        return NcclSettings(**{CLASS_KEYS[k]: v for k, v in obj.items() if k in CLASS_KEYS})
-    return NcclSettings(**{field: getattr(obj, key, None) for key, field in CLASS_KEYS.items()})
+        return NcclSettings(**{k: v for k, v in obj.items() if k in NCCL_KEYS})
+    return NcclSettings(**{k: getattr(obj, k, None) for k in NCCL_KEYS})
 
 
 def describe(s: NcclSettings) -> str:
@@ -43,31 +41,31 @@ def validate_config(coll, sync, check) -> None:
     """Check `collectives` (a CollectivesConfig) and the NCCL keys of `sync.classes` (a SyncConfig's);
     `check(ok, dotted_path, message)` raises the config error. Types and unknown keys are the loader's."""
     check(coll.mode in MODES, "collectives.mode", f"must be one of {', '.join(MODES)}, got '{coll.mode}'")
-    _check_choice(coll.default, "collectives.default", "proto", "algo", check)
+    _check_choice(coll.default, "collectives.default", check)
     for name, spec in sync.classes.items():
         s = class_nccl(spec)
         if s == NcclSettings():
             continue
         path = f"sync.classes.{name}"
-        first = next(k for k, f in CLASS_KEYS.items() if getattr(s, f) is not None)
+        first = next(k for k in NCCL_KEYS if getattr(s, k) is not None)
         check(coll.mode != "global", f"{path}.{first}",
               "needs collectives.mode per_group or tuner: in global mode one NCCL_PROTO/NCCL_ALGO serves the whole "
               "job (put it under collectives.default)")
         check(_CLASS_NAME.fullmatch(name) is not None, path, "is not a usable class name for NCCL settings "
               "(letters, digits and _ only: it travels in an environment variable and a CSV field)")
-        _check_choice(s, path, "protocol", "algorithm", check)
+        _check_choice(s, path, check)
 
 
-def _check_choice(s: NcclSettings, path: str, proto_key: str, algo_key: str, check) -> None:
-    """One setting's protocol, algorithm and CTA bounds, named as the profile names them under `path`."""
-    check(s.proto is None or s.proto in NCCL_PROTOCOLS, f"{path}.{proto_key}",
-          f"unknown protocol '{s.proto}' (NCCL's: {', '.join(NCCL_PROTOCOLS)})")
-    check(s.algo is None or s.algo in NCCL_ALGORITHMS, f"{path}.{algo_key}",
-          f"unknown algorithm '{s.algo}' (NCCL's: {', '.join(NCCL_ALGORITHMS)})")
-    check(s.algo != "PAT", f"{path}.{algo_key}", "PAT runs AllGather and ReduceScatter only, never the gradient "
-                                                "AllReduce: NCCL would find no algorithm")
-    check(s.algo not in SIMPLE_ONLY or s.proto in (None, "Simple"), f"{path}.{proto_key}",
-          f"{s.algo} runs the Simple protocol only: NCCL has no {s.algo}/{s.proto} cell")
+def _check_choice(s: NcclSettings, path: str, check) -> None:
+    """One setting's protocol, algorithm and CTA bounds under `path`."""
+    check(s.protocol is None or s.protocol in NCCL_PROTOCOLS, f"{path}.protocol",
+          f"unknown protocol '{s.protocol}' (NCCL's: {', '.join(NCCL_PROTOCOLS)})")
+    check(s.algorithm is None or s.algorithm in NCCL_ALGORITHMS, f"{path}.algorithm",
+          f"unknown algorithm '{s.algorithm}' (NCCL's: {', '.join(NCCL_ALGORITHMS)})")
+    check(s.algorithm != "PAT", f"{path}.algorithm", "PAT runs AllGather and ReduceScatter only, never the gradient "
+                                                    "AllReduce: NCCL would find no algorithm")
+    check(s.algorithm not in SIMPLE_ONLY or s.protocol in (None, "Simple"), f"{path}.protocol",
+          f"{s.algorithm} runs the Simple protocol only: NCCL has no {s.algorithm}/{s.protocol} cell")
     for bound in ("min_ctas", "max_ctas"):
         v = getattr(s, bound)
         check(v is None or v > 0, f"{path}.{bound}", f"must be positive or null, got {v}")

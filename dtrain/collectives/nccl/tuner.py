@@ -49,9 +49,9 @@ def tuner_rules(cfg) -> str:
     lines = ["# dtrain NCCL tuner rules (dtrain/collectives/tuner/dtrain_tuner.c), written by dtrain.collectives.nccl",
              "# class,collective,min_bytes,max_bytes,algorithm,protocol,channels  (-1: NCCL decides / no bound)"]
     for name, s in list(resolved(cfg).items()) + [("*", cfg.collectives.default)]:
-        if s.proto or s.algo or s.max_ctas:
-            algo = PLUGIN_ALGOS[NCCL_ALGORITHMS.index(s.algo)] if s.algo else "-1"
-            proto = PLUGIN_PROTOS[NCCL_PROTOCOLS.index(s.proto)] if s.proto else "-1"
+        if s.protocol or s.algorithm or s.max_ctas:
+            algo = PLUGIN_ALGOS[NCCL_ALGORITHMS.index(s.algorithm)] if s.algorithm else "-1"
+            proto = PLUGIN_PROTOS[NCCL_PROTOCOLS.index(s.protocol)] if s.protocol else "-1"
             lines.append(f"{name},allreduce,0,-1,{algo},{proto},{s.max_ctas or -1}")
     return "\n".join(lines) + "\n"
 
@@ -83,8 +83,8 @@ def example_tuner_csv(cfg, name: str, nproc: int, nnodes: int, channels: int, pr
     left to NCCL becomes ring/simple, the only cell valid for every collective."""
     nranks = nproc * nnodes
     s = NcclSettings() if name == "world" else resolve(cfg, name)
-    algo = PLUGIN_ALGOS[NCCL_ALGORITHMS.index(s.algo)] if s.algo else "ring"
-    proto = PLUGIN_PROTOS[NCCL_PROTOCOLS.index(s.proto)] if s.proto else "simple"
+    algo = PLUGIN_ALGOS[NCCL_ALGORITHMS.index(s.algorithm)] if s.algorithm else "ring"
+    proto = PLUGIN_PROTOS[NCCL_PROTOCOLS.index(s.protocol)] if s.protocol else "simple"
     ch = s.max_ctas or channels
     lines = [f"# NCCL example tuner plugin config for the '{name}' communicator ({profile_name}: {nranks} ranks on "
              f"{nnodes} node(s)), from dtrain.collectives.nccl",
