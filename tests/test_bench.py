@@ -297,9 +297,9 @@ def test_reducer_path_averages_correctly(one_rank_group):
 
 def test_reducer_path_cuts_the_size_into_capped_buckets(one_rank_group, monkeypatch):
     pytest.importorskip("dtrain.collectives.reducer", reason="dtrain/collectives/reducer.py is not in this checkout")
-    from dtrain.collectives.tensor_classes import CollectiveSettings
+    from dtrain.collectives.settings import ClassSettings
 
-    path = bench.reducer_path(None, "ffn", CollectiveSettings(bucket_cap_mb=0.01))  # 2621 fp32 elements a bucket
+    path = bench.reducer_path(None, "ffn", ClassSettings(bucket_cap_mb=0.01))  # 2621 fp32 elements a bucket
     t = torch.arange(10000, dtype=torch.float32)
     step, result = path.bind(t.clone(), "sum")
     sizes, real = [], dist.all_reduce

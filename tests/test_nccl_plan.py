@@ -108,7 +108,7 @@ def test_default_fills_what_a_class_leaves_open():
 def test_what_the_strategy_passes_replaces_the_profiles_class_settings():
     cfg = cfg_of({"mode": "per_group", "default": {"algorithm": "Ring"}}, {"ffn": {"protocol": "LL128", "max_ctas": 4}})
     assert nccl.resolve(cfg, "ffn") == NcclSettings(protocol="LL128", algorithm="Ring", max_ctas=4)
-    # What the strategy passes to class_group: a CollectiveSettings (or ClassSettings) or its .nccl() mapping.
+    # What the strategy passes to class_group: a ClassSettings or its .nccl() mapping.
     settings = tc.from_config(cfg.sync).setting("ffn")
     assert nccl.resolve(cfg, "ffn", settings) == nccl.resolve(cfg, "ffn")
     assert nccl.resolve(cfg, "ffn", settings.nccl()) == nccl.resolve(cfg, "ffn")

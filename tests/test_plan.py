@@ -102,7 +102,7 @@ def test_per_class_never_mixes_and_uses_each_class_settings(named):
 
 def test_pack_keys_and_oversized_tensors():
     a, b, c = (torch.empty(n, device="meta") for n in (10, 300, 10))
-    s = tc.CollectiveSettings(bucket_cap_mb=100 * 4 / MiB)  # 100 floats
+    s = ClassSettings(bucket_cap_mb=100 * 4 / MiB)  # 100 floats
     buckets = pack([("a", a), ("b", b), ("c", c)], {"a": "x", "b": "x", "c": "y"}, key=lambda n, p: n == "c",
                    settings_of=lambda k: s)
     assert [bk.names for bk in buckets] == [("a", "b"), ("c",)]
@@ -112,7 +112,7 @@ def test_pack_keys_and_oversized_tensors():
 def test_last_bucket_holds_the_last_parameters_of_each_key_alone():
     sizes = {"e0": 40, "e1": 40, "d0": 30, "d1": 30, "n0": 5, "n1": 5}  # in ready order; n* have a key of their own
     named = [(n, torch.empty(k, device="meta")) for n, k in sizes.items()]
-    s = tc.CollectiveSettings(bucket_cap_mb=100 * 4 / MiB)  # 100 floats
+    s = ClassSettings(bucket_cap_mb=100 * 4 / MiB)  # 100 floats
     key = lambda n, p: n.startswith("n")  # noqa: E731
     plain = pack(named, dict.fromkeys(sizes, "x"), key=key, settings_of=lambda k: s)
     assert [b.names for b in plain] == [("e0", "e1", "d0"), ("d1",), ("n0", "n1")]
@@ -165,7 +165,7 @@ def test_unused_keys_name_the_key_and_the_strategy_s_keys():
 
 
 def test_bucket_is_a_plain_record():
-    s = tc.CollectiveSettings()
+    s = ClassSettings()
     b = Bucket(0, ("w",), 4, 16, "ffn", s)
     assert dataclasses.asdict(b)["settings"]["wire_dtype"] == "fp32" and b.dtype == torch.float32
 

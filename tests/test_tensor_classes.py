@@ -74,7 +74,7 @@ def test_profile_classes_settings_and_rule_order():
     })
     classes = tc.from_config(sync)
     assert [r.name for r in classes.rules] == ["big_ffn", "embedding", "norm_bias", "projection", "ffn", "other"]
-    assert classes.setting("ffn") == tc.CollectiveSettings(wire_dtype="bf16", bucket_cap_mb=1)
+    assert classes.setting("ffn") == ClassSettings(wire_dtype="bf16", bucket_cap_mb=1)
     assert classes.setting("projection").bucket_cap_mb == 4.0  # sync.bucket_cap_mb is every class's default
     assert classes.setting("big_ffn").torch_wire_dtype == torch.float16
     assigned = classes.assign(meta_model().named_parameters())

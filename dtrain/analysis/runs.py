@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from dtrain.collectives import strategies
-from dtrain.collectives.tensor_classes import DEFAULT_BUCKET_CAP_MB
+from dtrain.collectives.settings import bucket_cap_mb
 from dtrain.common import rundir
 from dtrain.common.errors import UserError
 from dtrain.common.jsonl import read_jsonl
@@ -97,7 +97,7 @@ class Run:
         if self.strategy not in strategies.available() or not strategies.get(self.strategy).uses_cap:
             return None
         cap = self.config.get("sync", {}).get("bucket_cap_mb")
-        return float(cap) if cap is not None else DEFAULT_BUCKET_CAP_MB  # null: DDP's default, planned ones too
+        return float(bucket_cap_mb(cap))  # null: DDP's default, planned ones too
 
     @property
     def series(self) -> str:

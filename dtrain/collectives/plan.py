@@ -17,7 +17,8 @@ from torch import nn
 from dtrain.collectives import tensor_classes
 from dtrain.collectives.schedule import Schedule, all_reduce_schedule, nodes_of, split_first
 from dtrain.collectives.sync import StrategyFacts
-from dtrain.collectives.tensor_classes import CollectiveSettings, TensorClasses
+from dtrain.collectives.settings import ClassSettings
+from dtrain.collectives.tensor_classes import TensorClasses
 from dtrain.collectives.tied_split import split_params
 from dtrain.common.errors import UserError, unknown
 
@@ -31,7 +32,7 @@ class Bucket:
     numel: int
     nbytes: int  # on the wire (numel x the wire dtype's size)
     tensor_class: str  # the class of every member, or "mixed"
-    settings: CollectiveSettings
+    settings: ClassSettings  # its class's, resolved (`dtrain.collectives.tensor_classes.from_config`)
     dtype: torch.dtype = torch.float32  # of the gradients (and of the flat buffer holding them)
 
 
@@ -42,7 +43,7 @@ def ready_order(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def plan_params(strategy: "BucketingStrategy", classes: TensorClasses, named_params
-                ) -> tuple[list[Bucket], dict[str, str], dict[str, CollectiveSettings]]:
+                ) -> tuple[list[Bucket], dict[str, str], dict[str, ClassSettings]]:
     """The one way a strategy plans: (buckets, each parameter's class, the settings of the classes in use) for
     `named_params` in expected ready order. Training (`PlannedSync`) and the profile's modeled plan
     (`dtrain.collectives.strategies.plan_for`) both go through here."""
@@ -159,7 +160,7 @@ class BucketingStrategy(StrategyFacts):
         return all_reduce_schedule(cls.name, buckets, named, world, cls.overlap, cls.class_groups, split, per_node)
 
     def plan(self, named_params: Sequence[tuple[str, torch.Tensor]], classes: dict[str, str],
-             settings: dict[str, CollectiveSettings]) -> list[Bucket]:
+             settings: dict[str, ClassSettings]) -> list[Bucket]:
         """Buckets for `named_params` (in expected ready order; only numel and dtype are read), given each
         parameter's class and each class's settings."""
         raise NotImplementedError

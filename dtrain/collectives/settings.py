@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from dtrain.common.errors import UserError
 from dtrain.common.schema import Source, build
 
@@ -16,6 +18,14 @@ from dtrain.common.schema import Source, build
 # the NCCL_PROTO / NCCL_ALGO environment variables in NCCL's documentation). The one list of them in the project.
 NCCL_PROTOCOLS = ("LL", "LL128", "Simple")
 NCCL_ALGORITHMS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default bucket size, for the planned strategies too
+
+
+def bucket_cap_mb(cap_mb: float | None) -> float:
+    """A bucket cap as given (`sync.bucket_cap_mb`, a class's), DDP's default where null: the one place it is
+    resolved."""
+    return DEFAULT_BUCKET_CAP_MB if cap_mb is None else cap_mb
 
 
 @dataclass(frozen=True)
@@ -28,8 +38,9 @@ class DistConfig:
 class ClassSettings:
     """One tensor class under `sync.classes.<name>`: which parameters it holds (a rule) and how its buckets travel
     (wire dtype, bucket size, and on NCCL the protocol, algorithm and CTA bounds of its communicator). Every key is
-    optional; `dtrain.collectives.tensor_classes` turns these into rules and `CollectiveSettings`, `dtrain.collectives.nccl` reads
-    the NCCL keys."""
+    optional; `dtrain.collectives.tensor_classes` turns these into rules and each class's settings as a bucket
+    carries them (the rule's keys left out, `bucket_cap_mb` resolved), and `dtrain.collectives.nccl` reads the NCCL
+    keys."""
 
     match: str | list[str] | None = None  # fnmatch glob(s) of parameter names; needed by a class that is not a default
     min_numel: int | None = None  # the rule matches parameters with at least this many elements
@@ -44,6 +55,19 @@ class ClassSettings:
     # parts, the projection's as soon as backward has it, the rows each lookup touched as its backward ends
     # (dtrain.collectives.tied_split)
     tied_split: bool = False
+
+    @property
+    def torch_wire_dtype(self) -> torch.dtype:
+        return WIRE_DTYPES[self.wire_dtype]
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(bucket_cap_mb(self.bucket_cap_mb) * 1024 * 1024)
+
+    def nccl(self) -> dict:
+        """The NCCL choices actually set (for `dtrain.collectives.nccl.class_group`)."""
+        keys = ("protocol", "algorithm", "min_ctas", "max_ctas")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dtrain.collectives.settings import ClassSettings
+from dtrain.collectives.settings import (  # noqa: F401 (WIRE_DTYPES handed on)
+    DEFAULT_BUCKET_CAP_MB, WIRE_DTYPES, ClassSettings, bucket_cap_mb)
 from dtrain.common.errors import UserError
 
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default bucket size, for the planned strategies too
 
 
 @dataclass(frozen=True)
@@ -41,33 +40,6 @@ class ClassRule:
         return "*" in self.match and self.min_numel is None and self.max_numel is None
 
 
-@dataclass(frozen=True)
-class CollectiveSettings:
-    """How one class's buckets travel: the dtype on the wire, the bucket size and (NCCL only) protocol, algorithm
-    and CTA bounds."""
-
-    wire_dtype: str = "fp32"
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
-    protocol: str | None = None
-    algorithm: str | None = None
-    min_ctas: int | None = None
-    max_ctas: int | None = None
-    tied_split: bool = False  # the class's one parameter, a tied embedding, synchronized in two parts
-
-    @property
-    def torch_wire_dtype(self) -> torch.dtype:
-        return WIRE_DTYPES[self.wire_dtype]
-
-    @property
-    def bucket_cap_bytes(self) -> int:
-        return int(self.bucket_cap_mb * 1024 * 1024)
-
-    def nccl(self) -> dict:
-        """The NCCL choices actually set (for `class_group`)."""
-        keys = ("protocol", "algorithm", "min_ctas", "max_ctas")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
-
-
 # The defaults for this Transformer (parameter names from dtrain.engine.model). Order matters: biases of the projections
 # and of the FFN are `norm_bias`, not `projection`/`ffn`, because the bias rule comes first.
 DEFAULT_RULES: tuple[ClassRule, ...] = (
@@ -78,7 +50,7 @@ DEFAULT_RULES: tuple[ClassRule, ...] = (
     ClassRule("other", ("*",)),  # the catch-all: empty for this model, required for any other
 )
 
-_SETTING_KEYS = tuple(f.name for f in dataclasses.fields(CollectiveSettings))
+RULE_KEYS = ("match", "min_numel", "max_numel")  # a class's keys that say which parameters it holds
 
 
 @dataclass(frozen=True)
@@ -86,7 +58,7 @@ class TensorClasses:
     """Ordered rules (first match wins, the last one a catch-all) and the settings of each class."""
 
     rules: tuple[ClassRule, ...] = DEFAULT_RULES
-    settings: dict[str, CollectiveSettings] = field(default_factory=dict)
+    settings: dict[str, ClassSettings] = field(default_factory=dict)  # each resolved (`from_config`)
 
     def __post_init__(self):
         names = [r.name for r in self.rules]
@@ -99,8 +71,8 @@ class TensorClasses:
                 raise UserError(f"sync.classes.{r.name}.match: a catch-all before the last rule leaves the "
                                 f"classes after it empty")
 
-    def setting(self, name: str) -> CollectiveSettings:
-        return self.settings.get(name, CollectiveSettings())
+    def setting(self, name: str) -> ClassSettings:
+        return self.settings.get(name, ClassSettings(bucket_cap_mb=DEFAULT_BUCKET_CAP_MB))
 
     def classify(self, param_name: str, numel: int) -> str:
         return next(r.name for r in self.rules if r.matches(param_name, numel))  # the catch-all always matches
@@ -109,7 +81,7 @@ class TensorClasses:
         """{parameter name: class name} for (name, tensor) pairs; meta tensors do (only numel is read)."""
         return {name: self.classify(name, p.numel()) for name, p in named_params}
 
-    def used(self, class_of: dict[str, str]) -> dict[str, CollectiveSettings]:
+    def used(self, class_of: dict[str, str]) -> dict[str, ClassSettings]:
         """The settings of the classes `class_of` (an `assign`) uses, in rule order."""
         held = set(class_of.values())
         return {r.name: self.setting(r.name) for r in self.rules if r.name in held}
@@ -160,12 +132,12 @@ def from_config(sync_cfg) -> TensorClasses:
            if spec.match is not None and name != "other"]  # 'other' is always '*' and always last
     own_names = {r.name for r in own}
     rules = tuple(own) + tuple(r for r in DEFAULT_RULES if r.name not in own_names)
-    cap = sync_cfg.bucket_cap_mb if sync_cfg.bucket_cap_mb is not None else DEFAULT_BUCKET_CAP_MB
+    cap = bucket_cap_mb(sync_cfg.bucket_cap_mb)
     settings = {}
     for r in rules:
         spec = sync_cfg.classes.get(r.name, ClassSettings())
-        given = {k: getattr(spec, k) for k in _SETTING_KEYS if getattr(spec, k) is not None}
-        settings[r.name] = CollectiveSettings(**{"bucket_cap_mb": cap, **given})
+        settings[r.name] = dataclasses.replace(spec, **{k: None for k in RULE_KEYS},
+                                               bucket_cap_mb=spec.bucket_cap_mb or cap)
     return TensorClasses(rules, settings)
 
 

@@ -43,7 +43,7 @@ from dtrain.common.rundir import BucketRecord
 
 def split_params(class_of: dict[str, str], settings: dict) -> list[str]:
     """The parameters to split: those of each class whose settings set `tied_split` (`class_of`: parameter name ->
-    class; `settings`: class -> its `CollectiveSettings`), in rule order; such a class must hold exactly one."""
+    class; `settings`: class -> its `ClassSettings`), in rule order; such a class must hold exactly one."""
     names = []
     for c, s in settings.items():
         if not s.tied_split:

@@ -24,7 +24,7 @@ from dtrain.collectives.config import CommConfig
 from dtrain.collectives.config import load as load_comm_config
 from dtrain.collectives.nccl import class_group
 from dtrain.collectives.settings import DistConfig
-from dtrain.collectives.tensor_classes import CollectiveSettings
+from dtrain.collectives.settings import ClassSettings, bucket_cap_mb
 from dtrain.common.errors import ArgumentParser, UserError, exit_on_user_error
 from dtrain.common.files import check_writable
 from dtrain.common.units import parse_size
@@ -191,7 +191,7 @@ def _preamble(args, coll: Collective, paths, hosts, nranks: int, backend: str, w
     emit(f"# {PROG}: nRanks {nranks} backend {backend} group: {what}")
     emit(_PLACES[coll.name])
     if any(p.name == "reducer" for p in paths):
-        cap = (settings or CollectiveSettings()).bucket_cap_mb
+        cap = bucket_cap_mb(settings.bucket_cap_mb if settings else None)
         emit(f"# reducer path: dtrain.collectives.reducer.Reducer, the size cut into buckets of <= {cap:g} MiB, launched "
              f"async in order, waited, averaged (checked against the mean); float types, op sum only; its rows are "
              f"the commented table after the footer")

@@ -16,7 +16,7 @@ from dtrain.collectives.bench.measure import Row
 from dtrain.collectives.bench.paths import DTYPES, WIRE
 from dtrain.collectives.plan import Bucket
 from dtrain.collectives.reducer import Reducer
-from dtrain.collectives.tensor_classes import CollectiveSettings
+from dtrain.collectives.settings import ClassSettings
 from dtrain.common.errors import UserError
 
 OVERLAP_OPS = 16  # all-reduces launched during one compute block
@@ -43,7 +43,7 @@ def overlap_cost(count: int, dtype_name: str, group, nranks: int, comm_us: float
     outside its time. On a CPU machine the backend's threads (and the callback that averages) take the cores'
     time from the computation; a GPU computes elsewhere, so this is measured on CPU only."""
     dtype = DTYPES[dtype_name]
-    s = CollectiveSettings(wire_dtype=WIRE[dtype_name])
+    s = ClassSettings(wire_dtype=WIRE[dtype_name])
     params = {f"g{i}": torch.nn.Parameter(torch.zeros(count, dtype=dtype)) for i in range(OVERLAP_OPS)}
     buckets = [Bucket(i, (f"g{i}",), count, count * s.torch_wire_dtype.itemsize, "bench", s, dtype)
                for i in range(OVERLAP_OPS)]

@@ -16,7 +16,7 @@ from dtrain.collectives.bench.collectives import ALL_GATHER, ALL_REDUCE, NO_OP, 
 from dtrain.collectives.dist import all_gather_single, reduce_scatter_single
 from dtrain.collectives.plan import Bucket
 from dtrain.collectives.reducer import Reducer
-from dtrain.collectives.tensor_classes import CollectiveSettings
+from dtrain.collectives.settings import ClassSettings
 
 # nccl-tests' type names first; the others are accepted aliases.
 DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64,
@@ -124,7 +124,7 @@ def reducer_path(group, class_name: str | None, settings) -> BenchPath:
     cls = class_name or "bench"
 
     def bind(t, op):
-        s = settings if settings is not None else CollectiveSettings(wire_dtype=WIRE[name_of(t.dtype)])
+        s = settings if settings is not None else ClassSettings(wire_dtype=WIRE[name_of(t.dtype)])
         cap = max(1, s.bucket_cap_bytes // s.torch_wire_dtype.itemsize)  # elements per bucket
         params, buckets = {}, []
         for i, chunk in enumerate(t.split(cap)):

@@ -23,7 +23,7 @@ def merge(*layers: NcclSettings) -> NcclSettings:
 
 
 def resolve(cfg, name: str, passed=None) -> NcclSettings:
-    """Class `name`'s NCCL choices: what the strategy passed to `class_group` (a `CollectiveSettings`, its `.nccl()`
+    """Class `name`'s NCCL choices: what the strategy passed to `class_group` (a class's `ClassSettings`, its `.nccl()`
     mapping or NcclSettings; None: the profile's `sync.classes.<name>`), then `collectives.default`."""
     c = cfg.collectives
     own = class_nccl(cfg.sync.classes.get(name) if passed is None else passed)

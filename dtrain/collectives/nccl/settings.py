@@ -23,8 +23,8 @@ _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def class_nccl(obj) -> NcclSettings:
-    """The NCCL choices of a class: from None, NcclSettings, a `ClassSettings` or `CollectiveSettings` (attributes
-    protocol/algorithm/min_ctas/max_ctas), or a mapping with those keys (what `CollectiveSettings.nccl()` gives)."""
+    """The NCCL choices of a class: from None, NcclSettings, a `ClassSettings` (attributes protocol/algorithm/min_ctas/
+    max_ctas), or a mapping with those keys (what `ClassSettings.nccl()` gives)."""
     if obj is None or isinstance(obj, NcclSettings):
         return obj or NcclSettings()
     if isinstance(obj, dict):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from dtrain.collectives.plan import BucketingStrategy, pack
 from dtrain.collectives.registry import CLASS_RULE_KEYS, HIERARCHY_KEYS, register
-from dtrain.collectives.tensor_classes import DEFAULT_BUCKET_CAP_MB, CollectiveSettings
+from dtrain.collectives.settings import ClassSettings, bucket_cap_mb
 
 DDP_FIRST_BUCKET_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
@@ -31,7 +31,7 @@ class Bucketed(BucketingStrategy):
         first_mb = c.first_bucket_mb
         if first_mb is None and c.bucket_cap_mb is None:
             first_mb = DDP_FIRST_BUCKET_MB  # the same layout as stock DDP, for a like-for-like comparison
-        fp32 = CollectiveSettings(bucket_cap_mb=c.bucket_cap_mb or DEFAULT_BUCKET_CAP_MB)
+        fp32 = ClassSettings(bucket_cap_mb=bucket_cap_mb(c.bucket_cap_mb))
         first = None if first_mb is None else int(first_mb * 2**20)
         last = None if c.last_bucket_mb is None else int(c.last_bucket_mb * 2**20)
         # Classes mix freely; the gradients' dtype separates buckets, and the optimizer's groups where they are given

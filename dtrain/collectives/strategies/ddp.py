@@ -19,6 +19,7 @@ from dtrain.collectives import hooks
 from dtrain.collectives import tensor_classes as tc
 from dtrain.collectives.registry import CLASS_RULE_KEYS, register
 from dtrain.collectives.schedule import IN_BACKWARD, HostWork, Schedule
+from dtrain.collectives.settings import bucket_cap_mb
 from dtrain.collectives.strategies.bucketed import Bucketed
 from dtrain.collectives.sync import GradSync
 from dtrain.collectives.timing import Stamp, record_ms, stamp
@@ -54,8 +55,7 @@ class DDPSync(GradSync):
         if cfg.first_bucket_mb is not None:
             require_torch("2.11", "sync.first_bucket_mb")
             # A per-bucket cap list (torch >= 2.11): the first bucket gets its own size, the rest the last entry.
-            cap = cfg.bucket_cap_mb if cfg.bucket_cap_mb is not None else tc.DEFAULT_BUCKET_CAP_MB
-            caps = {"bucket_cap_mb_list": [cfg.first_bucket_mb, cap]}
+            caps = {"bucket_cap_mb_list": [cfg.first_bucket_mb, bucket_cap_mb(cfg.bucket_cap_mb)]}
         self.module = DistributedDataParallel(
             model, device_ids=device_ids, process_group=process_group, **caps, **no_buffer_sync,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dtrain.collectives.plan import Bucket, BucketingStrategy
 from dtrain.collectives.registry import CLASS_RULE_KEYS, HIERARCHY_KEYS, register
-from dtrain.collectives.tensor_classes import CollectiveSettings
+from dtrain.collectives.settings import ClassSettings
 
 
 @register("flat")
@@ -20,7 +20,7 @@ class Flat(BucketingStrategy):
         buckets = []
         for dtype, members in by_dtype.items():
             numel = sum(p.numel() for _, p in members)
-            fp32 = CollectiveSettings()  # no cap: the one bucket holds everything
+            fp32 = ClassSettings()  # no cap: the one bucket holds everything
             names = tuple(n for n, _ in members)
             kinds = {classes[n] for n in names}
             buckets.append(Bucket(len(buckets), names, numel, numel * fp32.torch_wire_dtype.itemsize,

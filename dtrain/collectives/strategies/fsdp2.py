@@ -53,7 +53,8 @@ from dtrain.collectives.schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, FORWA
                                          IN_BACKWARD, LOOKUP_GROUP, P2P, PREFETCH, PROJECTION, REDUCE_SCATTER, STEP,
                                          TORCH, WAIT, Collective, HostWork, Schedule, lookup_rows)
 from dtrain.collectives.sync import GradSync, total_norm
-from dtrain.collectives.tensor_classes import WIRE_DTYPES, CollectiveSettings, from_config
+from dtrain.collectives.settings import WIRE_DTYPES, ClassSettings
+from dtrain.collectives.tensor_classes import from_config
 from dtrain.collectives.timeline import through
 from dtrain.collectives.tied_split import TiedEmbeddingSplit, split_params
 from dtrain.common.errors import UserError
@@ -100,7 +101,7 @@ class Fsdp2Units(BucketingStrategy):
     overlap = True
 
     def plan(self, named_params, classes, settings):
-        fp32 = CollectiveSettings(bucket_cap_mb=2.0**30)  # 1 PiB: a unit's bucket never closes early
+        fp32 = ClassSettings(bucket_cap_mb=2.0**30)  # 1 PiB: a unit's bucket never closes early
         split = [(n, p) for n, p in named_params if settings[classes[n]].tied_split]
         rest = [(n, p) for n, p in named_params if not settings[classes[n]].tied_split]
         whole = pack(split, classes, key=lambda n, p: n, settings_of=lambda k: fp32)
