@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from dtrain.analysis import simulate as sim
-from dtrain.analysis.plans import bucket_plan, meta_model, ready_params, sync_for
+from dtrain.analysis.plans import meta_model, ready_params, schedule_of, sync_for
 from dtrain.analysis.runs import load_run, slowest_rank_records
 from dtrain.analysis.simulate.__main__ import main
 from dtrain.analysis.simulate.calibration import LOOKUP_GROUP, Calibration, record_groups
@@ -150,7 +150,7 @@ def _write_run(path, strategy="bucketed", cap=0.25, steps=6):
     path.mkdir()
     (path / "config.yaml").write_text(config_mod.dump(cfg))
     (path / "run.json").write_text(json.dumps({"world_size": 2, "vocab": 1000}))
-    plan = bucket_plan(cfg).buckets
+    plan = schedule_of(cfg).buckets
     # A hand-built timeline: backward 12 ms on the trainer's clock, of which the last 10 ms run on the reducer's
     # (its clock starts at the first gradient hook, after the loss); buckets ready evenly over those 10 ms, each
     # collective taking exactly what the flat model says, launched when ready, on one stream; wait() adds 0.2 ms.
@@ -429,7 +429,7 @@ def test_a_profiles_per_class_nccl_choice_is_honoured_by_the_preset():
              for c in (base, forced)]
     # 25 MiB ffn buckets: NCCL picks LL128; forcing LL (capped at 141 GB/s bus) costs more.
     assert preds[1].comm_ms > preds[0].comm_ms
-    ffn = [b for b in bucket_plan(config_mod.from_dict(dict(base))).buckets if b.tensor_class == "ffn"]
+    ffn = [b for b in schedule_of(config_mod.from_dict(dict(base))).buckets if b.tensor_class == "ffn"]
     extra = sum(model.time_us(b.nbytes, algo="Ring", proto="LL") - model.time_us(b.nbytes) for b in ffn) / 1000
     assert preds[1].comm_ms - preds[0].comm_ms == pytest.approx(extra, rel=1e-6)
 
@@ -499,7 +499,7 @@ def test_a_narrowed_sharded_plan_moves_its_linear_members_in_bf16(tmp_path):
            "sync": {"strategy": "sharded", "bucket_cap_mb": 2, "gather_dtype": "bf16",
                     "classes": {"embedding": {"tied_split": True}}}}
     cfg = config_mod.from_dict(raw, "test")
-    plan = bucket_plan(cfg).buckets
+    plan = schedule_of(cfg).buckets
     sizes = [ex.nbytes("all_gather") or ex.bucket.nbytes for ex in exchange_plan(sync_for(cfg), meta_model(cfg), plan, 2)]
     assert sizes[0] == plan[0].nbytes  # the replicated embedding: read by the lookups in fp32
     assert all(b.nbytes / 2 < n < b.nbytes for b, n in zip(plan[1:], sizes[1:]) if "norm" in " ".join(b.names))
@@ -543,7 +543,7 @@ def test_collectives_during_backward_lengthen_it_relative_to_the_reference_step(
     # per_tensor runs more collectives during backward: its compute grows by their pro-rata cost less the base.
     per_tensor = sim.predict(run.cfg, ref, curve, _FlatWithHost(), cal, "per_tensor", None, run.vocab)
     without = sim.predict(run.cfg, ref, curve, _Flat(), plain, "per_tensor", None, run.vocab)
-    plan = bucket_plan(run.cfg, "per_tensor").buckets
+    plan = schedule_of(run.cfg, "per_tensor").buckets
     tl = sim.play_timeline([curve.at(x) for x in sim.through(plan, ready_params(run.cfg))],
                     [_Flat().time_us(b.nbytes) / 1000 for b in plan], ref.sync_backward_ms)
     extra = sim.host_ms(_FlatWithHost(), [b.nbytes for b in plan], tl) - base
@@ -649,7 +649,7 @@ def test_fsdp2_on_a_cpu_device_adds_every_collective_and_with_streams_overlaps_t
     run = load_run(tmp_path / "run")
     ref = sim.reference_step(run)
     curve, cal = sim.ready_curve(run, ref), Calibration()  # collectives at the cost model's speed
-    plan = bucket_plan(run.cfg, "fsdp2").buckets
+    plan = schedule_of(run.cfg, "fsdp2").buckets
     assert len(plan) == 3  # encoder.0, decoder.0 and the root: N=1
 
     def half(nbytes):  # the all-reduce's latency and half the rest, as `sharded`'s exchanges cost
@@ -689,9 +689,9 @@ def test_fsdp2_with_the_split_all_reduces_the_embedding_outside_its_units(tmp_pa
     plain = config_mod.from_dict({**run.cfg.to_dict(), "sync": sync}, "test")
     split = config_mod.from_dict({**run.cfg.to_dict(), "sync": {**sync, "classes": {"embedding": {
         "tied_split": True}}}}, "test")
-    plan = bucket_plan(split, "fsdp2").buckets
+    plan = schedule_of(split, "fsdp2").buckets
     assert list(plan[0].names) == ["embed.weight"] and all("embed.weight" not in b.names for b in plan[1:])
-    assert sum(b.numel for b in plan) == sum(b.numel for b in bucket_plan(plain, "fsdp2").buckets)
+    assert sum(b.numel for b in plan) == sum(b.numel for b in schedule_of(plain, "fsdp2").buckets)
 
     def half(nbytes):
         whole, alpha = _Flat().allreduce_ms(nbytes), _Flat().allreduce_latency_ms(nbytes)
@@ -712,7 +712,7 @@ def test_fsdp2_costs_the_reduce_scatters_and_all_gathers_the_benchmark_measured(
     ref = sim.reference_step(run)
     curve, cal = sim.ready_curve(run, ref), Calibration()
     cal.streams = False
-    plan = bucket_plan(run.cfg, "fsdp2").buckets
+    plan = schedule_of(run.cfg, "fsdp2").buckets
     flat = [cm.Regime(math.inf, 50.0, 1.0)]  # 50 µs + 1 GB/s
     fitted = cm.FittedModel({"raw": flat}, "allreduce", 2, other_colls={
         "reducescatter": {"raw": [cm.Regime(math.inf, 200.0, 0.5)]},
@@ -757,10 +757,11 @@ def test_the_hierarchical_plan_costs_each_buckets_shard_by_the_load_it_puts_on_a
     flat = sim.predict(run.cfg, ref, curve, model, cal, "bucketed", 0.05, run.vocab)
     tiered = sim.predict(hier, ref, curve, model, cal, "bucketed", 0.05, run.vocab)
     assert tiered.label == "bucketed@0.05M+hier" and flat.label == "bucketed@0.05M"
-    plan = bucket_plan(hier).buckets
+    plan = schedule_of(hier, world=4).buckets
     sizes = [b.nbytes for b in plan]
     # One lane: the buckets' durations add up wherever they overlap nothing else (after backward, in the end)
-    assert tiered.comm_ms == pytest.approx(sum(hierarchical_ms(lambda n: allreduce(None, n), model.allreduce_latency_ms, n, 2, 4)
+    assert tiered.comm_ms == pytest.approx(sum(hierarchical_ms(lambda n: allreduce(None, n), model.allreduce_latency_ms,
+                                                               n, 2, 4)
                                                for n in sizes))
     # With the path inside a node modeled (simulate's --intra-topology), its reduce-scatter and all-gather cost what
     # that model says (here half an all-reduce each: it did not measure them itself), not their latency

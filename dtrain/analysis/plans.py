@@ -2,7 +2,7 @@
 searches over.
 
 The parameters come in the expected gradient-ready order (`dtrain.collectives.plan.ready_order`, the reverse of
-registration) and the plan is the one training would build (`dtrain.collectives.strategies.plan_for`), so no memory is
+registration) and the schedule is the strategy's own (`dtrain.collectives.strategies.schedule_for`), so no memory is
 spent even for the `big` model.
 """
 
@@ -15,6 +15,7 @@ import torch
 
 from dtrain.collectives import strategies
 from dtrain.collectives.plan import ready_order
+from dtrain.collectives.schedule import Schedule
 from dtrain.collectives.settings import ClassSettings
 from dtrain.engine.model import Transformer
 
@@ -53,8 +54,11 @@ def sync_for(cfg, strategy: str | None = None, bucket_cap_mb: float | None = Non
                                bucket_cap_mb=bucket_cap_mb if bucket_cap_mb is not None else cfg.sync.bucket_cap_mb)
 
 
-def bucket_plan(cfg, strategy: str | None = None, bucket_cap_mb: float | None = None,
-                classes: dict[str, dict] | None = None, vocab: int | None = None) -> strategies.Plan:
-    """The plan of `cfg`'s model under `sync_for(cfg, strategy, bucket_cap_mb, classes)`, built on meta tensors in
-    the expected ready order."""
-    return strategies.plan_for(sync_for(cfg, strategy, bucket_cap_mb, classes), list(ready_params(cfg, vocab)))
+def schedule_of(cfg, strategy: str | None = None, bucket_cap_mb: float | None = None,
+                classes: dict[str, dict] | None = None, vocab: int | None = None, world: int = 2,
+                ranks_per_node: int | None = None) -> Schedule:
+    """The schedule of `cfg`'s model (meta tensors) under `sync_for(cfg, strategy, bucket_cap_mb, classes)` on
+    `world` ranks (`ranks_per_node` of them a node): its buckets in launch order as training runs them after its
+    first step, whether each class has its own group, what each collective sends."""
+    return strategies.schedule_for(sync_for(cfg, strategy, bucket_cap_mb, classes), meta_model(cfg, vocab), world,
+                                   cfg.train.accum_steps, ranks_per_node)

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from dtrain.analysis import simulate as sim
-from dtrain.analysis.plans import bucket_plan
+from dtrain.analysis.plans import schedule_of
 from dtrain.analysis.runs import load_run
 from dtrain.collectives.costmodel import ALGOS, PROTOS, FittedModel, NcclModel, load_model
 from dtrain.common.errors import ArgumentParser, UserError, exit_on_user_error
@@ -148,14 +148,14 @@ def recommend(cfg, model, fitted: FittedModel | None = None, timeline=None, voca
     run = _replayer(cfg, timeline, costing, vocab)
 
     actual = run(cfg.sync.strategy)
-    base_plan = bucket_plan(cfg, "per_class", vocab=vocab).buckets
+    base_plan = schedule_of(cfg, "per_class", vocab=vocab).buckets
     classes = list(dict.fromkeys(b.tensor_class for b in base_plan))
     totals = {c: sum(b.nbytes for b in base_plan if b.tensor_class == c) for c in classes}
     caps = {c: b.settings.bucket_cap_mb for c in classes for b in base_plan if b.tensor_class == c}
     at_profile_caps = run("per_class")
     best, caps = _search_caps(run, classes, totals, caps, at_profile_caps)
     overrides = {c: {"bucket_cap_mb": caps[c]} for c in classes}
-    plan = bucket_plan(cfg, "per_class", classes=overrides, vocab=vocab).buckets
+    plan = schedule_of(cfg, "per_class", classes=overrides, vocab=vocab).buckets
     rows, forced = _class_choices(costing, classes, base_plan, plan, caps, totals)
     final = run("per_class", overrides, forced) if forced else best
     return _result(cfg, model, timeline, rows, caps, forced, (actual, at_profile_caps, best, final))

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from dtrain.analysis.plans import bucket_plan
+from dtrain.analysis.plans import schedule_of
 from dtrain.analysis.runs import load_run
 from dtrain.analysis.simulate import default_lanes, off_link_ms, play_timeline, played_ms, reference_step
 from dtrain.collectives import costmodel as cm
@@ -66,7 +66,7 @@ def read_schedule(run_dir: str, step: int | None, median: bool) -> Schedule:
     if not recs or any(r.get(k) is None for r in recs for k in ("launch_ms", "complete_ms")):
         raise UserError(f"{run_dir}: step {ref.step} has no bucket records with launch and completion times")
     return Schedule(str(run.path), ref.step, run.world, str(run.header.get("backend", "gloo")),
-                    bucket_plan(run.cfg).class_groups,
+                    schedule_of(run.cfg, world=run.world, ranks_per_node=run.ranks_per_node).class_groups,
                     [str(r.get("class")) for r in recs], [int(r["bytes"]) for r in recs],
                     [float(r["launch_ms"]) for r in recs], [float(r["complete_ms"]) for r in recs], ref.notes)
 

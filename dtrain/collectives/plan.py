@@ -114,8 +114,6 @@ class BucketingStrategy(StrategyFacts):
 
     overlap: ClassVar[bool] = True
     handle: ClassVar[type | None] = None  # the `GradSync` that executes the plan (None: `PlannedSync`)
-    # Each bucket reduce-scattered in backward and its updated parameters all-gathered in the next forward (`sharded`)
-    shards: ClassVar[bool] = False
     # A parameter's optimizer group (by name; absent: 0), where a bucket must not mix groups: a sharding strategy's
     # bucket is one tensor for the optimizer, which has one set of options (lr, weight decay ...) per group
     group_of: dict[str, int] = {}

@@ -18,7 +18,6 @@ from typing import NamedTuple
 from dtrain.collectives import tensor_classes
 from dtrain.collectives.plan import Bucket, BucketingStrategy, plan_params
 from dtrain.collectives.settings import ClassSettings, SyncConfig
-from dtrain.collectives.sync import GradSync
 from dtrain.common.errors import UserError
 
 _REGISTRY: dict[str, type] = {}
@@ -51,7 +50,7 @@ def available() -> list[str]:
 
 def attachable() -> list[str]:
     """The strategies `attach` builds, each on its own (`auto`, a search over them, is attached too)."""
-    return [n for n in available() if n != "auto" and issubclass(_REGISTRY[n], (BucketingStrategy, GradSync))]
+    return [n for n in available() if not _REGISTRY[n].searches]
 
 
 def get(name: str) -> type:

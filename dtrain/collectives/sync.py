@@ -43,6 +43,10 @@ class StrategyFacts:
     # a planned strategy (by name, or a `BucketingStrategy` class of its own) whose buckets model this one's (None:
     # its own)
     plans_like: ClassVar[str | type | None] = None
+    # It hands the optimizer shards of the parameters instead of the parameters (sharded, fsdp2)
+    shards: ClassVar[bool] = False
+    # It searches the others (`auto`): not a candidate of a search, nor attached on its own by the search
+    searches: ClassVar[bool] = False
     # `attach`'s search can switch it in and out between steps on the one model (not fsdp2: `fully_shard` replaces
     # the model's parameters and modules for good)
     switchable: ClassVar[bool] = True

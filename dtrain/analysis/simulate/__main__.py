@@ -20,7 +20,7 @@ import math
 import statistics
 import sys
 
-from dtrain.analysis.plans import bucket_plan
+from dtrain.analysis.plans import schedule_of
 from dtrain.analysis.runs import load_run
 from dtrain.analysis.simulate.calibration import Calibration, calibrate
 from dtrain.analysis.simulate.check import (
@@ -254,7 +254,7 @@ def _recorded(args, strategies: list[str], caps: list[float]) -> tuple[list[Pred
     on_cpu = run.on_cpu
     lanes = args.lanes or default_lanes(str(run.header.get("backend", "gloo")), model)
     measured_dirs = [load_run(p) for p in args.measured]
-    class_groups = bucket_plan(run.cfg).class_groups
+    class_groups = schedule_of(run.cfg, world=run.world, ranks_per_node=run.ranks_per_node).class_groups
     host_cost = on_cpu and not args.no_host_cost
     calibs, sources = [], []  # of every step played
 

@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dtrain.analysis.plans import bucket_plan
+from dtrain.analysis.plans import schedule_of
 from dtrain.analysis.runs import Run
 from dtrain.analysis.simulate.calibration import Calibration, calibrate
 from dtrain.analysis.simulate.predict import Prediction, predict
@@ -216,7 +216,7 @@ def each_step(run: Run, model, host_cost: bool, lanes: int, warmup: int | None,
     steps = recorded_steps(run, warmup) if steps is None else steps
     if not steps:
         raise UserError(f"{run.path}: no steady step with bucket records to profile")
-    class_groups = bucket_plan(run.cfg).class_groups
+    class_groups = schedule_of(run.cfg, world=run.world, ranks_per_node=run.ranks_per_node).class_groups
     out = []
     for s in steps:
         ref = reference_step(run, s["step"], warmup)

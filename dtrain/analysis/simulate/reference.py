@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from dtrain.analysis.plans import bucket_plan, meta_model, ready_params
+from dtrain.analysis.plans import meta_model, ready_params, schedule_of
 from dtrain.analysis.runs import Run, slowest_rank_records, typical_step
 from dtrain.collectives import strategies
 from dtrain.collectives.schedule import IN_BACKWARD
@@ -181,7 +181,7 @@ def ready_curve(run: Run, ref: ReferenceStep) -> ReadyCurve:
         return ReadyCurve.uniform(total, ref.sync_backward_ms)
     xs = None
     try:
-        plan = bucket_plan(run.cfg, vocab=run.vocab).buckets
+        plan = schedule_of(run.cfg, vocab=run.vocab, world=max(2, run.world), ranks_per_node=run.ranks_per_node).buckets
         if [b.numel for b in plan] == [r["numel"] for r in ref.records]:
             by_index = dict(zip([b.index for b in plan], through(plan, params)))
             xs = [by_index[r["bucket"]] for r in recs]

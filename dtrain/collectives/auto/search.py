@@ -65,6 +65,7 @@ class OnlineSearch(GradSync):
     other (its keys are `sync.tune` and the class rules, which hold for every candidate)."""
 
     sync_keys = ("tune", *CLASS_RULE_KEYS)
+    searches = True
     lossless = True  # lossless candidates only, unless sync.tune.lossy
 
     def __init__(self, model: nn.Module, cfg: SyncConfig, process_group=None, param_groups=None):

@@ -12,7 +12,7 @@ from torch import nn
 
 from dtrain.collectives import tensor_classes
 from dtrain.collectives.dist import local_world_size
-from dtrain.collectives.registry import CLASS_RULE_KEYS, get, planner, unused_keys
+from dtrain.collectives.registry import CLASS_RULE_KEYS, get, unused_keys
 from dtrain.collectives.settings import ClassSettings, SyncConfig
 from dtrain.collectives.tied_split import unsplittable
 from dtrain.common.errors import UserError
@@ -93,7 +93,7 @@ def default_space(world: int, class_nccl: bool, bf16_autocast: bool = False, pre
     return {name: keys for name, keys in DEFAULT_SPACE.items()
             if (not keys.get("hierarchical") or multi_rank_nodes(world)) and (name not in NCCL_SPACE or class_nccl)
             and (not keys.get("gather_dtype") or bf16_autocast)
-            and (keys["strategy"] != "fsdp2" or predicted_only)}
+            and (get(keys["strategy"]).switchable or predicted_only)}
 
 
 def multi_rank_nodes(world: int) -> bool:
@@ -106,7 +106,7 @@ def candidate_raw(base: SyncConfig, name: str, keys: Any) -> dict:
     """Candidate `name`'s raw `sync` mapping, for both searches: its dotted `sync` keys over `base`'s class rules
     (which parameters form each class). Keys that are not a mapping naming a strategy are a one-line error."""
     where = f"sync.tune.candidates.{name}"
-    if not isinstance(keys, dict) or keys.get("strategy") in (None, "auto") or "tune" in keys:
+    if not isinstance(keys, dict) or keys.get("strategy") is None or "tune" in keys or get(keys["strategy"]).searches:
         raise UserError(f"'{where}' must name a strategy other than auto (and no 'tune'), got {keys}")
     rules = [k.split(".", 1)[1] for k in CLASS_RULE_KEYS]
     raw: dict = {"classes": {c: {k: getattr(spec, k) for k in rules if getattr(spec, k) != getattr(ClassSettings, k)}
@@ -142,10 +142,7 @@ def is_lossless(sync, model: nn.Module, world: int, ranks_per_node: int | None =
 
 def shards(strategy: str) -> bool:
     """Whether `strategy` hands the optimizer shards instead of the model's parameters (sharded, fsdp2)."""
-    try:
-        return planner(strategy).shards
-    except UserError:  # no bucket plan (powersgd, noop): the parameters stay whole
-        return False
+    return get(strategy).shards
 
 
 def splits_apply(sync: SyncConfig, model: nn.Module) -> bool:

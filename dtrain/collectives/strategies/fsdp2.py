@@ -116,6 +116,7 @@ class Fsdp2Units(BucketingStrategy):
 class Fsdp2Sync(GradSync):
     sync_keys = ("reshard_after_forward", "gather_dtype", "fsdp2_collectives", "classes.tied_split")
     plans_like = Fsdp2Units
+    shards = True
     switchable = False
 
     @classmethod
