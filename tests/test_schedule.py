@@ -10,7 +10,10 @@ import torch
 
 from dtrain.collectives import schedule, step_time, strategies
 from dtrain.collectives.auto import predict as auto_predict
-from dtrain.collectives.costmodel import FittedModel, fit_regimes
+from dtrain.collectives.bench.host_work import measure_host_work
+from dtrain.collectives.bench.measure import Row
+from dtrain.collectives.bench.output import to_json
+from dtrain.collectives.costmodel import FittedModel, fit_regimes, load_model
 from dtrain.collectives.timeline import ReadyCurve
 from dtrain.common.errors import UserError
 from dtrain.engine import config as config_mod
@@ -190,3 +193,31 @@ def test_gather_at_is_checked_and_read_by_sharded_only():
         _cfg({"strategy": "sharded", "gather_at": "later"})
     with pytest.raises(UserError, match="sync.gather_at.*is not used by strategy 'bucketed'"):
         _cfg({"strategy": "bucketed", "gather_at": "forward"})
+
+
+def test_host_work_is_timed_by_the_benchmark_and_charged_by_the_predictor(one_rank, model, tmp_path):
+    """`--host-work` rows fit per operation; the predictor charges a schedule's host work with them (FSDP2's copies
+    and DTensor optimizer, a compress hook's casts), less the basis's own, and names what it could not price."""
+    rows = measure_host_work([1 << 16, 1 << 20, 1 << 21], None, 1, torch.device("cpu"), lambda *a, **k: None)
+    assert {r.work for r in rows} == {"copy", "cast", "dtensor_step"}
+    assert all(r.time_us > 0 for r in rows if r.work != "dtensor_step")  # DTensor's extra: 0 or more
+    bench = _net_rows() + rows
+    (tmp_path / "bench.json").write_text(to_json(bench))
+    fit = load_model(f"fit:{tmp_path / 'bench.json'}")
+    assert fit.host_work_us("copy", 1 << 20) > fit.host_work_us("copy", 1 << 16) > 0
+    total = sum(p.numel() for p in model.parameters())
+    fsdp2 = _schedule(model, {"strategy": "fsdp2", "fsdp2_collectives": "p2p"})
+    charged = step_time.predict(fsdp2, _basis(total), fit, step_time.Calibration())
+    bare = step_time.predict(fsdp2, _basis(total), _net(), step_time.Calibration())
+    assert charged.unpriced == () and set(bare.unpriced) == {"copy", "dtensor_step"}
+    work, _ = step_time.host_work_ms(fsdp2, fit)
+    assert work > 0 and charged.step_ms > bare.step_ms
+    # a basis whose own strategy did the same work already holds it
+    own = step_time.Basis(**{**vars(_basis(total)), "host_work_ms": work})
+    assert step_time.predict(fsdp2, own, fit, step_time.Calibration()).step_ms == pytest.approx(
+        charged.step_ms - work)
+
+
+def _net_rows():
+    return [Row("reducer", n, n // 4, "float", "sum", 200.0 + n / 100.0, 0.0, 0.0, 0, median_us=200.0 + n / 100.0,
+                coll="all_reduce") for n in (1 << 16, 1 << 20, 1 << 24)]

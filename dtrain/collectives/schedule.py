@@ -64,11 +64,12 @@ class Collective:
 
 @dataclass(frozen=True)
 class HostWork:
-    """Work a strategy adds on the computing thread, per step."""
+    """Work a strategy adds on the computing thread, per step, as the benchmark times it (`--host-work`)."""
 
-    what: str  # "cast" (a comm hook's compression and decompression), "copy" (into or out of flat buffers)
-    nbytes: int  # bytes read
+    what: str  # "copy" (into or out of a flat buffer), "cast" (to 16 bits and back), "dtensor_step" (per tensor)
+    nbytes: int  # bytes read, in all
     when: str  # "backward", "forward", "optimizer"
+    count: int = 1  # operations (dtensor_step: tensors)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ The step is the basis's compute (`Basis`), plus:
   with their host cost;
 - a collective waited for on the computing thread (`Collective.blocking`: stock FSDP2 without device streams)
   added whole;
-- less the optimizer work a rank no longer does on parameters it does not own (`Schedule.updated`).
+- less the optimizer work a rank no longer does on parameters it does not own (`Schedule.updated`);
+- the host work the strategy adds on the computing thread (`Schedule.host`: FSDP2's copies and its optimizer over
+  DTensors, a comm hook's casts), as the benchmark timed each on the machine (`--host-work`), less the basis's own.
 
 A collective's cost: an all-reduce, the model's (`played_ms`: never faster than its bytes at the link's rate);
 point-to-point exchanges and torch's reduce-scatter or all-gather, their latency and half the rest of an all-reduce
@@ -65,6 +67,7 @@ class Basis:
     compute_end_ms: float | None = None  # when the last rank's backward ends, where ranks share cores
     lookup_rows: list[tuple[float, int]] = field(default_factory=list)  # a split's lookups: (ready ms, bytes)
     split_cost_ms: float = 0.0  # what the split's own work cost `compute_ms`, out of a schedule without it
+    host_work_ms: float = 0.0  # what the basis's own strategy's host work cost `compute_ms` (`host_work_ms`)
 
 
 @dataclass
@@ -73,6 +76,21 @@ class Played:
     comm_ms: float  # time with a collective running
     exposed_ms: float  # of the step's, communication nothing hid
     step_ms: float
+    unpriced: tuple[str, ...] = ()  # kinds of the schedule's host work the model has no measurement of (not charged)
+
+
+def host_work_ms(schedule: Schedule, model) -> tuple[float, tuple[str, ...]]:
+    """What `schedule`'s host work takes on the computing thread (ms), as the model's benchmark timed each kind
+    (`FittedModel.host_work_us`); and the kinds it did not time, which are not charged."""
+    priced = getattr(model, "host_work_us", None)
+    total, missing = 0.0, []
+    for w in schedule.host:
+        us = priced(w.what, w.nbytes, w.count) if priced else None
+        if us is None:
+            missing.append(w.what)
+        else:
+            total += us / 1000.0
+    return total, tuple(dict.fromkeys(missing))
 
 
 def predict(schedule: Schedule, basis: Basis, model, calib: Calibration, cost=None, nccl_of=None,
@@ -109,8 +127,10 @@ def predict(schedule: Schedule, basis: Basis, model, calib: Calibration, cost=No
     # the first unit regathered for its backward: nothing runs ahead of it to hide it
     first = next((costs.ms(c) for c in backward if c.waits == BACKWARD), 0.0)
     compute += first - basis.optimizer_ms * (1.0 - schedule.updated)
+    work, unpriced = host_work_ms(schedule, model)
+    compute += work - basis.host_work_ms
     comm = tl.comm_ms + sum(costs.ms(c) for c in blocking) + sum(gather_ms)
-    return Played(len(schedule.buckets), comm, exposed, compute + exposed)
+    return Played(len(schedule.buckets), comm, exposed, compute + exposed, unpriced)
 
 
 def _launches(schedule: Schedule, collectives, basis: Basis, costs: "_Costs") -> list[tuple]:

@@ -42,6 +42,7 @@ class Prediction:
     # (the tied embedding's split), "+rows" (sharded by rows), "+bf16" (narrowed exchanges, FSDP2's mixed
     # precision), "+keep" (fsdp2 without resharding), "+hier" (the hierarchical plan), "+p2p" (fsdp2's collectives)
     variant: str = ""
+    unpriced: tuple[str, ...] = ()  # kinds of its host work the cost model has no timing of (`step_time.Played`)
 
     @property
     def label(self) -> str:
@@ -77,13 +78,15 @@ def predict(cfg, ref: ReferenceStep, curve: ReadyCurve, model, calib: Calibratio
         schedule = strategies.schedule_for(sync, meta_model(cfg, vocab), world, cfg.train.accum_steps, per_node)
     except UserError as e:
         raise UserError(f"{strategy}: not simulated: {e}") from None
+    own = step_time.host_work_ms(ref.schedule, model)[0] if ref.schedule is not None else 0.0
     basis = Basis(ref.compute_ms, ref.forward_ms / ref.accum_steps, ref.sync_backward_ms, ref.optimizer_ms, curve,
-                  ref.split_ready_ms(curve), ref.compute_end_ms, ref.lookup_rows, split_cost_ms(ref, model, vocab))
+                  ref.split_ready_ms(curve), ref.compute_end_ms, ref.lookup_rows, split_cost_ms(ref, model, vocab),
+                  own)
     played = step_time.predict(schedule, basis, model, calib, cost,
                                nccl_of or requested_nccl(cfg, schedule.class_groups), per_node)
     return Prediction(strategy, cap_mb if strategies.get(strategy).uses_cap else None, played.buckets,
                       played.comm_ms, played.exposed_ms, played.step_ms, schedule.exact, schedule.communicates,
-                      variant=schedule.label)
+                      variant=schedule.label, unpriced=played.unpriced)
 
 
 def split_cost_ms(ref: ReferenceStep, model, vocab: int | None) -> float:

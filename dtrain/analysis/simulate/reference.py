@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from dtrain.analysis.plans import meta_model, ready_params, schedule_of
 from dtrain.analysis.runs import Run, slowest_rank_records, typical_step
 from dtrain.collectives import strategies
-from dtrain.collectives.schedule import IN_BACKWARD
+from dtrain.collectives.schedule import IN_BACKWARD, Schedule
 from dtrain.collectives.timeline import ReadyCurve, through
 from dtrain.common.errors import UserError
 
@@ -34,6 +34,8 @@ class ReferenceStep:
     step_ms: float
     accum_steps: int = 1
     records: list[dict] = field(default_factory=list)  # buckets.jsonl rows of this step
+    # what the run's strategy sent (its schedule; None where it has none): its host work is in this step's compute
+    schedule: Schedule | None = field(default=None, repr=False)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -122,7 +124,7 @@ def reference_step(run: Run, step: int | None = None, warmup: int | None = None,
     if delay is not None:
         ref.notes.append(f"ready and launch times: the latest of {len(run.rank_buckets) + 1} ranks (the others "
                          f"delayed a launch by up to {max(0.0, delay):.1f} ms)")
-    return _ddp_backward(run, ref)
+    return _own_schedule(run, ref)
 
 
 def _median_step(run: Run, steady: list[dict]) -> ReferenceStep:
@@ -143,20 +145,19 @@ def _median_step(run: Run, steady: list[dict]) -> ReferenceStep:
                 rec[k] = statistics.median(vals) if vals else None
             ref.records.append(rec)
     ref.notes.append(f"profile: medians of {len(steady)} steady steps ({len(layouts)} with bucket records)")
-    return _ddp_backward(run, ref)
+    return _own_schedule(run, ref)
 
 
-def _ddp_backward(run: Run, ref: ReferenceStep) -> ReferenceStep:
-    """The backward without the communication the run's strategy waits for inside it (its schedule's collectives
-    waited by `backward()`: DDP's): its backward time holds that exposed communication, and the last gradient's
-    ready time is the end of the compute."""
+def _own_schedule(run: Run, ref: ReferenceStep) -> ReferenceStep:
+    """`ref` with the run's schedule (None for a strategy without one, as powersgd), and its backward without the
+    communication the run's strategy waits for inside it (its collectives waited by `backward()`: DDP's): its
+    backward time holds that exposed communication, and the last gradient's ready time is the end of the compute."""
     try:
-        inside = any(c.waits == IN_BACKWARD for c in strategies.schedule_for(
-            run.cfg.sync, meta_model(run.cfg, run.vocab), max(2, run.world), run.cfg.train.accum_steps,
-            run.ranks_per_node).collectives)
-    except UserError:  # no schedule (powersgd): where it waits is not known, its backward is taken as recorded
-        inside = False
-    if inside:
+        ref.schedule = strategies.schedule_for(run.cfg.sync, meta_model(run.cfg, run.vocab), max(2, run.world),
+                                               run.cfg.train.accum_steps, run.ranks_per_node)
+    except UserError:  # where it waits is not known: its backward is taken as recorded
+        ref.schedule = None
+    if ref.schedule is not None and any(c.waits == IN_BACKWARD for c in ref.schedule.collectives):
         readies = [r["ready_ms"] for r in ref.records if r.get("ready_ms") is not None]
         if readies:
             ref.backward_ms = max(readies) * ref.accum_steps

@@ -16,6 +16,7 @@ from dtrain.collectives import dist as ddist
 from dtrain.collectives import nccl, tensor_classes
 from dtrain.collectives.bench.collectives import ALL_REDUCE, NO_OP, Collective, parse_collectives
 from dtrain.collectives.bench.groups import measure_groups
+from dtrain.collectives.bench.host_work import measure_host_work
 from dtrain.collectives.bench.measure import Row, measure
 from dtrain.collectives.bench.output import extra_lines, footer, header, line, to_csv, to_json, write_out
 from dtrain.collectives.bench.overlap import measure_overlap
@@ -23,8 +24,7 @@ from dtrain.collectives.bench.paths import ALIASES, DTYPES, NCCL_ONLY_OPS, OPS, 
 from dtrain.collectives.config import CommConfig
 from dtrain.collectives.config import load as load_comm_config
 from dtrain.collectives.nccl import class_group
-from dtrain.collectives.settings import DistConfig
-from dtrain.collectives.settings import ClassSettings, bucket_cap_mb
+from dtrain.collectives.settings import DistConfig, bucket_cap_mb
 from dtrain.common.errors import ArgumentParser, UserError, exit_on_user_error
 from dtrain.common.files import check_writable
 from dtrain.common.units import parse_size
@@ -94,6 +94,10 @@ def parse_args(argv=None):
     ap.add_argument("--overlap", nargs="?", const="2M", metavar="MAX",
                     help="CPU only: also measure how much longer a computation takes per reducer all-reduce launched "
                          "during it, at the sweep's sizes up to MAX (default 2M); the simulator's host cost")
+    ap.add_argument("--host-work", action="store_true",
+                    help="also time the host work strategies add on the computing thread (flat-buffer copies, a "
+                         "16-bit cast, an optimizer step over DTensors) at the sweep's sizes: what the step-time "
+                         "predictor charges a schedule's host work")
     ap.add_argument("--groups", type=int, metavar="K",
                     help="also measure k = 1..K process groups all-reducing the sweep's largest size at once: the "
                          "share of one group's rate they reach together (what per_class's groups get of a link)")
@@ -243,6 +247,10 @@ def _bench(args, sizes: list[int], dtypes: list[str], colls: list[Collective], d
         measure_overlap(rows, args.overlap, group, nranks, device, emit)
     if args.groups is not None:
         rows += measure_groups(args.groups, max(sizes), dtypes[0], args.warmup, nranks, device, emit)
+    if args.host_work:
+        if device.type != "cpu":
+            raise UserError(f"--host-work times work on the CPU's computing thread: this run computes on {device}")
+        rows += measure_host_work([s for s in sizes if s >= 1 << 10], group, nranks, device, emit)
     if main_rank:
         if args.json:
             write_out(args.json, to_json(rows), "--json")

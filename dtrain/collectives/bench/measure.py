@@ -44,6 +44,8 @@ class Row:
     place: str = "in-place"
     # --groups: this many process groups all-reduced `size` each at once (time_us: until all were done)
     groups: int | None = None
+    # --host-work: the host work timed (`dtrain.collectives.bench.host_work`), not a collective
+    work: str | None = None
     # the collective, by nccl-tests' name (all_reduce, reduce_scatter, all_gather): `size` and `count` are its
     # table's (`dtrain.collectives.bench.collectives`)
     coll: str = ALL_REDUCE.name

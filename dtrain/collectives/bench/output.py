@@ -112,7 +112,7 @@ def ratio_lines(rows: list[Row], from_bytes: int = 4 << 20) -> list[str]:
 
 
 FIELDS = ["path", "size", "count", "type", "redop", "time_us", "algbw", "busbw", "wrong", "cpu_us", "median_us",
-          "iqr_us", "host_us", "place", "groups", "coll"]
+          "iqr_us", "host_us", "place", "groups", "coll", "work"]
 
 
 def to_json(rows: list[Row]) -> str:

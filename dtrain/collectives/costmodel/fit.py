@@ -187,12 +187,14 @@ class FittedModel(CollectiveCost):
                  name: str = "local", source: str = "", cpu: dict[str, tuple[float, float]] | None = None,
                  host: dict[str, tuple[float, float]] | None = None,
                  link_efficiency: dict[int, float] | None = None,
-                 other_colls: dict[str, dict[str, list[Regime]]] | None = None):
+                 other_colls: dict[str, dict[str, list[Regime]]] | None = None,
+                 host_work: dict[str, tuple[float, float]] | None = None):
         self.fits, self.coll, self.ranks, self.name, self.source = fits, coll, ranks, name, source
         self.other_colls = {c: f for c, f in (other_colls or {}).items() if c != coll}
         self.cpu = cpu or {}  # label -> (µs per operation, µs per byte): the process's CPU time, where measured
         self.host = host or {}  # label -> (µs per operation, µs per byte): computation lost per overlapped one
         self.together = dict(sorted((link_efficiency or {}).items()))  # k groups -> their share of the link
+        self.work = host_work or {}  # kind of host work -> (µs per operation, µs per byte), where measured
 
     @classmethod
     def from_measurements(cls, ms: MeasurementSet, name: str = "local", max_regimes: int = 4) -> "FittedModel":
@@ -210,8 +212,9 @@ class FittedModel(CollectiveCost):
                if all(m.cpu_us is not None for m in rows)}
         host = {lab: fit_per_op(pts) for lab, rows in sorted(reduced.items())
                 if (pts := [(m.size, m.host_us) for m in rows if m.host_us is not None])}
+        work = {what: fit_per_op(points) for what, points in sorted((ms.host_work or {}).items())}
         return cls(fits.get(ms.coll, {}), ms.coll, ms.ranks, name, ms.source, cpu, host, ms.link_efficiency,
-                   {c: fits[c] for c in ms.colls if c != ms.coll})
+                   {c: fits[c] for c in ms.colls if c != ms.coll}, work)
 
     @property
     def colls(self) -> list[str]:
@@ -245,6 +248,14 @@ class FittedModel(CollectiveCost):
         """How much longer a computation takes per all-reduce of `nbytes` launched during it (the benchmark's
         --overlap, CPU); None where it was not measured."""
         return self._per_op(self.host, nbytes)
+
+    def host_work_us(self, what: str, nbytes: float, count: int = 1) -> float | None:
+        """What `count` operations of host work `what` over `nbytes` in all take on the computing thread (the
+        benchmark's --host-work: `dtrain.collectives.bench.host_work`); None where it was not measured."""
+        if what not in self.work:
+            return None
+        per_op, per_byte = self.work[what]
+        return per_op * count + per_byte * nbytes
 
     def link_efficiency(self, k: int) -> float:
         """The share of the link's rate that `k` process groups transferring at once get together (the benchmark's
@@ -321,6 +332,9 @@ class FittedModel(CollectiveCost):
         if self.together:
             lines.append("the link's rate that k process groups all-reducing at once reach together, of one group's "
                          "(benchmark --groups): " + ", ".join(f"k={k} {e:.3f}" for k, e in self.together.items()))
+        if self.work:
+            lines.append("host work on the computing thread (benchmark --host-work): " + ", ".join(
+                f"{what} {a:.0f} us + {b * (1 << 20):.0f} us per MiB" for what, (a, b) in self.work.items()))
         return lines
 
     def to_dict(self) -> dict:
@@ -329,6 +343,8 @@ class FittedModel(CollectiveCost):
                 "cpu": {lab: {"per_op_us": round(a, 4), "per_byte_us": b} for lab, (a, b) in self.cpu.items()},
                 "host": {lab: {"per_op_us": round(a, 4), "per_byte_us": b} for lab, (a, b) in self.host.items()},
                 **({"link_efficiency": {str(k): e for k, e in self.together.items()}} if self.together else {}),
+                **({"host_work": {w: {"per_op_us": round(a, 4), "per_byte_us": b} for w, (a, b) in self.work.items()}}
+                   if self.work else {}),
                 **({"other_colls": {c: {lab: [regime_dict(r) for r in regs] for lab, regs in fits.items()}
                                     for c, fits in self.other_colls.items()}} if self.other_colls else {})}
 
@@ -345,10 +361,10 @@ class FittedModel(CollectiveCost):
             unknown = [c for c in others if c not in COLLECTIVES]
             if unknown:
                 raise UserError(f"{where}: not a fitted cost model (unknown collective '{unknown[0]}')")
-            cpu, host = ({lab: (float(c["per_op_us"]), float(c["per_byte_us"])) for lab, c in (d.get(k) or {}).items()}
-                         for k in ("cpu", "host"))
+            cpu, host, work = ({lab: (float(c["per_op_us"]), float(c["per_byte_us"]))
+                                for lab, c in (d.get(k) or {}).items()} for k in ("cpu", "host", "host_work"))
             together = {int(k): float(e) for k, e in (d.get("link_efficiency") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UserError(f"{where}: not a fitted cost model ({e})") from e
         return cls(fits, d.get("coll", "allreduce"), d.get("ranks"), d.get("name", "local"), d.get("source", where),
-                   cpu, host, together, others)
+                   cpu, host, together, others, work)

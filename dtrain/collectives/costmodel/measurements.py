@@ -101,6 +101,8 @@ class MeasurementSet:
     # reach together (k x one group's time / k groups' time, at one size)
     link_efficiency: dict[int, float] | None = None
     avg_busbw: float | None = None  # an nccl-tests table's footer: the mean busbw over both column groups
+    # The benchmark's --host-work: kind of host work -> (bytes, µs) per operation, the rows timed
+    host_work: dict[str, list[tuple[int, float]]] | None = None
 
     def coll_of(self, m: Measurement) -> str:
         return m.coll or self.coll
@@ -227,7 +229,8 @@ def _collect(dicts: list[dict], where: str) -> MeasurementSet:
     the correctness check (#wrong > 0, counted) or that a path could not run (N/A, dropped)."""
     rows, skipped = [], 0
     together = [d for d in dicts if d.get("groups") not in (None, "")]  # --groups: not sizes to fit
-    dicts = [d for d in dicts if d.get("groups") in (None, "")]
+    work = [d for d in dicts if d.get("work") not in (None, "")]  # --host-work: not collectives
+    dicts = [d for d in dicts if d.get("groups") in (None, "") and d.get("work") in (None, "")]
     ops: dict[str | None, set[str]] = {}  # collective -> the reduction ops measured
     for d in dicts:
         ops.setdefault(_row_coll(d, where), set()).add(str(d.get("redop", "")).lower())
@@ -245,7 +248,19 @@ def _collect(dicts: list[dict], where: str) -> MeasurementSet:
     colls = {m.coll for m in rows if m.coll}
     ranks = {int(d["world_size"]) for d in dicts if d.get("world_size") not in (None, "")}
     return MeasurementSet(rows, _main_coll(colls), ranks.pop() if len(ranks) == 1 else None, skipped=skipped,
-                          link_efficiency=_link_efficiency(together, where))
+                          link_efficiency=_link_efficiency(together, where), host_work=_host_work(work, where))
+
+
+def _host_work(dicts: list[dict], where) -> dict[str, list[tuple[int, float]]] | None:
+    """The benchmark's --host-work rows as kind -> [(bytes, µs)]; None without them."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    try:
+        for d in dicts:
+            out.setdefault(str(d["work"]), []).append((int(float(d["size"])), _num(d.get("median_us")) or
+                                                       _num(d["time_us"])))
+    except (KeyError, ValueError, TypeError) as e:
+        raise UserError(f"{where}: bad --host-work row ({e.__class__.__name__}: {e})") from e
+    return out or None
 
 
 def _link_efficiency(dicts: list[dict], where) -> dict[int, float] | None:

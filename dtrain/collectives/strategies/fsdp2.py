@@ -153,7 +153,11 @@ class Fsdp2Sync(GradSync):
             units.append((b, after))
             colls.append(Collective(REDUCE_SCATTER, b.nbytes, "fp32", b.index, GRADIENT, IN_BACKWARD if stock else WAIT,
                                     True, None, after, path, blocking=stock))
-            host += [HostWork("copy", b.nbytes, "backward"), HostWork("copy", b.nbytes, "forward")]
+            # its gradients into the reduce-scatter's input, and the reduced shard out; its shard into the all-gather's
+            # input, and the gathered parameters out (again for backward where resharded after forward)
+            gathers = 2 if sync.reshard_after_forward and unit_of(b.names[0]) else 1
+            host += [HostWork("copy", b.nbytes + b.nbytes // world, "backward", 2),
+                     HostWork("copy", gathers * (b.nbytes + b.nbytes // world), "forward", 2 * gathers)]
         gather = [Collective(ALL_GATHER, b.numel * low if low else b.nbytes, sync.gather_dtype or "fp32", b.index,
                              FORWARD_START if stock else STEP, FORWARD, low is None, None, 0, path, blocking=stock)
                   for b, _ in units]
@@ -162,6 +166,8 @@ class Fsdp2Sync(GradSync):
             gather += [dataclasses.replace(g, ready=PREFETCH, waits=BACKWARD, after=ends[i])
                        for i, g in enumerate(gather[:-1])]
         sharded = sum(b.numel for b, _ in units)
+        params = [n for b, _ in units for n in b.names]  # the optimizer steps each as a DTensor
+        host.append(HostWork("dtensor_step", 4 * sharded, "optimizer", len(params)))
         return Schedule(cls.name, tuple(plan), tuple(colls + gather + ([lookup_rows(ALL_REDUCE)] if split else [])),
                         world, updated=1 - (1 - 1 / world) * sharded / (sum(b.numel for b in plan) or 1),
                         host=tuple(host), split=bool(split),

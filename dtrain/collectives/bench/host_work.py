@@ -1,0 +1,93 @@
+"""`--host-work`: what the host work a strategy adds on the computing thread costs on this machine, as its schedule
+names it (`dtrain.collectives.schedule.HostWork`):
+
+- `copy`: gradients or parameters copied into or out of one flat buffer, 8 tensors at a time (FSDP2's copy-in for
+  its all-gather and reduce-scatter and its copy-out after them: `torch.cat`-like copies of a unit's tensors);
+- `cast`: a flat fp32 buffer cast to bf16 and back (a compress hook's compression and decompression);
+- `dtensor_step`: what an AdamW step over DTensors sharded on the group costs beyond the same step over their plain
+  local shards (FSDP2's optimizer: every tensor operation goes through DTensor's dispatch), per tensor.
+
+Each is timed at the sweep's sizes (the median of its repetitions, averaged over the ranks) and written as rows of
+path "host_work" (`work`: which; `size`: the bytes one operation reads, one tensor's for `dtensor_step`). The cost
+model fits each per operation (µs + µs per byte, `FittedModel.host_work_us`), and the step-time predictor charges a
+schedule's host work with it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from dtrain.collectives.bench.measure import Row
+
+HOST_WORK = ("copy", "cast", "dtensor_step")
+REPEATS = 7
+TENSORS = 8  # tensors per copy (a unit's few weight matrices and vectors) and per optimizer step
+
+
+def _median_us(fn, repeats: int = REPEATS) -> float:
+    fn()  # warm-up: allocations, dispatch caches
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def _copy_us(nbytes: int) -> float:
+    parts = [torch.randn(max(1, nbytes // 4 // TENSORS)) for _ in range(TENSORS)]
+    flat = torch.empty(sum(p.numel() for p in parts))
+    return _median_us(lambda: torch.cat(parts, out=flat))
+
+
+def _cast_us(nbytes: int) -> float:
+    grad = torch.randn(max(1, nbytes // 4))
+    return _median_us(lambda: grad.copy_(grad.to(torch.bfloat16)))
+
+
+def _dtensor_step_us(nbytes: int, group) -> float:
+    """Per tensor: an AdamW step over TENSORS DTensors sharded on dim 0 over `group`, less the same step over their
+    local shards."""
+    from torch.distributed.device_mesh import DeviceMesh  # DTensor's import costs about 0.8 s: only when asked
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    rows = max(dist.get_world_size(group), nbytes // 4 // TENSORS // 64)
+    whole = [torch.randn(rows, 64) for _ in range(TENSORS)]
+    sharded = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in whole]
+    local = [torch.nn.Parameter(p.to_local().clone()) for p in sharded]
+    times = []
+    for params in (sharded, local):
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)  # not randn_like: DTensor's random ops warn on a CPU mesh
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        times.append(_median_us(opt.step))
+    return max(0.0, times[0] - times[1]) / TENSORS
+
+
+def measure_host_work(sizes: list[int], group, nranks: int, device, emit) -> list[Row]:
+    """One row per kind of host work and size: its median time (µs), mean over ranks (`group`: None, the world)."""
+    group = group if group is not None else dist.group.WORLD
+    emit(f"# host work on the computing thread ({', '.join(HOST_WORK)}): median of {REPEATS} each, per operation")
+    emit(f"#  {'work':>12}  {'size (B)':>10}  {'time (us)':>10}")
+    rows = []
+    for work in HOST_WORK:
+        for nbytes in sizes:
+            if work == "copy":
+                us, size = _copy_us(nbytes), nbytes
+            elif work == "cast":
+                us, size = _cast_us(nbytes), nbytes
+            else:  # per tensor, each of nbytes / TENSORS
+                us, size = _dtensor_step_us(nbytes, group), nbytes // TENSORS
+            mean = torch.tensor([us], dtype=torch.float64)
+            dist.all_reduce(mean, group=group)
+            us = float(mean) / nranks
+            rows.append(Row("host_work", size, 1, "float", "none", round(us, 3), 0.0, 0.0, None,
+                            median_us=round(us, 3), work=work))
+            emit(f"#  {work:>12}  {size:>10}  {us:10.1f}", flush=True)
+    emit("#")
+    return rows
