@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from dtrain.collectives import config, nccl
+from dtrain.collectives.tools import tuner_check
 from dtrain.collectives.nccl.settings import COLLECTIVES
 from dtrain.collectives.nccl.tuner import read_example_config
 from dtrain.common.errors import UserError
@@ -53,7 +54,7 @@ def comm(h, cls, monkeypatch, nranks=8, nnodes=1):
 
 
 def chosen(table):
-    return nccl.cell_name(min((i for i, t in enumerate(table) if t >= 0), key=lambda i: table[i]))
+    return tuner_check.cell_name(min((i for i, t in enumerate(table) if t >= 0), key=lambda i: table[i]))
 
 
 def f32(table):
@@ -62,14 +63,14 @@ def f32(table):
 
 def test_every_version_is_exported_with_its_layout(lib):
     for v in VERSIONS:
-        h = nccl.TunerHarness(lib, v)
+        h = tuner_check.TunerHarness(lib, v)
         assert h.api.name == b"dtrain"
-    assert not nccl.TunerHarness(lib, 6).api.getChunkSize  # optional in v6: NULL keeps NCCL's chunk size
+    assert not tuner_check.TunerHarness(lib, 6).api.getChunkSize  # optional in v6: NULL keeps NCCL's chunk size
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_forced_cells_per_class_and_size(lib, rules, monkeypatch, version):
-    h = nccl.TunerHarness(lib, version)
+    h = tuner_check.TunerHarness(lib, version)
     expected = {  # class -> {size: (cell, channels)}; 0 channels = NCCL's count
         "small": {1024: ("Ring/LL", 2), 65536: ("Ring/LL", 2), 65537: ("Ring/Simple", 0), 64 << 20: ("Ring/Simple", 0)},
         "proto_only": {1024: ("*/LL128", 0), 64 << 20: ("*/LL128", 0)},  # *: the cheapest LL128 cell
@@ -79,10 +80,10 @@ def test_forced_cells_per_class_and_size(lib, rules, monkeypatch, version):
     for cls, sizes in expected.items():
         ctx = comm(h, cls, monkeypatch)
         for n, (cell, channels) in sizes.items():
-            before = f32(nccl.sample_cost_table(n))
+            before = f32(tuner_check.sample_cost_table(n))
             after, nch, rc = h.get_coll_info(ctx, "allreduce", n, before)
             if cell.startswith("*/"):
-                cell = chosen([t if nccl.cell_name(i).endswith(cell[1:]) else -1.0 for i, t in enumerate(before)])
+                cell = chosen([t if tuner_check.cell_name(i).endswith(cell[1:]) else -1.0 for i, t in enumerate(before)])
             assert rc == 0 and (chosen(after), nch) == (cell, channels), (version, cls, n)
             assert sum(1 for a, b in zip(after, before) if a != b) <= 1  # one cell written, to 0.0
         assert h.finalize(ctx) == 0
@@ -90,10 +91,10 @@ def test_forced_cells_per_class_and_size(lib, rules, monkeypatch, version):
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_disabled_cell_keeps_nccls_choice_and_is_logged_once(lib, rules, monkeypatch, version):
-    h = nccl.TunerHarness(lib, version)
+    h = tuner_check.TunerHarness(lib, version)
     ctx = comm(h, "off", monkeypatch)
     for n in (1024, 1 << 20, 64 << 20):
-        before = f32(nccl.sample_cost_table(n))  # NVLS disabled (-1.0), as on a machine without NVLink SHARP
+        before = f32(tuner_check.sample_cost_table(n))  # NVLS disabled (-1.0), as on a machine without NVLink SHARP
         after, nch, rc = h.get_coll_info(ctx, "allreduce", n, before)
         assert (rc, after, nch) == (0, before, 0)  # table, and channel count, left alone
     notes = [fmt for level, fmt in h.messages if "disabled by NCCL" in fmt]
@@ -103,9 +104,9 @@ def test_disabled_cell_keeps_nccls_choice_and_is_logged_once(lib, rules, monkeyp
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_communicators_without_a_class_and_other_collectives_are_left_alone(lib, rules, monkeypatch, version):
-    h = nccl.TunerHarness(lib, version)
+    h = tuner_check.TunerHarness(lib, version)
     world = comm(h, None, monkeypatch)
-    before = f32(nccl.sample_cost_table(1 << 20))
+    before = f32(tuner_check.sample_cost_table(1 << 20))
     assert h.get_coll_info(world, "allreduce", 1 << 20, before) == (before, 0, 0)
     small = comm(h, "small", monkeypatch)
     assert h.get_coll_info(small, "broadcast", 1024, before) == (before, 0, 0)  # the rules are allreduce's
@@ -116,7 +117,7 @@ def test_communicators_without_a_class_and_other_collectives_are_left_alone(lib,
 def test_malformed_or_missing_rules_fail_init(lib, tmp_path, monkeypatch):
     bad = tmp_path / "bad.csv"
     bad.write_text("small,allreduce,0,-1,rign,ll,2\n")
-    h = nccl.TunerHarness(lib, 6)
+    h = tuner_check.TunerHarness(lib, 6)
     monkeypatch.setenv("DTRAIN_TUNER_RULES", str(bad))
     with pytest.raises(RuntimeError, match="init returned"):
         comm(h, "small", monkeypatch)
@@ -127,7 +128,7 @@ def test_malformed_or_missing_rules_fail_init(lib, tmp_path, monkeypatch):
 
 def test_profile_rules_table_for_every_version():
     cfg = config.load("dtrain/profiles/tuner.yaml")
-    rows = nccl.tuner_table(cfg, sizes=(4096, 64 << 20))
+    rows = tuner_check.tuner_table(cfg, sizes=(4096, 64 << 20))
     by = {(r["version"], r["class"], r["bytes"]): r for r in rows}
     for v in VERSIONS:
         assert by[v, "embedding", 4096]["chosen"] == "Ring/Simple" and by[v, "embedding", 4096]["channels"] == 16
@@ -135,7 +136,7 @@ def test_profile_rules_table_for_every_version():
         assert by[v, "norm_bias", 64 << 20]["chosen"].endswith("/LL")
         assert by[v, "ffn", 4096]["chosen"].startswith("Tree/")
         assert not by[v, "world", 4096]["forced"] and not by[v, "other", 64 << 20]["forced"]
-    text = nccl.render_tuner_table(rows)
+    text = tuner_check.render_tuner_table(rows)
     assert text.splitlines()[0].split()[:4] == ["class", "bytes", "NCCL's", "pick"]
 
 
@@ -175,7 +176,7 @@ def expected_by_example(rules, coll, nbytes, nnodes, nranks, pipe_ops, reg_buff,
         if r.matches(coll, nbytes, nnodes, nranks, pipe_ops, reg_buff):
             cell = NCCL_ALGO_NAMES.index(r.algorithm) * 3 + ("ll", "ll128", "simple").index(r.protocol)
             if table[cell] >= 0:
-                return nccl.cell_name(cell), 0 if r.channels == -1 else r.channels
+                return tuner_check.cell_name(cell), 0 if r.channels == -1 else r.channels
     return None
 
 
@@ -228,7 +229,7 @@ def test_plugin_applies_an_example_config_as_the_example_plugin(lib, tmp_path, m
     rules = read_example_config(path)
     monkeypatch.delenv("DTRAIN_TUNER_RULES", raising=False)
     monkeypatch.setenv("NCCL_TUNER_CONFIG_FILE", str(path))
-    h = nccl.TunerHarness(lib, version)
+    h = tuner_check.TunerHarness(lib, version)
     seen = set()
     for nranks, nnodes in ((8, 1), (16, 2), (8, 2)):
         ctx = comm(h, None, monkeypatch, nranks, nnodes)  # every communicator, with or without a class
@@ -236,7 +237,7 @@ def test_plugin_applies_an_example_config_as_the_example_plugin(lib, tmp_path, m
             for n in (1024, 8192, 8193, 1 << 20, (1 << 20) + 1, 1 << 32, (1 << 32) + 1):
                 for pipe_ops in (1, 2):
                     for reg_buff in (0, 1):
-                        before = f32(nccl.sample_cost_table(n, nranks, nnodes))
+                        before = f32(tuner_check.sample_cost_table(n, nranks, nnodes))
                         after, nch, rc = h.get_coll_info(ctx, coll, n, before, pipe_ops, reg_buff)
                         # v3 does not pass regBuff: a line asking for one value cannot match there
                         want = expected_by_example([r for r in rules if version > 3 or r.reg_buff == -1], coll, n,
@@ -259,9 +260,9 @@ def test_class_rules_come_before_the_example_config(lib, tmp_path, monkeypatch):
                             "allreduce,0,-1,tree,simple,6,-1,-1\n")  # an example-format line in dtrain's file: all
     monkeypatch.setenv("DTRAIN_TUNER_RULES", str(dtrain_rules))
     monkeypatch.setenv("NCCL_TUNER_CONFIG_FILE", str(example_file(tmp_path)))
-    h = nccl.TunerHarness(lib, 6)
+    h = tuner_check.TunerHarness(lib, 6)
     ffn, world = comm(h, "ffn", monkeypatch), comm(h, None, monkeypatch)
-    call = lambda ctx, n: h.get_coll_info(ctx, "allreduce", n, f32(nccl.sample_cost_table(n)))
+    call = lambda ctx, n: h.get_coll_info(ctx, "allreduce", n, f32(tuner_check.sample_cost_table(n)))
     after, nch, _ = call(ffn, 1024)
     assert (chosen(after), nch) == ("Ring/Simple", 0)  # the class's own rule first
     after, nch, _ = call(ffn, 8192)
@@ -278,7 +279,7 @@ def test_plugin_refuses_an_example_config_the_check_refuses(lib, tmp_path, monke
         read_example_config(bad.rename(tmp_path / "bad.conf"))
     monkeypatch.delenv("DTRAIN_TUNER_RULES", raising=False)
     monkeypatch.setenv("NCCL_TUNER_CONFIG_FILE", str(tmp_path / "bad.conf"))
-    h = nccl.TunerHarness(lib, 5)
+    h = tuner_check.TunerHarness(lib, 5)
     with pytest.raises(RuntimeError, match="init returned"):
         comm(h, None, monkeypatch)
     assert any("malformed rule" in fmt for _, fmt in h.messages)
@@ -290,8 +291,8 @@ def test_the_projects_example_configs_round_trip(lib, tmp_path, monkeypatch):
     path = example_file(tmp_path, nccl.example_tuner_csv(cfg, "projection", 8, 1, 12, "tuner"))
     rules = read_example_config(path)
     assert {r.collective for r in rules} == set(COLLECTIVES) and all(r.max_bytes is None for r in rules)
-    rows = nccl.tuner_table(cfg, sizes=(4096, 64 << 20), versions=(6,), example_config=str(path))
+    rows = tuner_check.tuner_table(cfg, sizes=(4096, 64 << 20), versions=(6,), example_config=str(path))
     by = {(r["class"], r["bytes"]): r for r in rows}
     assert by["world", 64 << 20]["chosen"] == "Ring/LL" and by["world", 64 << 20]["channels"] == 12
     with pytest.raises(UserError, match="missing.conf"):
-        nccl.tuner_table(cfg, example_config=str(tmp_path / "missing.conf"))
+        tuner_check.tuner_table(cfg, example_config=str(tmp_path / "missing.conf"))

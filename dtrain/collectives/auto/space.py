@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from dtrain.collectives import tensor_classes
+from dtrain.collectives.tensor_classes import DEFAULT_RULES
 from dtrain.collectives.dist import local_world_size
 from dtrain.collectives.registry import CLASS_RULE_KEYS, get, unused_keys
 from dtrain.collectives.settings import ClassSettings, SyncConfig
@@ -49,7 +50,7 @@ SHARDED_SPACE: dict[str, dict[str, Any]] = {
 # communicator, created with its class's NCCL_PROTO/NCCL_ALGO and ncclConfig_t CTA bounds; NCCL's documentation of
 # its environment variables and of ncclConfig_t): the small, latency-bound classes on LL in 1 MiB buckets and the
 # embedding's large gradient on Simple with at most 16 CTAs; LL128 for every class but the embedding; Tree for all.
-_EVERY_CLASS = ("embedding", "norm_bias", "projection", "ffn", "other")
+_EVERY_CLASS = tuple(r.name for r in DEFAULT_RULES)
 NCCL_SPACE: dict[str, dict[str, Any]] = {
     "per_class-1-LL": {"strategy": "per_class", "bucket_cap_mb": 2,
                        "classes.projection.bucket_cap_mb": 1, "classes.projection.protocol": "LL",

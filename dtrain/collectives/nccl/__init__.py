@@ -9,11 +9,11 @@ strategies create through `class_group`. Modules, by concept:
   groups       the group settings of a profile (`build_groups`, `groups_text`) and applying them (`apply_global`,
                `class_group`, `run_record`)
   tuner        dtrain's tuner plugin (build, rules file) and configs for NCCL's example plugin
-  tuner_check  the plugin driven through ctypes, without NCCL
   log          the one reader of NCCL_DEBUG logs (ENV, TUNING in both formats, the init table)
   check        observed against requested, per bucket (`verify_run`)
-Its command line (groups, build-tuner, tuner-config, tuner-check, parse-log, gpu-check) and the one-GPU check sit
-above it, with the profile's reader: `dtrain.collectives.tools`.
+Its command line (groups, build-tuner, tuner-config, tuner-check, parse-log, gpu-check), the plugin driven through
+ctypes on NCCL's modeled cost table (`tuner_check`) and the one-GPU check sit above it, with the profile's reader and
+the cost model: `dtrain.collectives.tools`.
 """
 
 from dtrain.collectives.nccl.check import check_decisions, load_buckets, render_check, verify_run
@@ -33,14 +33,13 @@ from dtrain.collectives.nccl.log import Decision, EnvSetting, InitTable, parse_i
 from dtrain.collectives.nccl.settings import COLLECTIVES, MODES, validate_config
 from dtrain.collectives.nccl.tuner import (ExampleRule, build_tuner, example_tuner_csv, read_example_config, tuner_lib_path,
                                     tuner_rules)
-from dtrain.collectives.nccl.tuner_check import TunerHarness, cell_name, render_tuner_table, sample_cost_table, tuner_table
 from dtrain.collectives.nccl.versions import nccl_version, parse_version
 
 __all__ = [
-    "COLLECTIVES", "MODES", "Decision", "EnvSetting", "GroupSettings", "InitTable", "NcclSetup", "TunerHarness",
-    "ExampleRule", "apply_global", "build_groups", "build_tuner", "cell_name", "check_decisions", "class_group", "class_names",
+    "COLLECTIVES", "MODES", "Decision", "EnvSetting", "GroupSettings", "InitTable", "NcclSetup",
+    "ExampleRule", "apply_global", "build_groups", "build_tuner", "check_decisions", "class_group", "class_names",
     "example_tuner_csv", "groups_text", "load_buckets", "nccl_version", "parse_init_table", "parse_log",
-    "parse_version", "read_example_config", "render_check", "render_groups", "render_tuner_table", "requested", "reset", "resolve",
-    "run_record", "sample_cost_table", "tuner_lib_path", "tuner_rules", "tuner_table", "validate_config",
+    "parse_version", "read_example_config", "render_check", "render_groups", "requested", "reset", "resolve",
+    "run_record", "tuner_lib_path", "tuner_rules", "validate_config",
     "verify_run",
 ]

@@ -13,7 +13,7 @@ from dtrain.collectives.nccl.classes import class_names, resolved
 from dtrain.collectives.nccl.groups import groups_text
 from dtrain.collectives.nccl.log import read_logs
 from dtrain.collectives.nccl.tuner import build_tuner, example_tuner_csv
-from dtrain.collectives.nccl.tuner_check import render_tuner_table, tuner_table
+from dtrain.collectives.tools.tuner_check import render_tuner_table, tuner_table
 from dtrain.collectives.nccl.versions import parse_version
 from dtrain.collectives.tools.gpu_check import gpu_check
 from dtrain.common.errors import ArgumentParser, UserError, exit_on_user_error

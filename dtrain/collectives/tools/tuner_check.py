@@ -1,13 +1,13 @@
 """Driving dtrain's tuner plugin without NCCL: its exported structs (tuner interfaces v3-v6, as NCCL's tuner plugin
 headers declare them: src/include/nccl_tuner.h, later src/include/plugin/tuner/) called through ctypes on a cost
-table shaped like NCCL's, for the `tuner-check` verb and the tests."""
+table of NCCL's model (`dtrain.collectives.costmodel`), for the `tuner-check` verb and the tests."""
 
 from __future__ import annotations
 
 import ctypes
-import math
 from pathlib import Path
 
+from dtrain.collectives.costmodel import NcclModel, Topology
 from dtrain.collectives.nccl.classes import class_names
 from dtrain.collectives.nccl.groups import scoped_env
 from dtrain.collectives.nccl.settings import COLLECTIVES
@@ -15,6 +15,7 @@ from dtrain.collectives.nccl.tuner import (BUILD_DIR, CLASS_VAR, EXAMPLE_CONFIG_
                                     read_example_config, rules_path, tuner_rules)
 from dtrain.collectives.settings import NCCL_ALGORITHMS, NCCL_PROTOCOLS
 
+NVLINK_CHANNEL_BW = 20.6  # GB/s per channel that NCCL's topology search finds over Hopper's NVLink
 _LOGGER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_ulong, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p)
 _INIT_OLD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, _LOGGER, ctypes.POINTER(ctypes.c_void_p))
 _INIT_NEW = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64, ctypes.c_size_t,
@@ -83,26 +84,17 @@ class TunerHarness:
 
 
 def sample_cost_table(nbytes: int, nranks: int = 8, nnodes: int = 1, channels: int = 16) -> list[float]:
-    """A stand-in for NCCL's AllReduce cost table (µs): Ring and Tree cells after NCCL's model (src/graph/tuning.cc)
-    for Hopper over NVLink (network between nodes); the other algorithms' cells are disabled (-1.0), as on a machine
-    without NVLS or CollNet. Indexed [algorithm * 3 + protocol], as NCCL passes it to the plugin. For driving the
-    plugin only: `dtrain.collectives.costmodel` is the project's model of NCCL."""
-    ppn, scale = nranks // nnodes, min(2, (nnodes > 1) + (nnodes > 2))
-    ll_max = (141.0, 45.0, 35.0)[scale]
-    tree_max = (38.7, 41.4, 36.0)[scale]
-    bus = channels * 20.6  # NVLink per-channel bandwidth used by NCCL's topology search on Hopper
+    """A stand-in for NCCL's AllReduce cost table (µs): the Ring and Tree cells of the project's model of NCCL
+    (`dtrain.collectives.costmodel.NcclModel`, src/graph/tuning.cc) for Hopper GPUs over NVLink (the network between
+    nodes), `channels` channels at NVLink's per-channel bandwidth; the other algorithms' cells disabled (-1.0), as on a
+    machine without NVLS, CollNet or PAT. Indexed [algorithm * 3 + protocol], as NCCL passes it to the plugin."""
+    topo = Topology("tuner-check sample", "H100", 90, nnodes, nranks // nnodes, "nvlink", channels, NVLINK_CHANNEL_BW,
+                    nvls_enable=False, pat_enable=False)
+    model = NcclModel(topo)
     table = [-1.0] * (len(NCCL_ALGORITHMS) * len(NCCL_PROTOCOLS))
-    for p in range(3):
-        steps, inter = 2 * (nranks - 1), 2 * (nnodes - 1)
-        lat = (6.6, 14.0, 8.4)[p] + (steps - inter) * (0.6, 1.9, 3.4)[p] + inter * (2.7, 4.0, 14.0)[p]
-        if nnodes > 1 and p == 2:
-            lat *= 1.4
-        bw = (min(bus * 0.5, ll_max), min(bus * 0.92, channels * 36.7), bus)[p]
-        table[1 * 3 + p] = lat + nbytes / (1000 * bw * nranks / steps)
-        tlat = (6.8, 14.0, 8.4)[p] + 2 * ((ppn - 1) * (0.6, 1.25, 4.0)[p] + math.log2(nnodes) * (5.0, 8.5, 14.0)[p])
-        tbw = min(bus * 0.92, channels * tree_max)
-        tbw = (min(tbw / 3.8, ll_max), tbw * (7 / 9 if nnodes == 1 else 120 / 128), tbw)[p]
-        table[0 * 3 + p] = tlat + nbytes / (1000 * tbw * 0.5)
+    for c in model.choices(nbytes):
+        if c.algo in ("Ring", "Tree"):
+            table[NCCL_ALGORITHMS.index(c.algo) * 3 + NCCL_PROTOCOLS.index(c.proto)] = c.time_us
     return table
 
 
