@@ -21,6 +21,7 @@ import yaml
 
 from dtrain.collectives.config import validate as validate_comm
 from dtrain.collectives.settings import CollectivesConfig, DistConfig, SyncConfig
+from dtrain.collectives import strategies
 from dtrain.collectives.strategies import unused_keys
 from dtrain.collectives.auto.space import candidate_raw
 from dtrain.common.errors import UserError
@@ -264,7 +265,7 @@ def from_dict(raw: dict, source: str | Source = "<dict>", lines: dict[str, int] 
     _apply_preset(raw, src)
     cfg = build(RunConfig, raw, "", src)
     _validate(cfg, src)
-    if cfg.sync.strategy == "auto":  # each candidate of the search is a profile of its own: checked now
+    if strategies.get(cfg.sync.strategy).searches:  # each candidate of the search is a profile of its own: checked now
         for name, keys in cfg.sync.tune.candidates.items():
             candidate_config(cfg, name, keys, src)
     return cfg

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from dtrain.collectives import costmodel as cm
 from dtrain.collectives import dist as ddist
-from dtrain.collectives import nccl
+from dtrain.collectives import nccl, strategies
 from dtrain.common import host_memory
 from dtrain.common.errors import UserError, exit_on_user_error
 from dtrain.engine import autotune, runplan
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
                 return run_dir
 
             run_dir = ddist.main_decides(name_and_check)
-            if cfg.sync.strategy == "auto":  # searched, trained by the winner (on resume: the one recorded)
+            if strategies.get(cfg.sync.strategy).searches:  # trained by the search's winner (on resume: the one recorded)
                 summary = autotune.fit(cfg, Path(run_dir), device, backend, faults, stop, resume)
             else:
                 trainer = Trainer(cfg, Path(run_dir), device, backend, faults, stop)

@@ -21,9 +21,9 @@ def creates_class_groups(strategy: str) -> bool:
 
 
 def _searched(sync) -> list[str]:
-    """The strategies a run can use: its own, or under `auto` its candidates' (none named: the default space, which
-    holds per_class)."""
-    if sync.strategy != "auto":
+    """The strategies a run can use: its own, or under a search (`auto`) its candidates' (none named: the default
+    space, which holds per_class)."""
+    if not registry.get(sync.strategy).searches:
         return [sync.strategy]
     return [keys["strategy"] for keys in sync.tune.candidates.values()] or ["per_class"]
 
@@ -61,7 +61,7 @@ def guards(cfg, version, settings: dict[str, NcclSettings]) -> list[str]:
     if c.mode in ("global", "per_group"):
         warn += _forced_warnings(cfg, {n: s for n, s in settings.items() if s.protocol or s.algorithm})
     if c.mode in ("per_group", "tuner") and not any(map(creates_class_groups, _searched(cfg.sync))):
-        what = "nor does any candidate of its search" if cfg.sync.strategy == "auto" else ""
+        what = "nor does any candidate of its search" if registry.get(cfg.sync.strategy).searches else ""
         warn.append(f"sync.strategy '{cfg.sync.strategy}' creates no per-class process groups{what and ', ' + what}: "
                     f"the classes' settings reach no communicator (use sync.strategy per_class)")
     if c.parse_log and version and version < (2, 21, 0):
