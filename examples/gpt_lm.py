@@ -34,7 +34,7 @@ from dtrain import collectives
 from dtrain.collectives.dist import cleanup
 from dtrain.collectives.auto.race import summary
 from dtrain.collectives.settings import SyncConfig, TuneConfig
-from dtrain.collectives.auto.space import ONLINE_SPACE, candidate_sync
+from dtrain.collectives.auto.space import DEFAULT_SPACE, candidate_sync
 
 
 class CausalSelfAttention(nn.Module):
@@ -123,8 +123,8 @@ def train(args) -> None:
     model = GPT(d_model=args.d_model, layers=args.layers, heads=4, context=args.context).to(device)
     tune = TuneConfig(candidates=yaml.safe_load(args.candidates) if args.candidates else {},
                       budget_steps=args.budget)
-    if args.strategy in ONLINE_SPACE:
-        sync = candidate_sync(SyncConfig(), args.strategy, ONLINE_SPACE[args.strategy])
+    if args.strategy in DEFAULT_SPACE:
+        sync = candidate_sync(SyncConfig(), args.strategy, DEFAULT_SPACE[args.strategy])
     else:
         sync = SyncConfig(strategy=args.strategy, bucket_cap_mb=args.bucket_cap_mb, tune=tune)
     handle = collectives.attach(model, sync)
