@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock  # torch's own dependency
 
 from dtrain.common.jsonl import read_jsonl
 from dtrain.engine import checkpoint
@@ -49,6 +50,34 @@ def processes_only_in_slow_tests(request, monkeypatch):
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
 
 
+# The test files that take longest, longest first (`--durations`, on 2 cores, with bf16 emulated or not). The workers
+# take whole files (`--dist loadfile`) in collection order (`--no-loadscope-reorder`, pyproject.toml), so these start
+# first and the short files fill in at the end: xdist's own order (most tests first) started the long few-test files
+# last, one worker running the last of them while the other sat idle. The files not named follow, those with more
+# slow tests first. Only the order changes, never what runs.
+LONGEST_FIRST = ("test_sharded.py", "test_compile.py", "test_fsdp2.py", "test_reliability.py", "test_slurm.py",
+                 "test_resume_world.py", "test_examples.py", "test_wrap.py", "test_testbed.py", "test_strategies.py",
+                 "test_online_search.py", "test_interleave.py", "test_train_smoke.py", "test_preemption.py",
+                 "test_hierarchy.py", "test_dry_run.py", "test_host_memory.py", "test_replay.py", "test_compare.py",
+                 "test_wheel.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first, slow = {}, {}
+    for i, item in enumerate(items):
+        name = item.path.name
+        first.setdefault(name, i)
+        slow[name] = slow.get(name, 0) + bool(item.get_closest_marker("slow"))
+
+    def file_order(item):
+        name = item.path.name
+        if name in LONGEST_FIRST:
+            return (LONGEST_FIRST.index(name), 0, 0)
+        return (len(LONGEST_FIRST), -slow[name], first[name])
+
+    items.sort(key=file_order)  # stable: each file's tests keep their order
+
+
 @pytest.fixture(scope="session")
 def multi30k_dir() -> Path:
     root = os.environ.get("DTRAIN_DATA_DIR")
@@ -80,14 +109,22 @@ def torchrun(*args, nproc=2, check=True, extra=(), timeout=300):
 
 
 def train_ranks(*args, nproc=2, check=True, timeout=300):
-    """dtrain.engine.train on dtrain/profiles/smoke.yaml on `nproc` local ranks, started as torchrun starts its
-    workers (RANK, WORLD_SIZE, LOCAL_RANK, a rendezvous on a free port) but without its agent, whose own start-up
-    costs seconds of each test. Where a rank fails the others are stopped, as the agent does. Returns a
+    """dtrain.engine.train on dtrain/profiles/smoke.yaml on `nproc` local ranks (`launch_ranks`). Returns a
     CompletedProcess: the ranks' output in rank order, the first failed rank's status (or 0). The tests of the agent
     itself (signals, restarts, elastic nodes) start `torch.distributed.run`."""
+    return launch_ranks(["-m", "dtrain.engine.train", "--profile", "dtrain/profiles/smoke.yaml", *args], nproc=nproc,
+                        check=check, timeout=timeout)
+
+
+def launch_ranks(args, nproc=2, check=True, timeout=300, cwd=REPO):
+    """`python ARGS` (a module or a script) on `nproc` local ranks, started as torchrun starts its workers (RANK,
+    WORLD_SIZE, LOCAL_RANK, a rendezvous on a free port) but without its agent, whose own start-up (torch imported
+    once more, a rendezvous) costs seconds of each test. Where a rank fails the others are stopped, as the agent does.
+    Returns a CompletedProcess: the ranks' output in rank order, the first failed rank's status (or 0); `check`
+    asserts status 0."""
     port = free_port()
-    cmd = [sys.executable, "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/smoke.yaml", *args]
-    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={
+    cmd = [sys.executable, *map(str, args)]
+    procs = [subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={
         **os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
         "GROUP_RANK": "0"}) for r in range(nproc)]
@@ -134,9 +171,21 @@ NO_EVAL = ("--set", "eval.at_end=false", "--set", "train.average_last=1")
 
 @pytest.fixture(scope="session")
 def straight_run(tmp_path_factory):
-    """30 uninterrupted smoke steps without the final decoding: the reference for resume and restart tests."""
-    run = tmp_path_factory.mktemp("straight") / "run"
-    train_ranks("--run-dir", str(run), "--set", "train.max_steps=30", *NO_EVAL)
+    """30 uninterrupted smoke steps without the final decoding: the reference for resume and restart tests (read or
+    copied, never changed). Four files use it, so under xdist it is run once for the whole session, by the first
+    worker to ask, in the folder the workers' temporary folders share (that session's own), not once per worker."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        run = tmp_path_factory.mktemp("straight") / "run"
+        train_ranks("--run-dir", str(run), "--set", "train.max_steps=30", *NO_EVAL)
+        return run
+    shared = tmp_path_factory.getbasetemp().parent  # pytest-N: this session's, above each worker's popen-gwK
+    run, done = shared / "straight" / "run", shared / "straight" / "done"
+    with FileLock(str(shared / "straight.lock")):
+        if not done.exists():
+            shutil.rmtree(run.parent, ignore_errors=True)  # a worker that failed part-way
+            run.parent.mkdir()
+            train_ranks("--run-dir", str(run), "--set", "train.max_steps=30", *NO_EVAL)
+            done.touch()
     return run
 
 

@@ -1,24 +1,18 @@
 """examples/plain_loop.py: `collectives.attach`, and the loop's own DDP with the per-class comm hook, in a plain
 PyTorch loop, no dtrain trainer, on 2 gloo ranks."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, launch_ranks
 
 
 def plain_loop(tmp_path, *args, steps=20):
-    """Run the example on 2 ranks; its final parameters (rank 0's) and what it printed."""
+    """Run the example on 2 ranks (torchrun's environment, without its agent); its final parameters (rank 0's) and
+    what it printed."""
     out = tmp_path / f"params-{len(list(tmp_path.glob('params-*')))}.pt"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(REPO / "examples" / "plain_loop.py"), "--steps", str(steps), "--save", str(out), *args],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = launch_ranks([REPO / "examples" / "plain_loop.py", "--steps", steps, "--save", out, *args], cwd=tmp_path,
+                     timeout=180)
     assert "parameters equal on every rank: True" in r.stdout, r.stdout
     return torch.load(out), r.stdout
 
@@ -68,12 +62,8 @@ def test_fsdp2_through_attach_in_the_plain_loop_trains_as_the_others(tmp_path, p
 def gpt_lm(tmp_path, *args):
     """examples/gpt_lm.py on 2 ranks, small: its final parameters (rank 0's) and what it printed."""
     out = tmp_path / f"gpt-{len(list(tmp_path.glob('gpt-*')))}.pt"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(REPO / "examples" / "gpt_lm.py"), "--layers", "1", "--d-model", "32", "--context", "32",
-                        "--batch", "4", "--steps", "24", "--save", str(out), *args],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = launch_ranks([REPO / "examples" / "gpt_lm.py", "--layers", "1", "--d-model", "32", "--context", "32",
+                      "--batch", "4", "--steps", "24", "--save", out, *args], cwd=tmp_path, timeout=180)
     return torch.load(out), r.stdout
 
 

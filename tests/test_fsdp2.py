@@ -4,6 +4,7 @@ strategy by tests/test_strategies.py, at 2 and 3 ranks, with and without accumul
 
 import contextlib
 import copy
+import datetime
 import json
 
 import pytest
@@ -130,69 +131,86 @@ def test_fsdp2_collectives_is_a_setting_only_fsdp2_reads():
         "sync.fsdp2_collectives"]
 
 
-def _stock_and_unwaited_on_two_ranks(rank: int, init: str, mode: str, reshard: bool, split: bool, out: str) -> None:
+def _stock_and_unwaited(rank: int, mode: str, reshard: bool, split: bool) -> dict:
     """Stock FSDP2 and FSDP2 with `fsdp2_collectives: mode` (and the split tied embedding) trained side by side from
     the same model on the same batches, 3 Adam steps of 2 micro-batches; what the second left in flight."""
+    torch.manual_seed(0)
+    model = verify.tiny_model()
+    handles = {m: attach(copy.deepcopy(model), verify.sync_config("fsdp2", 0.01, [
+        f"sync.fsdp2_collectives={m}", f"sync.reshard_after_forward={str(reshard).lower()}",
+        *(["sync.classes.embedding.tied_split=true"] if split and m == mode else [])]))
+        for m in ("stock", mode)}
+    opts = {m: torch.optim.Adam(h.optimizer_params(), lr=1e-2) for m, h in handles.items()}
+    seen = {"in_flight_after_backward": [], "gathers_issued_by_stepped": [], "projections": [],
+            "embedding_whole": type(dict(handles[mode].model.named_parameters())["embed.weight"]).__name__}
+    issued = []
+    module, name = fsdp2_collectives, ("all_gather_single" if mode == "async" else "exchange")
+    issue = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        issued.append(kwargs.get("async_op", True))
+        return issue(*args, **kwargs)
+
+    setattr(module, name, counted)
+    for step in range(3):
+        for m, h in handles.items():
+            for micro in range(2):
+                src, tgt_in, tgt_out = verify.batch(rank, step, micro)
+                with h.no_sync() if micro == 0 else contextlib.nullcontext():
+                    verify.loss_fn(h.module(src, tgt_in), tgt_out, 2).backward()
+            if m == mode:
+                seen["in_flight_after_backward"].append(len(h.collectives.pending))
+                seen["projections"].append(len(h._projections))
+            h.wait()
+            opts[m].step()
+            opts[m].zero_grad(set_to_none=True)
+            del issued[:]
+            h.stepped(opts[m])
+            if m == mode:
+                seen["gathers_issued_by_stepped"].append(list(issued))
+    setattr(module, name, issue)
+    states = {m: (h.wait_params(), h.model_state())[1] for m, h in handles.items()}
+    seen["max_diff"] = max((states[mode][k] - v).abs().max().item() for k, v in states["stock"].items())
+    # a training forward with gradients left from a step: refused, not added to a reduce-scatter in flight
+    src, tgt_in, tgt_out = verify.batch(rank, 9, 0)
+    h = handles[mode]
+    verify.loss_fn(h.module(src, tgt_in), tgt_out, 1).backward()
+    h.wait()
+    try:
+        h.module(src, tgt_in)
+        seen["refused"] = ""
+    except UserError as e:
+        seen["refused"] = str(e)
+    for h in handles.values():
+        h.close()
+    return seen
+
+
+UNWAITED = [("async", True, False), ("async", False, False), ("p2p", True, False), ("p2p", False, False),
+            ("p2p", False, True)]
+
+
+def _every_unwaited_case_on_two_ranks(rank: int, init: str, out: str) -> None:
+    """Every case of UNWAITED, one after another in one 2-rank group (each case's handles closed before the next):
+    one spawn of two interpreters instead of one per case."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     with ddist.rank_process():
-        torch.manual_seed(0)
-        model = verify.tiny_model()
-        handles = {m: attach(copy.deepcopy(model), verify.sync_config("fsdp2", 0.01, [
-            f"sync.fsdp2_collectives={m}", f"sync.reshard_after_forward={str(reshard).lower()}",
-            *(["sync.classes.embedding.tied_split=true"] if split and m == mode else [])]))
-            for m in ("stock", mode)}
-        opts = {m: torch.optim.Adam(h.optimizer_params(), lr=1e-2) for m, h in handles.items()}
-        seen = {"in_flight_after_backward": [], "gathers_issued_by_stepped": [], "projections": [],
-                "embedding_whole": type(dict(handles[mode].model.named_parameters())["embed.weight"]).__name__}
-        issued = []
-        module, name = fsdp2_collectives, ("all_gather_single" if mode == "async" else "exchange")
-        issue = getattr(module, name)
-
-        def counted(*args, **kwargs):
-            issued.append(kwargs.get("async_op", True))
-            return issue(*args, **kwargs)
-
-        setattr(module, name, counted)
-        for step in range(3):
-            for m, h in handles.items():
-                for micro in range(2):
-                    src, tgt_in, tgt_out = verify.batch(rank, step, micro)
-                    with h.no_sync() if micro == 0 else contextlib.nullcontext():
-                        verify.loss_fn(h.module(src, tgt_in), tgt_out, 2).backward()
-                if m == mode:
-                    seen["in_flight_after_backward"].append(len(h.collectives.pending))
-                    seen["projections"].append(len(h._projections))
-                h.wait()
-                opts[m].step()
-                opts[m].zero_grad(set_to_none=True)
-                del issued[:]
-                h.stepped(opts[m])
-                if m == mode:
-                    seen["gathers_issued_by_stepped"].append(list(issued))
-        setattr(module, name, issue)
-        states = {m: (h.wait_params(), h.model_state())[1] for m, h in handles.items()}
-        seen["max_diff"] = max((states[mode][k] - v).abs().max().item() for k, v in states["stock"].items())
-        # a training forward with gradients left from a step: refused, not added to a reduce-scatter in flight
-        src, tgt_in, tgt_out = verify.batch(rank, 9, 0)
-        h = handles[mode]
-        verify.loss_fn(h.module(src, tgt_in), tgt_out, 1).backward()
-        h.wait()
-        try:
-            h.module(src, tgt_in)
-            seen["refused"] = ""
-        except UserError as e:
-            seen["refused"] = str(e)
-        for h in handles.values():
-            h.close()
+        seen = {repr(case): _stock_and_unwaited(rank, *case) for case in UNWAITED}
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(seen, f)
 
 
+@pytest.fixture(scope="module")
+def unwaited_cases(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("unwaited")
+    mp.spawn(_every_unwaited_case_on_two_ranks, args=(str(tmp / "init"), str(tmp / "seen.json")), nprocs=2, join=True)
+    return json.loads((tmp / "seen.json").read_text())
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,reshard,split", [("async", True, False), ("async", False, False), ("p2p", True, False),
-                                               ("p2p", False, False), ("p2p", False, True)])
-def test_unwaited_collectives_train_as_stock_fsdp2_with_them_in_flight(tmp_path, mode, reshard, split):
+@pytest.mark.parametrize("mode,reshard,split", UNWAITED)
+def test_unwaited_collectives_train_as_stock_fsdp2_with_them_in_flight(unwaited_cases, mode, reshard, split):
     """On 2 gloo CPU ranks, 3 steps of 2 micro-batches: the same parameters as stock FSDP2, bit for bit (`p2p` sums
     a + b in rank order and halves, as gloo's average does). After each backward every unit's reduce-scatter (4
     layers and the root) is still in flight for `wait()`; after each update `stepped` has issued every unit's
@@ -200,10 +218,7 @@ def test_unwaited_collectives_train_as_stock_fsdp2_with_them_in_flight(tmp_path,
     projection part is all-reduced apart, and the parameters are still stock FSDP2's bit for bit: the split adds each
     row as autograd does, and two ranks' mean is exact. A training forward with gradients left over is a one-line
     error."""
-    out = tmp_path / "seen.json"
-    mp.spawn(_stock_and_unwaited_on_two_ranks, args=(str(tmp_path / "init"), mode, reshard, split, str(out)),
-             nprocs=2, join=True)
-    seen = json.loads(out.read_text())
+    seen = unwaited_cases[repr((mode, reshard, split))]
     assert seen["max_diff"] == 0.0, seen
     units = 4 if split else 5  # the root holds the embedding alone: outside FSDP2 with the split
     assert seen["in_flight_after_backward"] == [units] * 3
@@ -213,15 +228,49 @@ def test_unwaited_collectives_train_as_stock_fsdp2_with_them_in_flight(tmp_path,
     assert f"'sync.fsdp2_collectives: {mode}' needs the gradients dropped" in seen["refused"]
 
 
+MODES = ["stock", "async", "p2p"]
+
+
+def _split_modes_checked(rank: int, world: int, init: str, out: str) -> None:
+    """verify.run's ranks (`dtrain.engine.verify._worker`) for `fsdp2` with the split, once per mode of MODES in one
+    process group: {mode: {accum: {"fsdp2": result}}}."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    with ddist.rank_process():
+        results = {mode: {str(a): {"fsdp2": verify.check_strategy("fsdp2", a, 3, 0.01, [
+            "sync.classes.embedding.tied_split=true", f"sync.fsdp2_collectives={mode}"])} for a in (1, 2)}
+            for mode in MODES}
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def split_checked(tmp_path_factory):
+    """nproc -> the results of every mode, from one spawn of `nproc` ranks (not one per mode: interpreters' start-up
+    is most of a check's time)."""
+    done = {}
+
+    def run(nproc: int) -> dict:
+        if nproc not in done:
+            tmp = tmp_path_factory.mktemp(f"split{nproc}")
+            mp.spawn(_split_modes_checked, args=(nproc, str(tmp / "init"), str(tmp / "out.json")), nprocs=nproc,
+                     join=True)
+            done[nproc] = json.loads((tmp / "out.json").read_text())
+        return done[nproc]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
-@pytest.mark.parametrize("mode", ["stock", "async", "p2p"])
-def test_fsdp2_with_the_split_matches_the_reference(nproc, mode):
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp2_with_the_split_matches_the_reference(split_checked, nproc, mode):
     """The tied embedding outside FSDP2 (`ignored_params`), whole on every rank and reduced by the split (its
     projection part all-reduced as backward completes it, its looked-up rows as each lookup's backward ends), with
     FSDP2's own collectives and with each of `fsdp2_collectives`' modes in its hooks: the per-tensor reference's mean
     within verify's tolerance, with and without accumulation."""
-    results = verify.run(nproc, ["fsdp2"], accums=(1, 2), steps=3, overrides=[
-        "sync.classes.embedding.tied_split=true", f"sync.fsdp2_collectives={mode}"])
+    results = split_checked(nproc)[mode]
     for accum, r in results.items():
         assert r["fsdp2"]["lossless"] and r["fsdp2"]["max_rel"] <= verify.TOLERANCE, (accum, r)

@@ -68,7 +68,8 @@ def test_class_keys_are_checked_below_any_class_name():
     assert sweep.check_key("sync.classes.embedding.wire_dtype") is None
     assert sweep.check_key("sync.classes.my_class") is None  # a whole entry
     assert sweep.check_key("sync.classes.ffn.protocol") is None
-    assert sweep.check_key("collectives.default.proto") is None
+    assert sweep.check_key("collectives.default.protocol") is None
+    assert "did you mean 'collectives.default.protocol'?" in sweep.check_key("collectives.default.proto")
     assert "is a value" in sweep.check_key("train.max_steps.x")
     assert "unknown key 'sync.classes.ffn.proto'; did you mean 'sync.classes.ffn.protocol'?" in \
         sweep.check_key("sync.classes.ffn.proto")

@@ -113,7 +113,7 @@ def test_the_readme_s_form_finds_the_shipped_profile_from_the_installed_wheel(in
         r = run([str(python), "-m", "dtrain.train", "--profile", f"profiles/{name}.yaml", "--dry-run"], cwd=work,
                 env=env)
         assert shown in r.stdout and "# precision here: fp32 (train.amp fp32: set in the profile; " in r.stdout
-    assert "group world (default group): proto LL128" in r.stdout  # the NCCL plan (on gloo: recorded, not applied)
+    assert "group world (default group): protocol LL128" in r.stdout  # the NCCL plan (on gloo: recorded, not applied)
     assert not (work / "profiles").exists()
 
 

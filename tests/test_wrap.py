@@ -2,15 +2,12 @@
 here wrote (`transformers`' GPT-2 and Marian, examples/wrap_models.py) against stock DDP on 2 gloo ranks."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import REPO
+from conftest import REPO, launch_ranks
 from dtrain.collectives.plan import plan_params
 from dtrain.collectives.settings import SyncConfig
 from dtrain.collectives.sharded.grads import hidden_grad
@@ -110,14 +107,12 @@ def test_wrap_reads_a_strategy_name_or_a_mapping_strictly():
 # -- slow: real models on 2 ranks, against stock DDP -------------------------------------------------------------
 
 def wrap_models(tmp_path, *args, ranks=2, check=True):
-    """examples/wrap_models.py on `ranks` gloo ranks; its table (rank 0's JSON) and the completed process."""
+    """examples/wrap_models.py on `ranks` gloo ranks (torchrun's environment, without its agent); its table (rank 0's
+    JSON) and the completed process."""
     out = tmp_path / f"table-{len(list(tmp_path.glob('table-*')))}.json"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                        str(REPO / "examples" / "wrap_models.py"), "--json", str(out), *args],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = launch_ranks([REPO / "examples" / "wrap_models.py", "--json", out, *args], nproc=ranks, check=check,
+                     cwd=tmp_path)
     if check:
-        assert r.returncode == 0, r.stderr[-3000:]
         return {row["strategy"]: row for row in json.loads(out.read_text())}, r
     return None, r
 
@@ -182,10 +177,7 @@ def test_the_ddp_tutorial_loop_differs_from_its_ddp_form_in_two_lines_and_trains
     states = {}
     for name, script, strategy in (("ddp", stock, "-"), ("sharded", REPO / "examples" / "ddp_loop.py", "sharded")):
         out = tmp_path / f"{name}.pt"
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            str(script), strategy, str(out)], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert r.returncode == 0, r.stderr[-3000:]
+        launch_ranks([script, strategy, out], cwd=tmp_path, timeout=180)
         states[name] = torch.load(out)
     assert states["ddp"].keys() == states["sharded"].keys()  # DDP's "module." keys: each loads into the other
     assert all(torch.equal(states["ddp"][k], states["sharded"][k]) for k in states["ddp"])
