@@ -15,7 +15,6 @@ from conftest import NO_EVAL, cut_back, records, train_ranks
 
 from dtrain.collectives import dist as ddist
 from dtrain.collectives import attach, fsdp2_collectives, strategies
-from dtrain.collectives.plan import ready_order
 from dtrain.collectives.settings import SyncConfig
 from dtrain.collectives.strategies import unused_keys
 from dtrain.collectives.strategies.fsdp2 import unit_of, units
@@ -29,7 +28,7 @@ def test_each_layer_is_a_unit_and_the_root_holds_the_tied_embedding():
     assert unit_of("embed.weight") == "" and unit_of("decoder.1.src_attn.W_K.bias") == "decoder.1"
     assert unit_of("w2.bias") == ""  # a digit inside a name is not a numbered module
     # The modeled plan: one bucket per unit, in the order backward completes them, the root's last.
-    plan = strategies.plan_for(SyncConfig(strategy="fsdp2"), ready_order(model)).buckets
+    plan = strategies.schedule_for(SyncConfig(strategy="fsdp2"), model, 2).buckets
     assert [unit_of(b.names[0]) for b in plan] == ["decoder.1", "decoder.0", "encoder.1", "encoder.0", ""]
     assert sum(b.numel for b in plan) == sum(p.numel() for p in model.parameters())
     assert all(unit_of(n) == unit_of(b.names[0]) for b in plan for n in b.names)

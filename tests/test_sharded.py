@@ -14,7 +14,6 @@ import torch.multiprocessing as mp
 
 from dtrain.collectives import dist as ddist
 from dtrain.collectives import attach, strategies
-from dtrain.collectives.plan import ready_order
 from dtrain.collectives.settings import SyncConfig
 from dtrain.collectives.sharded.exchange import REPLICATED, ROWS, SHARDS, exchange_plan
 from conftest import NO_EVAL, checkpoint_diff, records, train_ranks
@@ -40,19 +39,17 @@ def test_the_split_embedding_gets_a_bucket_of_its_own_first():
     """Whatever the cap, the split parameter is alone in bucket 0 (its gradient is complete when the projection's
     is, the first of backward) and the other buckets are bucketed's plan of the rest."""
     with torch.device("meta"):
-        named = ready_order(Transformer(vocab=1000, N=2, d_model=64, d_ff=256, h=4))
+        model = Transformer(vocab=1000, N=2, d_model=64, d_ff=256, h=4)
 
     def plan(**sync):
         raw = {"sync": {"strategy": "sharded", "bucket_cap_mb": 25, **sync}}
-        return strategies.plan_for(config.from_dict(raw, "test").sync, named)
+        return strategies.schedule_for(config.from_dict(raw, "test").sync, model, 2)
 
     split = {"classes": {"embedding": {"tied_split": True}}}
     buckets = plan(**split).buckets
     assert buckets[0].names == ("embed.weight",) and [b.index for b in buckets] == list(range(len(buckets)))
     assert len(buckets) > 1 and all("embed.weight" not in b.names for b in buckets[1:])
     sync = config.from_dict({"sync": {"strategy": "sharded", "bucket_cap_mb": 25, **split}}, "test").sync
-    with torch.device("meta"):
-        model = Transformer(vocab=1000, N=2, d_model=64, d_ff=256, h=4)
     exchanges = exchange_plan(sync, model, buckets, 2)
     assert [ex.layout for ex in exchanges] == [REPLICATED] + [SHARDS] * (len(buckets) - 1)
     assert exchanges[0].padded == buckets[0].numel and all(ex.padded % 2 == 0 for ex in exchanges[1:])
@@ -64,7 +61,7 @@ def test_the_sharded_split_embedding_is_sharded_by_whole_rows():
         model = Transformer(vocab=1001, N=1, d_model=64, d_ff=256, h=4)
     raw = {"sync": {"strategy": "sharded", "shard_tied_split": True, "classes": {"embedding": {"tied_split": True}}}}
     sync = config.from_dict(raw, "test").sync
-    buckets = strategies.plan_for(sync, ready_order(model)).buckets
+    buckets = strategies.schedule_for(sync, model, 3).buckets
     exchanges = exchange_plan(sync, model, buckets, 3)
     assert buckets[0].names == ("embed.weight",) and exchanges[0].layout == ROWS and exchanges[0].row_size == 64
     assert exchanges[0].padded == 1002 * 64 and exchanges[0].chunk == 334 * 64  # 1,001 rows: 334 whole rows a rank
@@ -82,7 +79,7 @@ def test_the_exchange_plan_narrows_what_only_linear_modules_read(world, whole):
     raw = {"train": {"amp": "bf16"}, "sync": {"strategy": "sharded", "bucket_cap_mb": 0.05, "gather_dtype": "bf16",
                                               "classes": {"embedding": {"tied_split": True}}}}
     sync = config.from_dict(raw, "test").sync
-    buckets = strategies.plan_for(sync, ready_order(model)).buckets
+    buckets = strategies.schedule_for(sync, model, world).buckets
     exchanges = exchange_plan(sync, model, buckets, world)
     embedding, rest = exchanges[0], exchanges[1:]
     assert embedding.whole == whole and embedding.nbytes("all_gather") == 0

@@ -46,7 +46,7 @@ def plan_params(strategy: "BucketingStrategy", classes: TensorClasses, named_par
                 ) -> tuple[list[Bucket], dict[str, str], dict[str, ClassSettings]]:
     """The one way a strategy plans: (buckets, each parameter's class, the settings of the classes in use) for
     `named_params` in expected ready order. Training (`PlannedSync`) and the profile's modeled plan
-    (`dtrain.collectives.strategies.plan_for`) both go through here."""
+    (each strategy's `schedule`) both go through here."""
     class_of = classes.assign(named_params)
     settings = classes.used(class_of)
     return strategy.plan(named_params, class_of, settings), class_of, settings

@@ -1,6 +1,6 @@
 """The registry of gradient synchronization strategies: `register(name)`, `get(name)`, `available()`,
-`attachable()`, `unused_keys(sync)` and `plan_for(sync, params)`, the one bucket plan of a sync section that training,
-the cost model and the simulator use. It imports none of its members: each strategy's module registers itself here
+`attachable()`, `unused_keys(sync)` and `schedule_for(sync, model, world)`, what a sync section's strategy sends in
+a step (its own `schedule`), which the tuner, the simulator, the records and the dry run read. It imports none of its members: each strategy's module registers itself here
 (`dtrain.collectives.strategies` imports them all, and builds their handles).
 
 A registered class is either a `GradSync` subclass (ddp, powersgd, noop, fsdp2, auto: they synchronize by themselves)
@@ -13,10 +13,7 @@ refuses.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
-from dtrain.collectives import tensor_classes
-from dtrain.collectives.plan import Bucket, BucketingStrategy, plan_params
 from dtrain.collectives.settings import ClassSettings, SyncConfig
 from dtrain.common.errors import UserError
 
@@ -84,33 +81,7 @@ def unused_keys(sync: SyncConfig) -> list[tuple[str, str]]:
             for key in found]
 
 
-class Plan(NamedTuple):
-    buckets: list[Bucket]  # in launch order
-    overlap: bool  # launched from the gradient hooks (else all at wait())
-    class_groups: bool  # each tensor class on its own communicator, with its own NCCL settings
-
-
-def planner(name: str) -> type[BucketingStrategy]:
-    """The bucketing strategy whose plan models strategy `name` (itself, or what it `plans_like`)."""
-    cls = get(name)
-    if cls.plans_like:  # a registered strategy's name, or a plan of its own that is never executed (fsdp2's)
-        cls = cls.plans_like if isinstance(cls.plans_like, type) else get(cls.plans_like)
-    if not (isinstance(cls, type) and issubclass(cls, BucketingStrategy)):
-        names = [n for n in available() if get(n).plans_like]
-        names += [n for n in available() if issubclass(get(n), BucketingStrategy)]
-        raise UserError(f"strategy '{name}' has no bucket plan to model (planned strategies: {', '.join(names)})")
-    return cls
-
-
 def schedule_for(sync, model, world: int, accum_steps: int = 1, ranks_per_node: int | None = None):
     """The schedule of `sync`'s strategy on `model` (meta tensors do) and `world` ranks: what it sends in a step
     (`StrategyFacts.schedule`; a one-line error for a strategy without one)."""
     return get(sync.strategy).schedule(sync, model, world, accum_steps, ranks_per_node)
-
-
-def plan_for(sync, named_params) -> Plan:
-    """The buckets of `sync` (a `SyncConfig`) over `named_params`, (name, tensor) pairs in expected ready order (meta
-    tensors do: only numel and dtype are read)."""
-    strategy = planner(sync.strategy).from_sync(sync)
-    buckets, _, _ = plan_params(strategy, tensor_classes.from_config(sync), named_params)
-    return Plan(buckets, strategy.overlap, strategy.class_groups)

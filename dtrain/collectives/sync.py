@@ -40,9 +40,6 @@ class StrategyFacts:
     # The keys of `sync` it reads besides `strategy` ("classes.<key>": that key of every `sync.classes.<class>`); a
     # profile that sets another one is refused (`dtrain.collectives.config.validate`).
     sync_keys: ClassVar[tuple[str, ...]] = ()
-    # a planned strategy (by name, or a `BucketingStrategy` class of its own) whose buckets model this one's (None:
-    # its own)
-    plans_like: ClassVar[str | type | None] = None
     # It hands the optimizer shards of the parameters instead of the parameters (sharded, fsdp2)
     shards: ClassVar[bool] = False
     # It searches the others (`auto`): not a candidate of a search, nor attached on its own by the search

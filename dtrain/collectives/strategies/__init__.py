@@ -11,8 +11,8 @@ fsdp2) is its own handle. `auto` (`dtrain.collectives.auto`) is a `GradSync` tha
 from __future__ import annotations
 
 from dtrain.collectives.registry import (  # noqa: F401 (handed on)
-    CLASS_RULE_KEYS, CLASS_SETTING_KEYS, HIERARCHY_KEYS, Plan, attachable, available, get, plan_for, planner, register,
-    schedule_for, unused_keys)
+    CLASS_RULE_KEYS, CLASS_SETTING_KEYS, HIERARCHY_KEYS, attachable, available, get, register, schedule_for,
+    unused_keys)
 from dtrain.collectives.plan import BucketingStrategy
 from dtrain.collectives.strategies import (  # noqa: F401 (each registers itself)
     bucketed, ddp, flat, fsdp2, noop, per_class, per_tensor, powersgd)

@@ -39,7 +39,6 @@ class DDPSync(GradSync):
     serialize_buckets = False
     uses_cap = True
     sync_keys = ("bucket_cap_mb", "first_bucket_mb", "hook") + CLASS_RULE_KEYS
-    plans_like = "bucketed"  # `bucketed` lays buckets out as DDP's rebuilt reducer does, from the same two knobs
 
     def __init__(self, model, cfg, process_group=None, param_groups=None):
         super().__init__(model, cfg, process_group, param_groups)

@@ -115,7 +115,6 @@ class Fsdp2Units(BucketingStrategy):
 @register("fsdp2")
 class Fsdp2Sync(GradSync):
     sync_keys = ("reshard_after_forward", "gather_dtype", "fsdp2_collectives", "classes.tied_split")
-    plans_like = Fsdp2Units
     shards = True
     switchable = False
 

@@ -54,7 +54,6 @@ def bucket_layout(bucket, names: dict, state: powerSGD_hook.PowerSGDState) -> Bu
 @register("powersgd")
 class PowerSGDSync(DDPSync):
     serialize_buckets = True  # each bucket's P and Q all-reduces are chained from callbacks (see DDPSync)
-    plans_like = None  # compressed: no bucket plan of the lossless strategies models it
     # DDP's bucket knobs, not its `sync.hook`: PowerSGD is the hook
     sync_keys = ("bucket_cap_mb", "first_bucket_mb", "powersgd_rank", "powersgd_start_iter") + CLASS_RULE_KEYS
 
