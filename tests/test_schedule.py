@@ -194,11 +194,12 @@ def test_gather_at_is_checked_and_read_by_sharded_only():
 
 
 def test_host_work_is_timed_by_the_benchmark_and_charged_by_the_predictor(one_rank, model, tmp_path):
-    """`--host-work` rows fit per operation; the predictor charges a schedule's host work with them (FSDP2's copies
-    and DTensor optimizer, a compress hook's casts), less the basis's own, and names what it could not price."""
+    """`--host-work` rows fit per operation; the predictor charges a schedule's host work with them (FSDP2's work per
+    unit and its DTensor optimizer, a compress hook's casts), less the basis's own, and names what it could not
+    price."""
     rows = measure_host_work([1 << 16, 1 << 20, 1 << 21], None, 1, torch.device("cpu"), lambda *a, **k: None)
-    assert {r.work for r in rows} == {"copy", "cast", "dtensor_step"}
-    assert all(r.time_us > 0 for r in rows if r.work != "dtensor_step")  # DTensor's extra: 0 or more
+    assert {r.work for r in rows} == {"copy", "cast", "dtensor_step", "fsdp2_unit", "fsdp2_unit_resharded"}
+    assert all(r.time_us > 0 for r in rows if r.work in ("copy", "cast"))  # FSDP2's and DTensor's extra: 0 or more
     bench = _net_rows() + rows
     (tmp_path / "bench.json").write_text(to_json(bench))
     fit = load_model(f"fit:{tmp_path / 'bench.json'}")
@@ -207,7 +208,7 @@ def test_host_work_is_timed_by_the_benchmark_and_charged_by_the_predictor(one_ra
     fsdp2 = _schedule(model, {"strategy": "fsdp2", "fsdp2_collectives": "p2p"})
     charged = step_time.predict(fsdp2, _basis(total), fit, step_time.Calibration())
     bare = step_time.predict(fsdp2, _basis(total), _net(), step_time.Calibration())
-    assert charged.unpriced == () and set(bare.unpriced) == {"copy", "dtensor_step"}
+    assert charged.unpriced == () and set(bare.unpriced) == {"fsdp2_unit", "fsdp2_unit_resharded", "dtensor_step"}
     work, _ = step_time.host_work_ms(fsdp2, fit)
     assert work > 0 and charged.step_ms > bare.step_ms
     # a basis whose own strategy did the same work already holds it

@@ -101,8 +101,8 @@ def format_rows(rows: list[Prediction], header: list[str]) -> str:
         lines.append(f"# best lossless choice (modeled): {best.label}, {best.step_ms:.2f} ms per step")
     unpriced = {r.label: r.unpriced for r in rows if r.unpriced}
     if unpriced:
-        lines.append("# host work not charged (the benchmark did not time it: add --host-work): " + "; ".join(
-            f"{label} {', '.join(kinds)}" for label, kinds in unpriced.items()))
+        lines.append("# host work not charged (the benchmark did not time it: run it with this version's "
+                     "--host-work): " + "; ".join(f"{label} {', '.join(kinds)}" for label, kinds in unpriced.items()))
     if has_meas:
         m = [r for r in rows if r.measured_step_ms is not None]
         lines.append("# interval: the range of run medians with repeated runs, else the ~95% order-statistics "

@@ -1,14 +1,19 @@
 """`--host-work`: what the host work a strategy adds on the computing thread costs on this machine, as its schedule
 names it (`dtrain.collectives.schedule.HostWork`):
 
-- `copy`: gradients or parameters copied into or out of one flat buffer, 8 tensors at a time (FSDP2's copy-in for
-  its all-gather and reduce-scatter and its copy-out after them: `torch.cat`-like copies of a unit's tensors);
+- `copy`: gradients or parameters copied into or out of one flat buffer, 8 tensors at a time (`torch.cat`-like
+  copies of a unit's tensors);
+- `fsdp2_unit` and `fsdp2_unit_resharded`: what FSDP2 adds to one unit's forward and backward beyond the same module
+  unwrapped, with its parameters kept from forward to backward, or freed after forward and gathered again for
+  backward: its hooks, its copies into and out of its flat buffers, the swaps between its sharded and gathered
+  parameters; per tensor of the unit. Timed on a group of this rank alone, where its all-gathers and
+  reduce-scatters move nothing over the network (the collectives are timed apart);
 - `cast`: a flat fp32 buffer cast to bf16 and back (a compress hook's compression and decompression);
 - `dtensor_step`: what an AdamW step over DTensors sharded on the group costs beyond the same step over their plain
   local shards (FSDP2's optimizer: every tensor operation goes through DTensor's dispatch), per tensor.
 
 Each is timed at the sweep's sizes (the median of its repetitions, averaged over the ranks) and written as rows of
-path "host_work" (`work`: which; `size`: the bytes one operation reads, one tensor's for `dtensor_step`). The cost
+path "host_work" (`work`: which; `size`: the bytes one operation reads, one tensor's for the per-tensor kinds). The cost
 model fits each per operation (µs + µs per byte, `FittedModel.host_work_us`), and the step-time predictor charges a
 schedule's host work with it.
 """
@@ -23,7 +28,7 @@ import torch.distributed as dist
 
 from dtrain.collectives.bench.measure import Row
 
-HOST_WORK = ("copy", "cast", "dtensor_step")
+HOST_WORK = ("copy", "cast", "dtensor_step", "fsdp2_unit", "fsdp2_unit_resharded")
 REPEATS = 7
 TENSORS = 8  # tensors per copy (a unit's few weight matrices and vectors) and per optimizer step
 
@@ -69,9 +74,32 @@ def _dtensor_step_us(nbytes: int, group) -> float:
     return max(0.0, times[0] - times[1]) / TENSORS
 
 
+def _fsdp2_unit_us(nbytes: int, alone, reshard: bool) -> float:
+    """Per tensor: a unit of 4 Linear(d, d) layers (TENSORS tensors, `nbytes` in all) on 8 rows, so that its compute
+    is small beside FSDP2's work: one forward and backward under `fully_shard` on the one-rank group `alone`, less
+    the same on the plain module."""
+    from torch.distributed.device_mesh import DeviceMesh  # FSDP2 and DTensor: only when asked (about 0.8 s)
+    from torch.distributed.fsdp import fully_shard
+
+    d = max(1, int((nbytes / 4 / 4) ** 0.5))
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(*(torch.nn.Linear(d, d) for _ in range(4)))
+    wrapped = torch.nn.Sequential(*(torch.nn.Linear(d, d) for _ in range(4)))
+    fully_shard(wrapped, mesh=DeviceMesh.from_group(alone, "cpu"), reshard_after_forward=reshard)
+    x = torch.randn(8, d)
+    times = []
+    for module in (wrapped, plain):
+        def step(module=module):
+            module(x).sum().backward()
+            module.zero_grad(set_to_none=True)
+        times.append(_median_us(step))
+    return max(0.0, times[0] - times[1]) / TENSORS
+
+
 def measure_host_work(sizes: list[int], group, nranks: int, device, emit) -> list[Row]:
     """One row per kind of host work and size: its median time (µs), mean over ranks (`group`: None, the world)."""
     group = group if group is not None else dist.group.WORLD
+    alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)  # FSDP2's units with no network
     emit(f"# host work on the computing thread ({', '.join(HOST_WORK)}): median of {REPEATS} each, per operation")
     emit(f"#  {'work':>12}  {'size (B)':>10}  {'time (us)':>10}")
     rows = []
@@ -81,6 +109,8 @@ def measure_host_work(sizes: list[int], group, nranks: int, device, emit) -> lis
                 us, size = _copy_us(nbytes), nbytes
             elif work == "cast":
                 us, size = _cast_us(nbytes), nbytes
+            elif work.startswith("fsdp2_unit"):  # per tensor, each of nbytes / TENSORS
+                us, size = _fsdp2_unit_us(nbytes, alone, work == "fsdp2_unit_resharded"), nbytes // TENSORS
             else:  # per tensor, each of nbytes / TENSORS
                 us, size = _dtensor_step_us(nbytes, group), nbytes // TENSORS
             mean = torch.tensor([us], dtype=torch.float64)

@@ -132,8 +132,9 @@ class Fsdp2Sync(GradSync):
         forward starts (with `fsdp2_collectives`: at the optimizer step, `stepped`) and, with `reshard_after_forward`, again as the unit after it starts its
         backward (FSDP2's prefetch), but for the root (the last), which keeps its parameters. Stock FSDP2 waits for
         each on the computing thread where the device has no streams (`blocking`); `fsdp2_collectives: p2p` moves
-        them point to point. FSDP2 copies each unit's parameters into a flat buffer for its all-gather and out of
-        it, and its gradients into one for the reduce-scatter (host work). A split tied embedding, outside FSDP2, is
+        them point to point. FSDP2's work for each unit on the computing thread (its hooks, and its copies into and
+        out of the flat buffers of its all-gathers and reduce-scatter) and its optimizer over DTensors are host
+        work. A split tied embedding, outside FSDP2, is
         all-reduced as the split does it: its projection part and each lookup's rows, on the split's group."""
         named = ready_order(model)
         classes = from_config(sync)
@@ -152,11 +153,12 @@ class Fsdp2Sync(GradSync):
             units.append((b, after))
             colls.append(Collective(REDUCE_SCATTER, b.nbytes, "fp32", b.index, GRADIENT, IN_BACKWARD if stock else WAIT,
                                     True, None, after, path, blocking=stock))
-            # its gradients into the reduce-scatter's input, and the reduced shard out; its shard into the all-gather's
-            # input, and the gathered parameters out (again for backward where resharded after forward)
-            gathers = 2 if sync.reshard_after_forward and unit_of(b.names[0]) else 1
-            host += [HostWork("copy", b.nbytes + b.nbytes // world, "backward", 2),
-                     HostWork("copy", gathers * (b.nbytes + b.nbytes // world), "forward", 2 * gathers)]
+            # FSDP2's own work for the unit: its hooks; its shard into the all-gather's input and the gathered
+            # parameters out (again for backward where resharded after forward: not the root); its gradients into
+            # the reduce-scatter's input and the reduced shard out
+            resharded = sync.reshard_after_forward and unit_of(b.names[0])
+            host.append(HostWork("fsdp2_unit_resharded" if resharded else "fsdp2_unit", b.nbytes,
+                                 "forward and backward", len(b.names)))
         gather = [Collective(ALL_GATHER, b.numel * low if low else b.nbytes, sync.gather_dtype or "fp32", b.index,
                              FORWARD_START if stock else STEP, FORWARD, low is None, None, 0, path, blocking=stock)
                   for b, _ in units]
