@@ -98,21 +98,30 @@ def test_a_whole_state_goes_in_and_out_of_the_shards_of_three_ranks(tmp_path, st
 
 
 SPLIT_P2P = ("--set", "sync.classes.embedding.tied_split=true", "--set", "sync.fsdp2_collectives=p2p")
+CLIPPED = ("--set", "optim.clip_norm=0.5", "--set", "train.accum_steps=2", "--set", "train.ckpt_every=5", *NO_EVAL)
+
+
+@pytest.fixture(scope="module")
+def clipped_ddp(tmp_path_factory):
+    """10 clipped steps of stock DDP on 2 ranks, the reference of both cases below."""
+    run = tmp_path_factory.mktemp("clipped") / "ddp"
+    r = train_ranks("--run-dir", str(run), "--set", "sync.strategy=ddp", "--set", "train.max_steps=10", *CLIPPED)
+    assert "FutureWarning" not in r.stderr and "DeprecationWarning" not in r.stderr, r.stderr[-2000:]
+    return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), SPLIT_P2P], ids=["stock", "split-p2p"])
-def test_fsdp2_trains_as_ddp_and_its_checkpoints_resume_under_ddp_on_three_ranks(tmp_path, extra):
+def test_fsdp2_trains_as_ddp_and_its_checkpoints_resume_under_ddp_on_three_ranks(tmp_path, clipped_ddp, extra):
     """10 steps clipped by the global norm, 2 micro-batches a step: fsdp2's gradient norms are DDP's to rounding
     (its local gradients are rounded differently: not bit for bit), and the clip was active. Its step-5 checkpoint
     resumes under ddp on 3 ranks. (A whole state going into fsdp2's shards on 3 ranks: the test above.) Stock, and
     with the split tied embedding (whole on every rank, outside FSDP2) and `sharded`'s exchanges in FSDP2's hooks."""
-    same = ("--set", "optim.clip_norm=0.5", "--set", "train.accum_steps=2", "--set", "train.ckpt_every=5", *NO_EVAL)
-    runs = {s: tmp_path / s for s in ("ddp", "fsdp2")}
-    for s, run in runs.items():
-        r = train_ranks("--run-dir", str(run), "--set", f"sync.strategy={s}", "--set", "train.max_steps=10", *same,
-                        *(extra if s == "fsdp2" else ()))
-        assert "FutureWarning" not in r.stderr and "DeprecationWarning" not in r.stderr, r.stderr[-2000:]
+    same = CLIPPED
+    runs = {"ddp": clipped_ddp, "fsdp2": tmp_path / "fsdp2"}
+    r = train_ranks("--run-dir", str(runs["fsdp2"]), "--set", "sync.strategy=fsdp2", "--set", "train.max_steps=10",
+                    *same, *extra)
+    assert "FutureWarning" not in r.stderr and "DeprecationWarning" not in r.stderr, r.stderr[-2000:]
     norms = {s: [x["grad_norm"] for x in records(run / "steps.jsonl")] for s, run in runs.items()}
     assert len(norms["fsdp2"]) == 10 and max(norms["ddp"]) > 0.5
     assert all(abs(a - b) <= 1e-4 * b for a, b in zip(norms["fsdp2"], norms["ddp"])), norms

@@ -54,12 +54,12 @@ def test_names_states_and_wrappers_resolve():
     r = hooks.resolve(load({"name": BATCHED, "state": {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}})
                       .sync.hook)
     assert r.fn is powerSGD_hook.batched_powerSGD_hook and r.state_cls is powerSGD_hook.PowerSGDState
-    assert r.state_kwargs == {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2} and not r.lossless
+    assert r.state_kwargs == {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
     r = hooks.resolve(HookConfig(name=BF16_WRAPPER, wraps="powersgd", state={"matrix_approximation_rank": 2}))
     assert r.state_cls is powerSGD_hook.PowerSGDState and r.wire == "powersgd-bf16" and not r.one_collective
     r = hooks.resolve(HookConfig(name=POST_LOCAL, state={"subgroup": 2, "start_localSGD_iter": 3}))
     assert r.state_cls is post_localSGD_hook.PostLocalSGDState
-    assert hooks.resolve("allreduce").lossless and hooks.resolve(f"{T}.default_hooks.allreduce_hook").lossless
+    assert hooks.resolve("allreduce").wire == hooks.resolve(f"{T}.default_hooks.allreduce_hook").wire == "fp32"
     assert SyncConfig(hook={"name": "allreduce"}).hook == HookConfig(name="allreduce")  # code may pass a mapping
 
 
@@ -95,7 +95,7 @@ def test_per_class_hook_on_a_users_ddp_sends_each_class_in_its_wire_dtype(one_ra
     plain = verify.tiny_model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
     state, hook = hooks.per_class_hook(ddp, sync)  # the DDP itself will do: its "module." prefix is dropped
-    assert set(state.groups) == {"embedding", "norm_bias", "projection", "ffn"} and not state.lossless
+    assert set(state.groups) == {"embedding", "norm_bias", "projection", "ffn"}
     seen = []
 
     def spy(state, bucket):

@@ -83,8 +83,7 @@ class ResolvedHook:
     fn: Callable  # the hook to register: the wrapper already applied
     state_cls: type | None  # the state object to build; None: the process group is the state
     state_kwargs: dict
-    wire: str  # BucketRecord.wire_dtype
-    lossless: bool  # the exact mean (per_class: decided by the classes' wire dtypes when built)
+    wire: str  # BucketRecord.wire_dtype; whether the result is the exact mean is DDP's schedule's to say
     one_collective: bool
     per_class: bool = False
 
@@ -166,7 +165,7 @@ def resolve(hook: str | HookConfig | None) -> ResolvedHook | None:
         if cfg.wraps is not None or cfg.state:
             raise HookError("sync.hook.wraps" if cfg.wraps else "sync.hook.state",
                             "is not an option of per_class (its options are sync.classes.<class>)")
-        return ResolvedHook(PER_CLASS, per_class_allreduce_hook, None, {}, "per_class", True, True, True)
+        return ResolvedHook(PER_CLASS, per_class_allreduce_hook, None, {}, "per_class", True, True)
     fn = _lookup(name, key)
     if _is_wrapper(fn):
         if cfg.wraps is None:
@@ -181,13 +180,13 @@ def resolve(hook: str | HookConfig | None) -> ResolvedHook | None:
         wire = _WIRE.get(fn, fn.__name__)
         wire = wire if inner_wire == "fp32" else f"{inner_wire}-{wire}"
         # A compress wrapper casts around the wrapped hook's collectives: it issues what that hook issues
-        return ResolvedHook(label, fn(inner), cls, dict(cfg.state), wire, False, inner in _ONE_COLLECTIVE)
+        return ResolvedHook(label, fn(inner), cls, dict(cfg.state), wire, inner in _ONE_COLLECTIVE)
     if cfg.wraps is not None:
         raise HookError("sync.hook.wraps", f"is only for a wrapper hook; '{name}' wraps nothing")
     cls = _state_class(fn, key)
     _check_state(cls, cfg.state, name)
     return ResolvedHook(name, fn, cls, dict(cfg.state), _WIRE.get(fn, fn.__name__.removesuffix("_hook")),
-                        fn is default_hooks.allreduce_hook, fn in _ONE_COLLECTIVE)
+                        fn in _ONE_COLLECTIVE)
 
 
 def hook_problems(sync: SyncConfig) -> list[tuple[str, str]]:
@@ -253,7 +252,6 @@ class PerClassState:
         self.world = dist.get_world_size(process_group)
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         self.groups = {c: nccl.class_group(c, self.settings[c], ranks) for c in self.settings}
-        self.lossless = all(s.wire_dtype == "fp32" for s in self.settings.values())
 
 
 def per_class_hook(model, sync: SyncConfig, process_group=None) -> tuple[PerClassState, Callable]:

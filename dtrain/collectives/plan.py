@@ -109,7 +109,8 @@ class BucketingStrategy(StrategyFacts):
     its `sync_keys`).
 
     `overlap`: buckets are launched from the gradient hooks as soon as they are complete (in index order); otherwise
-    all of them at `wait()`. `lossless(settings)`: the averaged gradients equal the exact mean up to float rounding.
+    all of them at `wait()`. Whether the averaged gradients are the exact mean is its schedule's to say
+    (`Schedule.exact`).
     """
 
     overlap: ClassVar[bool] = True
