@@ -1,7 +1,8 @@
 """The registry of gradient synchronization strategies: `register(name)`, `get(name)`, `available()`,
 `attachable()`, `unused_keys(sync)` and `schedule_for(sync, model, world)`, what a sync section's strategy sends in
-a step (its own `schedule`), which the tuner, the simulator, the records and the dry run read. It imports none of its members: each strategy's module registers itself here
-(`dtrain.collectives.strategies` imports them all, and builds their handles).
+a step (its own `schedule`), which the tuner, the simulator, the records and the dry run read. It imports none of its
+members: each strategy's module registers itself here (`dtrain.collectives.strategies` imports them all, and builds
+their handles).
 
 A registered class is either a `GradSync` subclass (ddp, powersgd, noop, fsdp2, auto: they synchronize by themselves)
 or a `BucketingStrategy` (per_tensor, flat, bucketed, per_class: a pure plan that `PlannedSync` executes with the

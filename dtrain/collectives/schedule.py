@@ -66,8 +66,8 @@ class Collective:
 class HostWork:
     """Work a strategy adds on the computing thread, per step, as the benchmark times it (`--host-work`)."""
 
-    # "copy" (into or out of a flat buffer), "cast" (to 16 bits and back), "dtensor_step" (per tensor), "fsdp2_unit"
-    # and "fsdp2_unit_resharded" (FSDP2's work for one unit's forward and backward)
+    # "cast" (to 16 bits and back), "dtensor_step" (per tensor), "fsdp2_unit" and "fsdp2_unit_resharded" (FSDP2's
+    # work for one unit's forward and backward, per tensor)
     what: str
     nbytes: int  # bytes read, in all
     when: str  # "backward", "forward", "forward and backward", "optimizer"

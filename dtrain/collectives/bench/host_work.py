@@ -1,8 +1,6 @@
 """`--host-work`: what the host work a strategy adds on the computing thread costs on this machine, as its schedule
 names it (`dtrain.collectives.schedule.HostWork`):
 
-- `copy`: gradients or parameters copied into or out of one flat buffer, 8 tensors at a time (`torch.cat`-like
-  copies of a unit's tensors);
 - `fsdp2_unit` and `fsdp2_unit_resharded`: what FSDP2 adds to one unit's forward and backward beyond the same module
   unwrapped, with its parameters kept from forward to backward, or freed after forward and gathered again for
   backward: its hooks, its copies into and out of its flat buffers, the swaps between its sharded and gathered
@@ -28,9 +26,9 @@ import torch.distributed as dist
 
 from dtrain.collectives.bench.measure import Row
 
-HOST_WORK = ("copy", "cast", "dtensor_step", "fsdp2_unit", "fsdp2_unit_resharded")
+HOST_WORK = ("cast", "dtensor_step", "fsdp2_unit", "fsdp2_unit_resharded")
 REPEATS = 7
-TENSORS = 8  # tensors per copy (a unit's few weight matrices and vectors) and per optimizer step
+TENSORS = 8  # tensors per FSDP2 unit (a few weight matrices and vectors) and per optimizer step
 
 
 def _median_us(fn, repeats: int = REPEATS) -> float:
@@ -41,12 +39,6 @@ def _median_us(fn, repeats: int = REPEATS) -> float:
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
-
-
-def _copy_us(nbytes: int) -> float:
-    parts = [torch.randn(max(1, nbytes // 4 // TENSORS)) for _ in range(TENSORS)]
-    flat = torch.empty(sum(p.numel() for p in parts))
-    return _median_us(lambda: torch.cat(parts, out=flat))
 
 
 def _cast_us(nbytes: int) -> float:
@@ -101,13 +93,11 @@ def measure_host_work(sizes: list[int], group, nranks: int, device, emit) -> lis
     group = group if group is not None else dist.group.WORLD
     alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)  # FSDP2's units with no network
     emit(f"# host work on the computing thread ({', '.join(HOST_WORK)}): median of {REPEATS} each, per operation")
-    emit(f"#  {'work':>12}  {'size (B)':>10}  {'time (us)':>10}")
+    emit(f"#  {'work':>20}  {'size (B)':>10}  {'time (us)':>10}")
     rows = []
     for work in HOST_WORK:
         for nbytes in sizes:
-            if work == "copy":
-                us, size = _copy_us(nbytes), nbytes
-            elif work == "cast":
+            if work == "cast":
                 us, size = _cast_us(nbytes), nbytes
             elif work.startswith("fsdp2_unit"):  # per tensor, each of nbytes / TENSORS
                 us, size = _fsdp2_unit_us(nbytes, alone, work == "fsdp2_unit_resharded"), nbytes // TENSORS
@@ -118,6 +108,6 @@ def measure_host_work(sizes: list[int], group, nranks: int, device, emit) -> lis
             us = float(mean) / nranks
             rows.append(Row("host_work", size, 1, "float", "none", round(us, 3), 0.0, 0.0, None,
                             median_us=round(us, 3), work=work))
-            emit(f"#  {work:>12}  {size:>10}  {us:10.1f}", flush=True)
+            emit(f"#  {work:>20}  {size:>10}  {us:10.1f}", flush=True)
     emit("#")
     return rows

@@ -129,12 +129,12 @@ class Fsdp2Sync(GradSync):
     def schedule(cls, sync, model, world, accum_steps=1, ranks_per_node=None) -> Schedule:
         """Per unit (`Fsdp2Units`' buckets): its reduce-scatter when its last gradient is ready, waited for by `wait()`;
         its all-gather (in `gather_dtype`, FSDP2's mixed precision: not the exact parameters) issued as the next
-        forward starts (with `fsdp2_collectives`: at the optimizer step, `stepped`) and, with `reshard_after_forward`, again as the unit after it starts its
-        backward (FSDP2's prefetch), but for the root (the last), which keeps its parameters. Stock FSDP2 waits for
-        each on the computing thread where the device has no streams (`blocking`); `fsdp2_collectives: p2p` moves
-        them point to point. FSDP2's work for each unit on the computing thread (its hooks, and its copies into and
-        out of the flat buffers of its all-gathers and reduce-scatter) and its optimizer over DTensors are host
-        work. A split tied embedding, outside FSDP2, is
+        forward starts (with `fsdp2_collectives`: at the optimizer step, `stepped`) and, with
+        `reshard_after_forward`, again as the unit after it starts its backward (FSDP2's prefetch), but for the root
+        (the last), which keeps its parameters. Stock FSDP2 waits for each on the computing thread where the device
+        has no streams (`blocking`); `fsdp2_collectives: p2p` moves them point to point. FSDP2's work for each unit
+        on the computing thread (its hooks, and its copies into and out of the flat buffers of its all-gathers and
+        reduce-scatter) and its optimizer over DTensors are host work. A split tied embedding, outside FSDP2, is
         all-reduced as the split does it: its projection part and each lookup's rows, on the split's group."""
         named = ready_order(model)
         classes = from_config(sync)
