@@ -4,7 +4,6 @@ strategy by tests/test_strategies.py, at 2 and 3 ranks, with and without accumul
 
 import contextlib
 import copy
-import datetime
 import json
 
 import pytest
@@ -239,33 +238,17 @@ def test_unwaited_collectives_train_as_stock_fsdp2_with_them_in_flight(unwaited_
 MODES = ["stock", "async", "p2p"]
 
 
-def _split_modes_checked(rank: int, world: int, init: str, out: str) -> None:
-    """verify.run's ranks (`dtrain.engine.verify._worker`) for `fsdp2` with the split, once per mode of MODES in one
-    process group: {mode: {accum: {"fsdp2": result}}}."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    with ddist.rank_process():
-        results = {mode: {str(a): {"fsdp2": verify.check_strategy("fsdp2", a, 3, 0.01, [
-            "sync.classes.embedding.tied_split=true", f"sync.fsdp2_collectives={mode}"])} for a in (1, 2)}
-            for mode in MODES}
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(results, f)
-
-
 @pytest.fixture(scope="module")
-def split_checked(tmp_path_factory):
+def split_checked():
     """nproc -> the results of every mode, from one spawn of `nproc` ranks (not one per mode: interpreters' start-up
     is most of a check's time)."""
     done = {}
 
     def run(nproc: int) -> dict:
         if nproc not in done:
-            tmp = tmp_path_factory.mktemp(f"split{nproc}")
-            mp.spawn(_split_modes_checked, args=(nproc, str(tmp / "init"), str(tmp / "out.json")), nprocs=nproc,
-                     join=True)
-            done[nproc] = json.loads((tmp / "out.json").read_text())
+            done[nproc] = verify.run_cases(nproc, ["fsdp2"], {mode: [
+                "sync.classes.embedding.tied_split=true", f"sync.fsdp2_collectives={mode}"] for mode in MODES},
+                accums=(1, 2), steps=3)
         return done[nproc]
 
     return run

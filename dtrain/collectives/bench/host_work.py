@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.collectives.bench.measure import Row
+from dtrain.collectives.strategies.fsdp2 import fsdp2_api
 
 HOST_WORK = ("cast", "dtensor_step", "fsdp2_unit", "fsdp2_unit_resharded")
 REPEATS = 7
@@ -46,46 +47,43 @@ def _cast_us(nbytes: int) -> float:
     return _median_us(lambda: grad.copy_(grad.to(torch.bfloat16)))
 
 
+def _extra_per_tensor_us(fn, baseline) -> float:
+    """What `fn` takes beyond `baseline` (the same work without the wrapping that `fn` adds), per tensor of the
+    TENSORS both work on: 0 or more."""
+    return max(0.0, _median_us(fn) - _median_us(baseline)) / TENSORS
+
+
 def _dtensor_step_us(nbytes: int, group) -> float:
     """Per tensor: an AdamW step over TENSORS DTensors sharded on dim 0 over `group`, less the same step over their
     local shards."""
-    from torch.distributed.device_mesh import DeviceMesh  # DTensor's import costs about 0.8 s: only when asked
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Shard  # DTensor (its import costs about 0.8 s): only when asked
 
-    mesh = DeviceMesh.from_group(group, "cpu")
+    api = fsdp2_api()
+    mesh = api.DeviceMesh.from_group(group, "cpu")
     rows = max(dist.get_world_size(group), nbytes // 4 // TENSORS // 64)
     whole = [torch.randn(rows, 64) for _ in range(TENSORS)]
-    sharded = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in whole]
+    sharded = [torch.nn.Parameter(api.distribute_tensor(t, mesh, [Shard(0)])) for t in whole]
     local = [torch.nn.Parameter(p.to_local().clone()) for p in sharded]
-    times = []
-    for params in (sharded, local):
-        for p in params:
-            p.grad = torch.full_like(p, 1e-3)  # not randn_like: DTensor's random ops warn on a CPU mesh
-        opt = torch.optim.AdamW(params, lr=1e-4)
-        times.append(_median_us(opt.step))
-    return max(0.0, times[0] - times[1]) / TENSORS
+    for p in sharded + local:
+        p.grad = torch.full_like(p, 1e-3)  # not randn_like: DTensor's random ops warn on a CPU mesh
+    return _extra_per_tensor_us(torch.optim.AdamW(sharded, lr=1e-4).step, torch.optim.AdamW(local, lr=1e-4).step)
 
 
 def _fsdp2_unit_us(nbytes: int, alone, reshard: bool) -> float:
     """Per tensor: a unit of 4 Linear(d, d) layers (TENSORS tensors, `nbytes` in all) on 8 rows, so that its compute
     is small beside FSDP2's work: one forward and backward under `fully_shard` on the one-rank group `alone`, less
     the same on the plain module."""
-    from torch.distributed.device_mesh import DeviceMesh  # FSDP2 and DTensor: only when asked (about 0.8 s)
-    from torch.distributed.fsdp import fully_shard
-
+    api = fsdp2_api()
     d = max(1, int((nbytes / 4 / 4) ** 0.5))
-    torch.manual_seed(0)
-    plain = torch.nn.Sequential(*(torch.nn.Linear(d, d) for _ in range(4)))
-    wrapped = torch.nn.Sequential(*(torch.nn.Linear(d, d) for _ in range(4)))
-    fully_shard(wrapped, mesh=DeviceMesh.from_group(alone, "cpu"), reshard_after_forward=reshard)
+    plain, wrapped = (torch.nn.Sequential(*(torch.nn.Linear(d, d) for _ in range(4))) for _ in range(2))
+    api.fully_shard(wrapped, mesh=api.DeviceMesh.from_group(alone, "cpu"), reshard_after_forward=reshard)
     x = torch.randn(8, d)
-    times = []
-    for module in (wrapped, plain):
-        def step(module=module):
-            module(x).sum().backward()
-            module.zero_grad(set_to_none=True)
-        times.append(_median_us(step))
-    return max(0.0, times[0] - times[1]) / TENSORS
+
+    def step(module):
+        module(x).sum().backward()
+        module.zero_grad(set_to_none=True)
+
+    return _extra_per_tensor_us(lambda: step(wrapped), lambda: step(plain))
 
 
 def measure_host_work(sizes: list[int], group, nranks: int, device, emit) -> list[Row]:
@@ -94,15 +92,14 @@ def measure_host_work(sizes: list[int], group, nranks: int, device, emit) -> lis
     alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)  # FSDP2's units with no network
     emit(f"# host work on the computing thread ({', '.join(HOST_WORK)}): median of {REPEATS} each, per operation")
     emit(f"#  {'work':>20}  {'size (B)':>10}  {'time (us)':>10}")
+    measure = {"cast": _cast_us, "dtensor_step": lambda n: _dtensor_step_us(n, group),
+               "fsdp2_unit": lambda n: _fsdp2_unit_us(n, alone, False),
+               "fsdp2_unit_resharded": lambda n: _fsdp2_unit_us(n, alone, True)}
     rows = []
     for work in HOST_WORK:
         for nbytes in sizes:
-            if work == "cast":
-                us, size = _cast_us(nbytes), nbytes
-            elif work.startswith("fsdp2_unit"):  # per tensor, each of nbytes / TENSORS
-                us, size = _fsdp2_unit_us(nbytes, alone, work == "fsdp2_unit_resharded"), nbytes // TENSORS
-            else:  # per tensor, each of nbytes / TENSORS
-                us, size = _dtensor_step_us(nbytes, group), nbytes // TENSORS
+            us = measure[work](nbytes)
+            size = nbytes if work == "cast" else nbytes // TENSORS  # the others per tensor, each of nbytes / TENSORS
             mean = torch.tensor([us], dtype=torch.float64)
             dist.all_reduce(mean, group=group)
             us = float(mean) / nranks
