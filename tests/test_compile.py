@@ -27,7 +27,7 @@ BASE = ["model.dropout=0.0", "eval.at_end=false", "train.average_last=1", "model
 def one_rank(multi30k_dir):
     """A one-rank gloo group for this module's tests, gone after them: later tests start their own."""
     owned = not dist.is_initialized()
-    ddist.init(config_mod.RunConfig().dist)
+    ddist.init(config_mod.RunConfig().collectives)
     yield
     if owned:
         dist.destroy_process_group()
@@ -36,7 +36,7 @@ def one_rank(multi30k_dir):
 def losses(tmp_path, name, *overrides) -> list[tuple[float, float, bool]]:
     """(loss, grad_norm, skipped) of the first STEPS steps of the smoke profile with `overrides`."""
     cfg = config_mod.load("dtrain/profiles/smoke.yaml", [*BASE, *overrides])
-    trainer = Trainer(cfg, tmp_path / name, ddist.init(cfg.dist)[0], "gloo")
+    trainer = Trainer(cfg, tmp_path / name, ddist.init(cfg.collectives)[0], "gloo")
     # compiled in place: the module strategies wrap calls the compiled forward, and keeps its parameter names
     assert (trainer.model._compiled_call_impl is not None) == (cfg.train.compile != "off")
     assert all("_orig_mod" not in n for n in trainer.model.state_dict())

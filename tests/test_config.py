@@ -310,9 +310,15 @@ def test_a_recorded_config_of_an_earlier_version_still_loads(tmp_path):
     raw["collectives"]["classes"] = {"ffn": {"proto": "LL", "algo": "Ring", "min_ctas": None, "max_ctas": 4}}
     raw["sync"]["hook"] = "bf16_compress"  # per_class never read it
     path = tmp_path / "config.yaml"
+    raw["dist"]["timeout_s"] = 42.0  # the backend and its timeout were a section `dist`
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(UserError, match=r"config.yaml:\d+: 'dist' is part of 'collectives' now: write "
+                                        "collectives.backend and collectives.timeout_s$"):
+        config.load(path)  # as a profile: refused
+    dist = raw.pop("dist")
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(UserError, match="unknown key 'collectives.classes'"):
-        config.load(path)  # as a profile: refused
+        config.load(path)
     del raw["collectives"]["classes"]
     assert raw["collectives"]["default"]["proto"] is None  # named as NCCL's variables, now as a class's keys
     path.write_text(yaml.safe_dump(raw))
@@ -325,8 +331,10 @@ def test_a_recorded_config_of_an_earlier_version_still_loads(tmp_path):
         config.load(path)
     raw["collectives"]["classes"] = {"ffn": {"proto": "LL", "algo": "Ring", "min_ctas": None, "max_ctas": 4}}
     raw["collectives"]["default"]["algo"] = "Tree"
+    raw["dist"] = dist
     path.write_text(yaml.safe_dump(raw))
     cfg = config.load_recorded(path)
+    assert (cfg.collectives.backend, cfg.collectives.timeout_s) == ("auto", 42.0)
     ffn = cfg.sync.classes["ffn"]
     assert (ffn.protocol, ffn.algorithm, ffn.max_ctas) == ("LL", "Ring", 4)
     assert cfg.collectives.default.algorithm == "Tree"

@@ -8,7 +8,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook, powe
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.collectives import attach, config, hooks
-from dtrain.collectives.settings import HookConfig, SyncConfig
+from dtrain.collectives.settings import SyncConfig
 from dtrain.common.errors import UserError
 from dtrain.engine import verify
 
@@ -41,7 +41,9 @@ def load(hook, **sync):
      r"'sync.hook.state.x' is not an option of 'bf16_compress': its state is the process group"),
     ({"name": "per_class", "state": {"x": 1}}, r"'sync.hook.state' is not an option of per_class"),
     ({"state": {}}, r"'sync.hook.name' is required"),
-    ({"nam": "allreduce"}, r"unknown key 'sync.hook.nam'; did you mean 'sync.hook.name'\? \(known: name, state, wraps\)"),
+    ({"nam": "allreduce"}, r"'sync.hook.nam' is not a key of a hook's mapping; did you mean 'sync.hook.name'\? "
+                           r"\(known: name, wraps, state\)"),
+    ({"name": "powersgd", "state": 2}, r"'sync.hook.state' must be a mapping, got 2"),
 ])
 def test_a_bad_hook_is_one_line_naming_the_key(hook, expected):
     with pytest.raises(UserError, match=expected) as e:
@@ -55,12 +57,12 @@ def test_names_states_and_wrappers_resolve():
                       .sync.hook)
     assert r.fn is powerSGD_hook.batched_powerSGD_hook and r.state_cls is powerSGD_hook.PowerSGDState
     assert r.state_kwargs == {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
-    r = hooks.resolve(HookConfig(name=BF16_WRAPPER, wraps="powersgd", state={"matrix_approximation_rank": 2}))
+    r = hooks.resolve({"name": BF16_WRAPPER, "wraps": "powersgd", "state": {"matrix_approximation_rank": 2}})
     assert r.state_cls is powerSGD_hook.PowerSGDState and r.wire == "powersgd-bf16" and not r.one_collective
-    r = hooks.resolve(HookConfig(name=POST_LOCAL, state={"subgroup": 2, "start_localSGD_iter": 3}))
+    r = hooks.resolve({"name": POST_LOCAL, "state": {"subgroup": 2, "start_localSGD_iter": 3}})
     assert r.state_cls is post_localSGD_hook.PostLocalSGDState
     assert hooks.resolve("allreduce").wire == hooks.resolve(f"{T}.default_hooks.allreduce_hook").wire == "fp32"
-    assert SyncConfig(hook={"name": "allreduce"}).hook == HookConfig(name="allreduce")  # code may pass a mapping
+    assert hooks.resolve({"name": "allreduce"}).wire == "fp32"  # code may pass a mapping
 
 
 def test_class_settings_are_read_by_ddp_only_with_the_per_class_hook():
@@ -120,10 +122,10 @@ def test_per_class_hook_on_a_users_ddp_sends_each_class_in_its_wire_dtype(one_ra
     ("per_class", "fp32"),
     # batched_powerSGD_hook fails in torch 2.13 once it compresses (its _orthogonalize asserts a batch of
     # matrices and gets one): before start_powerSGD_iter it all-reduces, which is what runs here
-    (HookConfig(name=BATCHED, state={"matrix_approximation_rank": 1, "start_powerSGD_iter": 10}), "powersgd"),
-    (HookConfig(name=BF16_WRAPPER, wraps="powersgd", state={"start_powerSGD_iter": 2}), "powersgd-bf16"),
-    (HookConfig(name=POST_LOCAL, state={"subgroup": 1, "start_localSGD_iter": 2}), "post_localSGD"),
-    (HookConfig(name=BF16_WRAPPER, wraps="allreduce"), "bf16"),
+    ({"name": BATCHED, "state": {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10}}, "powersgd"),
+    ({"name": BF16_WRAPPER, "wraps": "powersgd", "state": {"start_powerSGD_iter": 2}}, "powersgd-bf16"),
+    ({"name": POST_LOCAL, "state": {"subgroup": 1, "start_localSGD_iter": 2}}, "post_localSGD"),
+    ({"name": BF16_WRAPPER, "wraps": "allreduce"}, "bf16"),
 ])
 def test_the_ddp_strategy_runs_any_named_hook_and_records_its_buckets(one_rank, hook, wire):
     model = verify.tiny_model()
@@ -136,14 +138,13 @@ def test_the_ddp_strategy_runs_any_named_hook_and_records_its_buckets(one_rank, 
     assert recs and all(r.wire_dtype == wire and 0 <= r.launch_ms <= r.complete_ms for r in recs)
     assert sum(r.nbytes for r in recs) == sum(p.numel() * 4 for p in model.parameters())
     assert handle.lossless == (hook == "per_class")
-    chained = isinstance(hook, HookConfig) and "powersgd" in f"{hook.name} {hook.wraps}".lower()
+    chained = isinstance(hook, dict) and "powersgd" in f"{hook['name']} {hook.get('wraps')}".lower()
     assert handle.serialize_buckets == chained  # PowerSGD's P and Q all-reduces: one bucket at a time
-    if isinstance(hook, HookConfig) and "powerSGD" in hook.name + (hook.wraps or ""):
+    if isinstance(hook, dict) and "powerSGD" in hook["name"] + (hook.get("wraps") or ""):
         assert isinstance(handle._registered[0], powerSGD_hook.PowerSGDState)
-        assert handle._registered[0].start_powerSGD_iter == hook.state["start_powerSGD_iter"]
+        assert handle._registered[0].start_powerSGD_iter == hook["state"]["start_powerSGD_iter"]
         assert handle._registered[0].iter == 3  # the state counted the steps
-    assert handle.stats()["hook"] == (hook if isinstance(hook, str) else {"name": hook.name, "wraps": hook.wraps,
-                                                                          "state": hook.state})
+    assert handle.stats()["hook"] == hook
 
 
 # -- two ranks ----------------------------------------------------------------------------------------------------

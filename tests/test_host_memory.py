@@ -25,7 +25,7 @@ from dtrain.engine.trainer import Trainer
 cfg = config_mod.load("dtrain/profiles/multi30k-cpu.yaml", ["data.max_tokens=1100", "eval.at_end=false", "model.N=1",
                                                         "model.d_model=64", "model.d_ff=128", "model.h=2", sys.argv[1]])
 with host_memory.kept_freed_memory(cfg.train.keep_host_memory, "cpu"):  # as dtrain.engine.train sets it
-    trainer = Trainer(cfg, sys.argv[2], ddist.init(cfg.dist)[0], "gloo")
+    trainer = Trainer(cfg, sys.argv[2], ddist.init(cfg.collectives)[0], "gloo")
     faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     per_step = []
     for step in range(8):

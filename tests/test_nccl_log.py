@@ -9,7 +9,7 @@ import pytest
 
 from dtrain.collectives import config, nccl
 from dtrain.collectives.tools.nccl import main
-from dtrain.collectives.settings import NcclSettings
+from dtrain.collectives.settings import ClassSettings
 from dtrain.common.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def test_a_bucket_off_its_choice_is_listed():
 def test_same_size_in_two_classes_and_unseen_buckets():
     buckets = [{"index": 0, "class": "a", "nbytes": 4096}, {"index": 1, "class": "b", "nbytes": 4096},
                {"index": 2, "class": "c", "nbytes": 8192}]
-    want = {"a": NcclSettings(protocol="LL"), "b": NcclSettings(protocol="Simple"), "c": NcclSettings()}
+    want = {"a": ClassSettings(protocol="LL"), "b": ClassSettings(protocol="Simple"), "c": ClassSettings()}
     ok = [nccl.Decision(1, "-", "allreduce", 4096, "Ring", "LL", 1),
           nccl.Decision(2, "-", "allreduce", 4096, "Ring", "Simple", 1),
           nccl.Decision(3, "-", "allreduce", 8192, "Tree", "LL", 1)]

@@ -14,7 +14,7 @@ from dtrain.collectives import config, nccl
 from dtrain.collectives import tensor_classes as tc
 from dtrain.collectives.tools import gpu_check
 from dtrain.collectives.tools.nccl import main
-from dtrain.collectives.settings import NcclSettings
+from dtrain.collectives.settings import ClassSettings
 from dtrain.common.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,6 +43,9 @@ PER_GROUP = {"projection": {"protocol": "LL", "algorithm": "Ring"},
     ({"mode": "pergroup"}, {}, "collectives.mode"),
     ({"default": {"protocol": "LL", "channels": 4}}, {}, "collectives.default.channels"),
     ({"default": {"algorithm": "PAT"}}, {}, "collectives.default.algorithm"),
+    ({"default": {"protocol": "LL", "wire_dtype": "bf16"}}, {}, "collectives.default.wire_dtype"),  # a class's key
+    ({"backend": "mpi"}, {}, "collectives.backend"),
+    ({"timeout_s": 0}, {}, "collectives.timeout_s"),
 ])
 def test_bad_sections_name_their_key(section, classes, key):
     with pytest.raises(UserError, match=f"'{key}'"):
@@ -54,6 +57,10 @@ def test_errors_name_the_profile_line(tmp_path):
     bad.write_text("sync:\n  strategy: per_class\n  classes:\n    ffn: {protocol: LL}\ncollectives:\n"
                    "  classes:\n    ffn: {proto: LL}\n")
     with pytest.raises(UserError, match=r"bad.yaml:7: unknown key 'collectives.classes'"):
+        config.load(bad)
+    bad.write_text("sync:\n  strategy: per_class\ncollectives:\n  default: {protocol: LL, match: 'ffn*'}\n")
+    with pytest.raises(UserError, match=r"bad.yaml:4: 'collectives.default.match' is a class's key, not NCCL's: "
+                                        r"collectives.default takes protocol, algorithm, min_ctas, max_ctas$"):
         config.load(bad)
     bad.write_text("sync:\n  strategy: per_class\n  classes:\n    ffn: {protocol: LL}\n")
     with pytest.raises(UserError, match=r"bad.yaml:4: 'sync.classes.ffn.protocol' needs collectives.mode per_group"):
@@ -100,19 +107,19 @@ def test_per_group_gives_each_class_its_variables_and_cta_options():
 def test_default_fills_what_a_class_leaves_open():
     cfg = cfg_of({"mode": "per_group", "default": {"protocol": "LL128"}},
                  {"projection": {"algorithm": "Ring"}, "embedding": {"protocol": "Simple"}})
-    assert nccl.resolve(cfg, "projection") == NcclSettings(protocol="LL128", algorithm="Ring")
-    assert nccl.resolve(cfg, "embedding") == NcclSettings(protocol="Simple")
-    assert nccl.resolve(cfg, "ffn") == NcclSettings(protocol="LL128")
+    assert nccl.resolve(cfg, "projection") == ClassSettings(protocol="LL128", algorithm="Ring")
+    assert nccl.resolve(cfg, "embedding") == ClassSettings(protocol="Simple")
+    assert nccl.resolve(cfg, "ffn") == ClassSettings(protocol="LL128")
 
 
 def test_what_the_strategy_passes_replaces_the_profiles_class_settings():
     cfg = cfg_of({"mode": "per_group", "default": {"algorithm": "Ring"}}, {"ffn": {"protocol": "LL128", "max_ctas": 4}})
-    assert nccl.resolve(cfg, "ffn") == NcclSettings(protocol="LL128", algorithm="Ring", max_ctas=4)
+    assert nccl.resolve(cfg, "ffn") == ClassSettings(protocol="LL128", algorithm="Ring", max_ctas=4)
     # What the strategy passes to class_group: a ClassSettings or its .nccl() mapping.
     settings = tc.from_config(cfg.sync).setting("ffn")
     assert nccl.resolve(cfg, "ffn", settings) == nccl.resolve(cfg, "ffn")
     assert nccl.resolve(cfg, "ffn", settings.nccl()) == nccl.resolve(cfg, "ffn")
-    assert nccl.resolve(cfg, "ffn", {"protocol": "Simple"}) == NcclSettings(protocol="Simple", algorithm="Ring")
+    assert nccl.resolve(cfg, "ffn", {"protocol": "Simple"}) == ClassSettings(protocol="Simple", algorithm="Ring")
     with pytest.raises(UserError, match="'sync.classes.ffn' sets NCCL choices"):
         nccl.resolve(cfg_of({"mode": "global"}), "ffn", {"protocol": "LL"})
 
@@ -259,7 +266,7 @@ def test_module_entry_point_runs():
 def test_gpu_check_profiles_are_valid_and_it_refuses_without_a_gpu(capsys):
     for mode in ("per_group", "tuner"):
         setup = nccl.build_groups(gpu_check.gpu_check_config(mode), log_dir="out")
-        assert setup.group("projection").settings == NcclSettings(protocol="LL", algorithm="Ring")
+        assert setup.group("projection").settings == ClassSettings(protocol="LL", algorithm="Ring")
         assert setup.process_env["NCCL_DEBUG_SUBSYS"] == "ENV,TUNING"
     if not torch.cuda.is_available():
         code, _, err = run_cli(capsys, "gpu-check", "--out", "unused")

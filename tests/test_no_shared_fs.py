@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent('''
     from dtrain.engine import checkpoint, config, startup
     from dtrain.engine.data import multi30k_split
     cfg = config.load(sys.argv[1])
-    ddist.init(cfg.dist)
+    ddist.init(cfg.collectives)
     def data(**kw):
         return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **kw))
     def outcome(fn):

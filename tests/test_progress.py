@@ -60,7 +60,7 @@ def fitted(tmp_path_factory, multi30k_dir):
     err = io.StringIO()  # not a terminal
     try:
         with contextlib.redirect_stderr(err):
-            Trainer(cfg, run, ddist.init(cfg.dist)[0], "gloo").fit()
+            Trainer(cfg, run, ddist.init(cfg.collectives)[0], "gloo").fit()
     finally:
         if owned:
             dist.destroy_process_group()

@@ -40,12 +40,12 @@ def test_crash_and_restart_matches_uninterrupted_run(tmp_path, straight_run):
 
 @pytest.mark.slow
 def test_hung_peer_fails_within_the_timeout(tmp_path):
-    """Rank 1 stops taking part at step 5: rank 0's all-reduce gives up after dist.timeout_s, with one line naming the
+    """Rank 1 stops taking part at step 5: rank 0's all-reduce gives up after collectives.timeout_s, with one line naming the
     phase. The two ranks get torchrun's environment but not its agent, which would then wait out its own grace
     period (30 s, torch.distributed.elastic's shutdown) for the hung rank: its SIGTERM handler only asks for a stop."""
     timeout, port = 6, free_port()
     cmd = [sys.executable, "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/smoke.yaml",
-           "--run-dir", str(tmp_path / "hang"), "--fault", "hang@step=5,rank=1", "--set", f"dist.timeout_s={timeout}",
+           "--run-dir", str(tmp_path / "hang"), "--fault", "hang@step=5,rank=1", "--set", f"collectives.timeout_s={timeout}",
            *NO_EVAL]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": "2"}
@@ -58,7 +58,7 @@ def test_hung_peer_fails_within_the_timeout(tmp_path):
         rank1.kill()  # hung for good, as intended
         rank1.wait()
     assert r.returncode != 0
-    m = re.search(r"rank 0: (.*) at step 5 failed after ([\d.]+) s \(dist.timeout_s = 6\)", r.stderr)
+    m = re.search(r"rank 0: (.*) at step 5 failed after ([\d.]+) s \(collectives.timeout_s = 6\)", r.stderr)
     assert m, r.stderr[-3000:]
     assert "all-reduce" in m.group(1)
     assert float(m.group(2)) <= timeout + 3

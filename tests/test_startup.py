@@ -90,7 +90,7 @@ DECISIONS = textwrap.dedent('''
     from dtrain.collectives import dist as ddist
     from dtrain.engine import config, startup
     cfg = config.load("dtrain/profiles/smoke.yaml")
-    ddist.init(cfg.dist)
+    ddist.init(cfg.collectives)
     good_run, empty_run, broken_run, blocked_cache = sys.argv[1:5]
     def outcome(fn):
         try:

@@ -22,7 +22,7 @@ def trainer(tmp_path, multi30k_dir):
     owned = not dist.is_initialized()
     cfg = config_mod.load("dtrain/profiles/smoke.yaml", ["train.accum_steps=2", "eval.at_end=false",
                                                   "train.average_last=1"])
-    yield Trainer(cfg, tmp_path / "run", ddist.init(cfg.dist)[0], "gloo")
+    yield Trainer(cfg, tmp_path / "run", ddist.init(cfg.collectives)[0], "gloo")
     if owned:
         dist.destroy_process_group()
 

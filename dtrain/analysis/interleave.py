@@ -77,7 +77,7 @@ def load_configs(matrix_path: str, overrides: list[str], only: str | None = None
         for what, a, b in (("train.max_steps", first.train.max_steps, cfg.train.max_steps),
                            ("train.sdpa_backend", first.train.sdpa_backend, cfg.train.sdpa_backend),
                            ("train.keep_host_memory", first.train.keep_host_memory, cfg.train.keep_host_memory),
-                           ("collectives", first.collectives, cfg.collectives), ("dist", first.dist, cfg.dist),
+                           ("collectives", first.collectives, cfg.collectives),
                            ("data", first.data, cfg.data), ("seed", first.seed, cfg.seed)):
             if a != b:
                 raise UserError(f"{matrix_path}: '{name}' and '{first_name}' differ in {what}; an interleaved job "
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         cells = load_configs(args.matrix, args.overrides, args.only)
         out = Path(args.out)
         nccl.apply_global(cells[0][1])  # the job's NCCL variables (the same for every cell); recorded on gloo
-        device, backend = ddist.init(cells[0][1].dist)
+        device, backend = ddist.init(cells[0][1].collectives)
         memory = ExitStack()  # freed host memory kept for the job where train.keep_host_memory asks (a CPU only)
         try:
             memory.enter_context(host_memory.kept_freed_memory(cells[0][1].train.keep_host_memory, device.type))

@@ -33,7 +33,7 @@ from dtrain.analysis.simulate import default_lanes, off_link_ms, play_timeline, 
 from dtrain.collectives import costmodel as cm
 from dtrain.collectives import dist as ddist
 from dtrain.collectives.bench import write_out
-from dtrain.collectives.settings import DistConfig
+from dtrain.collectives.settings import CollectivesConfig
 from dtrain.common.errors import ArgumentParser, UserError, exit_on_user_error
 from dtrain.common.files import check_writable
 
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
             raise UserError("--repeats must be at least 1")
         if args.json and args.json != "-" and ddist.env_rank()[0] == 0:  # rank 0 writes it
             check_writable(args.json, "--json")
-        device, backend = ddist.init(DistConfig())
+        device, backend = ddist.init(CollectivesConfig())
         try:
             if device.type != "cpu":
                 raise UserError(f"the replay sends CPU tensors over gloo; this job's backend is {backend}")

@@ -113,6 +113,9 @@ def check_key(key: str) -> str | None:
         if part not in names:
             return unknown("key", part, names, "".join(p + "." for p in parts[:i]))
         tp = typing.get_type_hints(cls)[part]
+        maps = [a for a in (typing.get_args(tp) or (tp,)) if typing.get_origin(a) is dict or a is dict]
+        if maps and not last and tp not in maps:  # a value or a free-form mapping (`sync.hook`): its keys are free
+            return None
         if typing.get_origin(tp) is dict or tp is dict:
             value = (typing.get_args(tp) or (None, None))[1]
             if not dataclasses.is_dataclass(value) or len(parts) <= i + 2:

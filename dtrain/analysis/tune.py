@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         if cfg.sync.strategy != "auto":
             raise UserError(f"{args.profile}: sync.strategy is '{cfg.sync.strategy}'; the search needs auto")
         nccl.apply_global(cfg)
-        device, backend = ddist.init(cfg.dist)
+        device, backend = ddist.init(cfg.collectives)
         try:
             out = Path(args.out)
 

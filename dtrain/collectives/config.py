@@ -1,6 +1,6 @@
 """The communication library's part of a profile: validation of its sections, and loading them on their own.
 
-`dtrain.engine.config` validates a whole profile and calls `validate` for `dist`, `sync` and `collectives`. The library's own
+`dtrain.engine.config` validates a whole profile and calls `validate` for `sync` and `collectives`. The library's own
 command-line tools (the benchmark, the NCCL tools) call `load`, which reads just those sections of a profile with the
 same strict loader and the same file:line errors; the engine's sections are left to the engine.
 """
@@ -13,29 +13,29 @@ from typing import Callable
 
 from dtrain.collectives import hooks
 from dtrain.collectives.nccl.settings import validate_config
-from dtrain.collectives.settings import CollectivesConfig, DistConfig, SyncConfig
+from dtrain.collectives.settings import CollectivesConfig, SyncConfig
 from dtrain.collectives.strategies import available, get, unused_keys
 from dtrain.collectives.tensor_classes import config_problems
 from dtrain.common.errors import UserError
 from dtrain.common.schema import Source, apply_overrides, build, read_overlay
 
-SECTIONS = ("dist", "sync", "collectives")
+SECTIONS = ("sync", "collectives")
 
 
 @dataclass(frozen=True)
 class CommConfig:
-    """The sections of a profile that `collectives` reads."""
+    """The two sections of a profile that `collectives` reads, as its own tools load them (the engine's `RunConfig`
+    holds the same two): a pair, with no setting of its own."""
 
-    dist: DistConfig = field(default_factory=DistConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     collectives: CollectivesConfig = field(default_factory=CollectivesConfig)
 
 
-def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check: Callable[[bool, str, str], None]
-             ) -> None:
-    """`check(ok, dotted_key, message)` for every rule of the three sections (the caller adds file and line)."""
-    check(dist.backend in ("auto", "gloo", "nccl"), "dist.backend", f"must be auto, gloo or nccl, got '{dist.backend}'")
-    check(dist.timeout_s > 0, "dist.timeout_s", "must be positive")
+def validate(sync: SyncConfig, coll: CollectivesConfig, check: Callable[[bool, str, str], None]) -> None:
+    """`check(ok, dotted_key, message)` for every rule of the two sections (the caller adds file and line)."""
+    check(coll.backend in ("auto", "gloo", "nccl"), "collectives.backend",
+          f"must be auto, gloo or nccl, got '{coll.backend}'")
+    check(coll.timeout_s > 0, "collectives.timeout_s", "must be positive")
     s = sync
     check(s.bucket_cap_mb is None or s.bucket_cap_mb > 0, "sync.bucket_cap_mb",
           f"must be positive or null, got {s.bucket_cap_mb}")
@@ -76,21 +76,29 @@ def validate(sync: SyncConfig, coll: CollectivesConfig, dist: DistConfig, check:
     validate_config(coll, s, check)  # collectives.* and the NCCL keys of sync.classes
 
 
+def refuse_moved(raw: dict, src: Source) -> None:
+    """A profile's `dist` section, whose keys are `collectives`' now: one line saying where they went."""
+    if "dist" in raw:
+        raise UserError(f"{src.where('dist')}: 'dist' is part of 'collectives' now: write collectives.backend and "
+                        "collectives.timeout_s")
+
+
 def from_dict(raw: dict, source: str | Source = "<dict>", lines: dict[str, int] | None = None) -> CommConfig:
     """The library's sections of a profile's raw mapping; the other sections are not read."""
     src = source if isinstance(source, Source) else Source(source, lines)
+    refuse_moved(raw, src)
     cfg = build(CommConfig, {k: v for k, v in raw.items() if k in SECTIONS}, "", src)
 
     def check(ok: bool, path: str, msg: str) -> None:
         if not ok:
             raise UserError(f"{src.where(path)}: '{path}' {msg}")
 
-    validate(cfg.sync, cfg.collectives, cfg.dist, check)
+    validate(cfg.sync, cfg.collectives, check)
     return cfg
 
 
 def load(path: str | Path, overrides: list[str] = ()) -> CommConfig:
-    """Read `dist`, `sync` and `collectives` of a profile (with its includes), with `--set` overrides of those
+    """Read `sync` and `collectives` of a profile (with its includes), with `--set` overrides of those
     sections."""
     raw, src = read_overlay(path)
     return from_dict(raw, apply_overrides(raw, src, overrides))

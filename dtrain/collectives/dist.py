@@ -13,7 +13,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from dtrain.collectives.settings import DistConfig
+from dtrain.collectives.settings import CollectivesConfig
 from dtrain.common.errors import UserError
 
 # One tensor per rank in, one tensor out: torch 2.13 names these `all_gather_single` and `reduce_scatter_single` and
@@ -28,18 +28,18 @@ def env_rank() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def choose_backend(cfg: DistConfig) -> str:
+def choose_backend(cfg: CollectivesConfig) -> str:
     if cfg.backend != "auto":
         return cfg.backend
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def device_for(cfg: DistConfig) -> torch.device:
+def device_for(cfg: CollectivesConfig) -> torch.device:
     """This rank's device under `cfg`: its GPU (torchrun's LOCAL_RANK) where the backend is NCCL, else the CPU."""
     return torch.device("cuda", env_rank()[1]) if choose_backend(cfg) == "nccl" else torch.device("cpu")
 
 
-def init(cfg: DistConfig) -> tuple[torch.device, str]:
+def init(cfg: CollectivesConfig) -> tuple[torch.device, str]:
     """Join the job's default process group; returns this rank's device and the backend.
 
     With NCCL the device is bound at init (`device_id`), so later `new_group` calls create their communicators

@@ -5,7 +5,7 @@ A DDP comm hook is `hook(state, bucket) -> Future[Tensor]`, registered with `Dis
 gradients; `parameters()`, `gradients()`, `index()`, `is_last()`) and copies the future's tensor back (torch docs,
 "DDP Communication Hooks").
 
-`sync.hook` (for strategy `ddp`) is a name, or a mapping {name, wraps, state} (`dtrain.collectives.settings.HookConfig`):
+`sync.hook` (for strategy `ddp`) is a name, or a mapping {name, wraps, state}, checked here (`hook_problems`):
 
     hook: bf16_compress                                     # a short name: STOCK_HOOKS, or per_class
     hook: {name: torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.batched_powerSGD_hook,
@@ -27,7 +27,7 @@ where its NCCL settings hang) in its wire dtype. DDP still decides the buckets, 
 
 from __future__ import annotations
 
-import dataclasses
+import difflib
 import importlib
 import inspect
 import typing
@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.collectives import nccl
 from dtrain.collectives import tensor_classes as tc
-from dtrain.collectives.settings import HookConfig, SyncConfig
+from dtrain.collectives.settings import SyncConfig
 from dtrain.common.errors import UserError
 
 TORCH_HOOKS = "torch.distributed.algorithms.ddp_comm_hooks"
@@ -88,13 +88,33 @@ class ResolvedHook:
     per_class: bool = False
 
 
-def as_config(hook: str | HookConfig | None) -> HookConfig | None:
-    return HookConfig(name=hook) if isinstance(hook, str) else hook
+# A hook's mapping: `name`, a short name (STOCK_HOOKS, per_class) or a dotted one under TORCH_HOOKS; `wraps`, for a
+# wrapper (fp16_compress_wrapper, bf16_compress_wrapper), the hook it wraps; `state`, the keyword arguments of the
+# (wrapped) hook's state object. A plain string is `{name: <string>}`.
+HOOK_KEYS = {"name": str, "wraps": str, "state": dict}
 
 
-def hook_name(hook: str | HookConfig | None) -> str | None:
-    cfg = as_config(hook)
-    return None if cfg is None else cfg.name
+def _spec(hook: str | dict | None) -> dict | None:
+    """`sync.hook` as a mapping of HOOK_KEYS ({name} for a plain string), each checked for its type."""
+    if hook is None or isinstance(hook, str):
+        return None if hook is None else {"name": hook, "wraps": None, "state": {}}
+    for key, value in hook.items():
+        if key not in HOOK_KEYS:
+            near = difflib.get_close_matches(str(key), HOOK_KEYS, n=1)
+            hint = f"; did you mean 'sync.hook.{near[0]}'?" if near else ""
+            raise HookError(f"sync.hook.{key}", f"is not a key of a hook's mapping{hint} (known: {', '.join(HOOK_KEYS)})")
+        if value is not None and not isinstance(value, HOOK_KEYS[key]):
+            need = "a mapping" if HOOK_KEYS[key] is dict else "a string"
+            raise HookError(f"sync.hook.{key}", f"must be {need}, got {value!r}")
+    return {"name": hook.get("name"), "wraps": hook.get("wraps"), "state": hook.get("state") or {}}
+
+
+def hook_name(hook: str | dict | None) -> str | None:
+    try:
+        spec = _spec(hook)
+    except HookError:  # a bad mapping names no hook; validation reports it
+        return None
+    return None if spec is None else spec["name"]
 
 
 def _lookup(name: str, key: str) -> Callable:
@@ -152,40 +172,40 @@ def _check_state(cls: type | None, kwargs: dict, label: str) -> None:
             raise HookError(f"{key}.{p}", f"is required by {cls.__name__} (for '{label}')")
 
 
-def resolve(hook: str | HookConfig | None) -> ResolvedHook | None:
+def resolve(hook: str | dict | None) -> ResolvedHook | None:
     """Check `sync.hook` and say what it names; a `HookError` names the bad key."""
-    cfg = as_config(hook)
-    if cfg is None:
+    spec = _spec(hook)
+    if spec is None:
         return None
-    if not cfg.name:
+    name, wraps, state = spec["name"], spec["wraps"], spec["state"]
+    if not name:
         raise HookError("sync.hook.name", "is required: a hook's short or dotted name")
-    name = cfg.name
-    key = "sync.hook.name" if isinstance(hook, HookConfig) else "sync.hook"
+    key = "sync.hook.name" if isinstance(hook, dict) else "sync.hook"
     if name == PER_CLASS:
-        if cfg.wraps is not None or cfg.state:
-            raise HookError("sync.hook.wraps" if cfg.wraps else "sync.hook.state",
+        if wraps is not None or state:
+            raise HookError("sync.hook.wraps" if wraps else "sync.hook.state",
                             "is not an option of per_class (its options are sync.classes.<class>)")
         return ResolvedHook(PER_CLASS, per_class_allreduce_hook, None, {}, "per_class", True, True)
     fn = _lookup(name, key)
     if _is_wrapper(fn):
-        if cfg.wraps is None:
+        if wraps is None:
             raise HookError("sync.hook.wraps", f"is required: '{name}' wraps another hook (name it)")
-        inner = _lookup(cfg.wraps, "sync.hook.wraps")
-        if cfg.wraps == PER_CLASS or _is_wrapper(inner):
-            raise HookError("sync.hook.wraps", f"must name a hook of torch's, not '{cfg.wraps}'")
+        inner = _lookup(wraps, "sync.hook.wraps")
+        if wraps == PER_CLASS or _is_wrapper(inner):
+            raise HookError("sync.hook.wraps", f"must name a hook of torch's, not '{wraps}'")
         cls = _state_class(inner, "sync.hook.wraps")
-        label = f"{name.rsplit('.', 1)[-1]}({cfg.wraps.rsplit('.', 1)[-1]})"
-        _check_state(cls, cfg.state, label)
+        label = f"{name.rsplit('.', 1)[-1]}({wraps.rsplit('.', 1)[-1]})"
+        _check_state(cls, state, label)
         inner_wire = _WIRE.get(inner, inner.__name__.removesuffix("_hook"))
         wire = _WIRE.get(fn, fn.__name__)
         wire = wire if inner_wire == "fp32" else f"{inner_wire}-{wire}"
         # A compress wrapper casts around the wrapped hook's collectives: it issues what that hook issues
-        return ResolvedHook(label, fn(inner), cls, dict(cfg.state), wire, inner in _ONE_COLLECTIVE)
-    if cfg.wraps is not None:
+        return ResolvedHook(label, fn(inner), cls, dict(state), wire, inner in _ONE_COLLECTIVE)
+    if wraps is not None:
         raise HookError("sync.hook.wraps", f"is only for a wrapper hook; '{name}' wraps nothing")
     cls = _state_class(fn, key)
-    _check_state(cls, cfg.state, name)
-    return ResolvedHook(name, fn, cls, dict(cfg.state), _WIRE.get(fn, fn.__name__.removesuffix("_hook")),
+    _check_state(cls, state, name)
+    return ResolvedHook(name, fn, cls, dict(state), _WIRE.get(fn, fn.__name__.removesuffix("_hook")),
                         fn in _ONE_COLLECTIVE)
 
 
@@ -308,7 +328,3 @@ def per_class_allreduce_hook(state, bucket):  # no annotations: DDP checks them,
 
     return torch.futures.collect_all([p[-1] for p in parts]).then(averaged)
 
-
-def describe(hook: str | HookConfig | None) -> str | dict | None:
-    """`sync.hook` for the run header: the name, or the mapping."""
-    return dataclasses.asdict(hook) if isinstance(hook, HookConfig) else hook

@@ -1,4 +1,12 @@
-"""Settings of the communication library: the profile sections `dist`, `sync` and `collectives`.
+"""Settings of the communication library: the profile sections `sync` and `collectives`, in four classes.
+
+- `SyncConfig` (`sync`): the strategy and its keys; a DDP comm hook (`sync.hook`) is a name or a plain mapping that
+  `dtrain.collectives.hooks` checks, since its options are the hook's own.
+- `ClassSettings` (`sync.classes.<name>`): one tensor class's rule and how its buckets travel. `collectives.default`
+  is one too, holding only NCCL keys, and a class's NCCL choices resolve to one (`dtrain.collectives.nccl.classes`):
+  each field has one declaration.
+- `TuneConfig` (`sync.tune`): how `auto` searches.
+- `CollectivesConfig` (`collectives`): the backend, its timeout, and how NCCL's choices are applied.
 
 Plain frozen dataclasses, loaded by the strict loader (`dtrain.common.schema`) as parts of a profile; the engine's
 `RunConfig` holds them. `collectives` reads nothing else of a profile.
@@ -19,6 +27,7 @@ from dtrain.common.schema import Source, build
 NCCL_PROTOCOLS = ("LL", "LL128", "Simple")
 NCCL_ALGORITHMS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+NCCL_KEYS = ("protocol", "algorithm", "min_ctas", "max_ctas")  # a class's NCCL keys, all `collectives.default` takes
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default bucket size, for the planned strategies too
 
 
@@ -26,12 +35,6 @@ def bucket_cap_mb(cap_mb: float | None) -> float:
     """A bucket cap as given (`sync.bucket_cap_mb`, a class's), DDP's default where null: the one place it is
     resolved."""
     return DEFAULT_BUCKET_CAP_MB if cap_mb is None else cap_mb
-
-
-@dataclass(frozen=True)
-class DistConfig:
-    backend: str = "auto"  # auto: nccl when CUDA is present, else gloo
-    timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -65,20 +68,8 @@ class ClassSettings:
         return int(bucket_cap_mb(self.bucket_cap_mb) * 1024 * 1024)
 
     def nccl(self) -> dict:
-        """The NCCL choices actually set (for `dtrain.collectives.nccl.class_group`)."""
-        keys = ("protocol", "algorithm", "min_ctas", "max_ctas")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
-
-
-@dataclass(frozen=True)
-class HookConfig:
-    """`sync.hook` as a mapping: a DDP comm hook that takes options (`dtrain.collectives.hooks` resolves and checks it).
-    A plain string is the same as `{name: <string>}`."""
-
-    name: str | None = None  # a short name (allreduce, fp16_compress, bf16_compress, powersgd, per_class) or a
-    # dotted name under torch.distributed.algorithms.ddp_comm_hooks
-    wraps: str | None = None  # for a wrapper (fp16_compress_wrapper, bf16_compress_wrapper): the hook it wraps
-    state: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the (wrapped) hook's state object
+        """The NCCL choices actually set (for `dtrain.collectives.nccl.class_group`); empty: NCCL decides."""
+        return {k: getattr(self, k) for k in NCCL_KEYS if getattr(self, k) is not None}
 
 
 @dataclass(frozen=True)
@@ -116,7 +107,8 @@ class SyncConfig:
     # bucketed, sharded: the last parameters backward completes, as few as hold this many MiB, in a bucket of their
     # own (its communication is exposed: a smaller one is done sooner after backward); None: no such bucket
     last_bucket_mb: float | None = None
-    hook: HookConfig | str | None = None  # ddp: a DDP comm hook by name, or {name, wraps, state} (dtrain.collectives.hooks)
+    # ddp: a DDP comm hook by name, or a mapping {name, wraps, state} (dtrain.collectives.hooks checks it)
+    hook: str | dict[str, Any] | None = None
     classes: dict[str, ClassSettings] = field(default_factory=dict)  # tensor class name -> its rule and settings
     # sharded with a class's tied_split: the tied embedding sharded by rows too, each lookup fetching its rows first
     shard_tied_split: bool = False
@@ -154,25 +146,14 @@ class SyncConfig:
             object.__setattr__(self, "classes", {
                 name: v if isinstance(v, ClassSettings) else build(ClassSettings, v, f"sync.classes.{name}", src)
                 for name, v in self.classes.items()})
-        if isinstance(self.hook, dict):  # code may give the hook's mapping too: the same loader, the same errors
-            object.__setattr__(self, "hook", build(HookConfig, self.hook, "sync.hook", Source("sync.hook")))
-
-
-@dataclass(frozen=True)
-class NcclSettings:
-    """NCCL choices of one communicator: `collectives.default`, and what a tensor class resolves to (its
-    `sync.classes.<name>` protocol/algorithm/CTA bounds over the default); null = NCCL decides. Validated and applied
-    by `dtrain.collectives.nccl`."""
-
-    protocol: str | None = None  # NCCL_PROTOCOLS
-    algorithm: str | None = None  # NCCL_ALGORITHMS
-    min_ctas: int | None = None
-    max_ctas: int | None = None
 
 
 @dataclass(frozen=True)
 class CollectivesConfig:
+    backend: str = "auto"  # auto: nccl when CUDA is present, else gloo
+    timeout_s: float = 600.0  # the process group's timeout: a collective waiting longer fails the job
     mode: str = "global"  # global | per_group | tuner
-    default: NcclSettings = field(default_factory=NcclSettings)  # every communicator; a class's keys override it
+    # NCCL's choices for every communicator (protocol, algorithm, min_ctas, max_ctas only); a class's keys override it
+    default: ClassSettings = field(default_factory=ClassSettings)
     parse_log: bool = False  # NCCL_DEBUG=INFO, SUBSYS=ENV,TUNING into a log file, checked against the bucket plan
     validated: bool = False  # the forced settings passed the benchmark's #wrong check on this platform

@@ -78,7 +78,7 @@ def candidates(cfg: RunConfig) -> list[Candidate]:
     # per-class NCCL choices: on NCCL, where each class's communicator gets its own (collectives.mode per_group or
     # tuner; global mode sets one choice for the job); bf16 parameters or exchanges where the forward runs under
     # bf16 autocast; stock FSDP2 predicted and listed, not measured
-    class_nccl = ddist.choose_backend(cfg.dist) == "nccl" and cfg.collectives.mode != "global"
+    class_nccl = ddist.choose_backend(cfg.collectives) == "nccl" and cfg.collectives.mode != "global"
     world = ddist.world_size()
     space = t.candidates or default_space(world, class_nccl, cfg.train.amp == "bf16", predicted_only=True)
     with torch.device("meta"):

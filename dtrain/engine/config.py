@@ -19,8 +19,9 @@ from typing import Any
 import torch
 import yaml
 
+from dtrain.collectives.config import refuse_moved
 from dtrain.collectives.config import validate as validate_comm
-from dtrain.collectives.settings import CollectivesConfig, DistConfig, SyncConfig
+from dtrain.collectives.settings import CollectivesConfig, SyncConfig
 from dtrain.collectives import strategies
 from dtrain.collectives.strategies import unused_keys
 from dtrain.collectives.auto.space import candidate_raw
@@ -153,7 +154,6 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     collectives: CollectivesConfig = field(default_factory=CollectivesConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -256,13 +256,14 @@ def _validate(cfg: RunConfig, src: Source) -> None:
     check(e.batch_size > 0, "eval.batch_size", "must be positive")
     check(e.max_len_b >= 0, "eval.max_len_b", "must be 0 or positive")
     check(e.length_penalty >= 0, "eval.length_penalty", "must be 0 or positive")
-    validate_comm(cfg.sync, cfg.collectives, cfg.dist, check)
+    validate_comm(cfg.sync, cfg.collectives, check)
 
 
 def from_dict(raw: dict, source: str | Source = "<dict>", lines: dict[str, int] | None = None) -> RunConfig:
     """A profile's raw mapping → a validated `RunConfig`; `source` (a name, or a `Source` with lines) for errors."""
     src = source if isinstance(source, Source) else Source(source, lines)
     _apply_preset(raw, src)
+    refuse_moved(raw, src)
     cfg = build(RunConfig, raw, "", src)
     _validate(cfg, src)
     if strategies.get(cfg.sync.strategy).searches:  # each candidate of the search is a profile of its own: checked now
@@ -342,9 +343,12 @@ _RECORDED_NCCL_KEYS = {"proto": "protocol", "algo": "algorithm", "min_ctas": "mi
 def upgrade_recorded(raw: dict, src: Source) -> dict:
     """A run's recorded config.yaml as this version reads it. Earlier versions wrote per-class NCCL choices under
     `collectives.classes.<class>` (proto, algo, min_ctas, max_ctas; now `sync.classes.<class>`), named
-    `collectives.default`'s `proto` and `algo` (now `protocol` and `algorithm`, as a class's) and could record a
-    knob that the run's strategy never read (now refused in a profile): the choices move, the ignored knobs go, so
-    that recorded runs stay readable."""
+    `collectives.default`'s `proto` and `algo` (now `protocol` and `algorithm`, as a class's), held the backend and
+    its timeout in a section `dist` (now `collectives.backend` and `collectives.timeout_s`) and could record a knob
+    that the run's strategy never read (now refused in a profile): the choices move, the ignored knobs go, so that
+    recorded runs stay readable."""
+    if isinstance(raw.get("dist"), dict):
+        raw.setdefault("collectives", {}).update(raw.pop("dist"))
     coll = raw.get("collectives")
     default = coll.get("default") if isinstance(coll, dict) else None
     for old, new in _RECORDED_NCCL_KEYS.items():  # `collectives.default` named them as NCCL's variables do

@@ -119,7 +119,7 @@ def main(argv=None) -> None:
         cfg = config_mod.load_recorded(run_dir / "config.yaml")
         overrides = {"split": args.split} | ({"beam": args.beam} if args.beam is not None else {})
         ecfg = EvalConfig(**{**cfg.eval.__dict__, **overrides})
-        device, _ = ddist.init(cfg.dist)
+        device, _ = ddist.init(cfg.collectives)
         if not (run_dir / "bpe.model").is_file():
             raise UserError(f"{run_dir}: no bpe.model (the run's tokenizer)")
         tokenizer = Tokenizer(run_dir / "bpe.model")

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         if args.dry_run:
             topo = cm.topology(args.topology) if args.topology else None  # a bad preset: before any output
             # its error (auto picking fp32 under bf16 exchanges) before any output too; the choice is printed below
-            _, amp = config_mod.resolve_amp(cfg, ddist.device_for(cfg.dist), main=False)
+            _, amp = config_mod.resolve_amp(cfg, ddist.device_for(cfg.collectives), main=False)
             print(config_mod.dump(cfg), end="")
             print(nccl.groups_text(cfg), end="")  # what each process group would get from NCCL
             print("\n".join(["# " + line for line in runplan.plan_lines(cfg, topo)]))
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         inactive = nccl_inactive(record)
         if inactive and ddist.env_rank()[0] == 0:
             print(inactive, file=sys.stderr, flush=True)
-        device, backend = ddist.init(cfg.dist)
+        device, backend = ddist.init(cfg.collectives)
         memory = ExitStack()  # freed host memory kept for the run where train.keep_host_memory asks (a CPU only)
         try:
             memory.enter_context(host_memory.kept_freed_memory(cfg.train.keep_host_memory, device.type))

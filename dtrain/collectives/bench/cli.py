@@ -24,7 +24,7 @@ from dtrain.collectives.bench.paths import ALIASES, DTYPES, NCCL_ONLY_OPS, OPS, 
 from dtrain.collectives.config import CommConfig
 from dtrain.collectives.config import load as load_comm_config
 from dtrain.collectives.nccl import class_group
-from dtrain.collectives.settings import DistConfig, bucket_cap_mb
+from dtrain.collectives.settings import CollectivesConfig, bucket_cap_mb
 from dtrain.common.errors import ArgumentParser, UserError, exit_on_user_error
 from dtrain.common.files import check_writable
 from dtrain.common.units import parse_size
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
             # Before the default group exists: sets the profile's job-wide NCCL variables and arms class_group, so
             # that the class's group gets its own protocol/algorithm (the #wrong check then validates them).
             nccl.apply_global(comm)
-        device, backend = ddist.init(comm.dist if comm is not None else DistConfig())
+        device, backend = ddist.init(comm.collectives if comm is not None else CollectivesConfig())
         try:
             return _bench(args, sizes, dtypes, colls, device, backend, comm)
         finally:

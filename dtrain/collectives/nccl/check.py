@@ -10,7 +10,7 @@ from dtrain.collectives.nccl.classes import resolved
 from dtrain.collectives.nccl.groups import run_record
 from dtrain.collectives.nccl.log import Decision, EnvSetting, read_logs
 from dtrain.collectives.nccl.settings import describe
-from dtrain.collectives.settings import NcclSettings
+from dtrain.collectives.settings import ClassSettings
 from dtrain.common import rundir
 from dtrain.common.errors import UserError
 from dtrain.common.jsonl import read_jsonl
@@ -42,11 +42,11 @@ def load_buckets(path: str | Path) -> list[dict]:
     return list(out.values())
 
 
-def _satisfies(d: Decision, s: NcclSettings) -> bool:
+def _satisfies(d: Decision, s: ClassSettings) -> bool:
     return (s.algorithm is None or d.algo == s.algorithm) and (s.protocol is None or d.proto == s.protocol)
 
 
-def check_decisions(decisions: list[Decision], buckets: list[dict], want: dict[str, NcclSettings]):
+def check_decisions(decisions: list[Decision], buckets: list[dict], want: dict[str, ClassSettings]):
     """Attribute each decision to the classes whose buckets have its size (TUNING lines name no communicator) and
     list the buckets whose observed choice differs from the requested one. Returns (table rows, mismatches)."""
     by_size: dict[int, set[str]] = {}
@@ -61,14 +61,14 @@ def check_decisions(decisions: list[Decision], buckets: list[dict], want: dict[s
         rows[key] = rows.get(key, 0) + 1
     mismatches = []
     for b in sorted(buckets, key=lambda b: (str(b["class"]), str(b["index"]))):
-        s = want.get(b["class"], NcclSettings())
+        s = want.get(b["class"], ClassSettings())
         seen = [d for d in grads if d.nbytes == b["nbytes"]]
         if not seen:
             mismatches.append({**b, "requested": describe(s), "observed": "no TUNING line of this size"})
             continue
         if s.protocol is None and s.algorithm is None:
             continue
-        peers = [want.get(c, NcclSettings()) for c in by_size[b["nbytes"]]]
+        peers = [want.get(c, ClassSettings()) for c in by_size[b["nbytes"]]]
         unexplained = [d for d in seen if not any(_satisfies(d, p) for p in peers)]
         if unexplained or not any(_satisfies(d, s) for d in seen):
             observed = sorted({f"{d.algo}/{d.proto}" for d in (unexplained or seen)})

@@ -3,10 +3,8 @@ min_ctas, max_ctas), field by field over `collectives.default`."""
 
 from __future__ import annotations
 
-import dataclasses
-
-from dtrain.collectives.nccl.settings import NCCL_KEYS, class_nccl, describe
-from dtrain.collectives.settings import NcclSettings
+from dtrain.collectives.nccl.settings import as_record, class_nccl, describe
+from dtrain.collectives.settings import NCCL_KEYS, ClassSettings
 from dtrain.collectives.tensor_classes import from_config
 from dtrain.common.errors import UserError
 
@@ -16,28 +14,28 @@ def class_names(cfg) -> list[str]:
     return [r.name for r in from_config(cfg.sync).rules]
 
 
-def merge(*layers: NcclSettings) -> NcclSettings:
-    """Field by field, the first layer that sets a value wins."""
-    return NcclSettings(**{k: next((getattr(s, k) for s in layers if getattr(s, k) is not None), None)
-                           for k in NCCL_KEYS})
+def merge(*layers: ClassSettings) -> ClassSettings:
+    """The NCCL keys, field by field: the first layer that sets a value wins (the other keys stay unset)."""
+    return ClassSettings(**{k: next((getattr(s, k) for s in layers if getattr(s, k) is not None), None)
+                            for k in NCCL_KEYS})
 
 
-def resolve(cfg, name: str, passed=None) -> NcclSettings:
-    """Class `name`'s NCCL choices: what the strategy passed to `class_group` (a class's `ClassSettings`, its `.nccl()`
-    mapping or NcclSettings; None: the profile's `sync.classes.<name>`), then `collectives.default`."""
+def resolve(cfg, name: str, passed=None) -> ClassSettings:
+    """Class `name`'s NCCL choices: what the strategy passed to `class_group` (a class's `ClassSettings` or its
+    `.nccl()` mapping; None: the profile's `sync.classes.<name>`), then `collectives.default`."""
     c = cfg.collectives
     own = class_nccl(cfg.sync.classes.get(name) if passed is None else passed)
-    if c.mode == "global" and own != NcclSettings():
+    if c.mode == "global" and own.nccl():
         raise UserError(f"'sync.classes.{name}' sets NCCL choices ({describe(own)}), which need "
                         f"collectives.mode per_group or tuner")
     return merge(own, c.default)
 
 
-def resolved(cfg) -> dict[str, NcclSettings]:
+def resolved(cfg) -> dict[str, ClassSettings]:
     """Every class's NCCL choices as the profile requests them (`resolve` of each of `class_names`)."""
     return {n: resolve(cfg, n) for n in class_names(cfg)}
 
 
 def requested(cfg) -> dict[str, dict]:
     """{class: {protocol, algorithm, min_ctas, max_ctas}} as requested: for the run header and the cost model."""
-    return {n: dataclasses.asdict(s) for n, s in resolved(cfg).items()}
+    return {n: as_record(s) for n, s in resolved(cfg).items()}

@@ -10,7 +10,6 @@ bounds go through ncclConfig_t (NCCL's environment-variable and communicator-con
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import inspect
 import json
@@ -25,11 +24,11 @@ import torch.distributed as dist
 from dtrain.collectives.dist import choose_backend
 from dtrain.collectives.nccl.classes import requested, resolve, resolved
 from dtrain.collectives.nccl.guards import NONBLOCKING_VAR, creates_class_groups, guards, nonblocking_init
-from dtrain.collectives.nccl.settings import class_nccl, describe
+from dtrain.collectives.nccl.settings import as_record, class_nccl, describe
 from dtrain.collectives.nccl.tuner import (CLASS_VAR, EXAMPLE_CONFIG_VAR, RULES_VAR, build_tuner, read_example_config,
                                     rules_path, tuner_lib_path, tuner_rules)
 from dtrain.collectives.nccl.versions import nccl_version, per_collective_syntax, version_str
-from dtrain.collectives.settings import NcclSettings
+from dtrain.collectives.settings import ClassSettings
 from dtrain.common.errors import UserError
 from dtrain.common.files import replace_atomically
 
@@ -39,7 +38,7 @@ _PATH_VARS = ("NCCL_TUNER_PLUGIN", RULES_VAR, EXAMPLE_CONFIG_VAR, "NCCL_DEBUG_FI
 @dataclass
 class GroupSettings:
     name: str  # "world" (the default group) or a tensor class
-    settings: NcclSettings
+    settings: ClassSettings
     env: dict[str, str] = field(default_factory=dict)  # set while its communicator is created, restored after
     options: dict[str, int] = field(default_factory=dict)  # ProcessGroupNCCL.Options().config fields
     files: dict[str, str] = field(default_factory=dict)  # what a file is for -> its path
@@ -68,7 +67,7 @@ class NcclSetup:
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def proto_algo_env(s: NcclSettings, version) -> dict[str, str]:
+def proto_algo_env(s: ClassSettings, version) -> dict[str, str]:
     """NCCL_PROTO/NCCL_ALGO for one setting; restricted to all-reduce where NCCL understands that (2.24 on)."""
     scope = "allreduce:" if per_collective_syntax(version) else ""
     env = {}
@@ -79,13 +78,13 @@ def proto_algo_env(s: NcclSettings, version) -> dict[str, str]:
     return env
 
 
-def cta_options(s: NcclSettings) -> dict[str, int]:
+def cta_options(s: ClassSettings) -> dict[str, int]:
     """Per-communicator CTA bounds go through ncclConfig_t (minCTAs/maxCTAs), never NCCL_MIN/MAX_CTAS, which NCCL
     reads once per process."""
     return {k: getattr(s, k) for k in ("min_ctas", "max_ctas") if getattr(s, k) is not None}
 
 
-def class_group_settings(mode: str, name: str, s: NcclSettings, version, rules_file: str | None) -> GroupSettings:
+def class_group_settings(mode: str, name: str, s: ClassSettings, version, rules_file: str | None) -> GroupSettings:
     """A class group's variables, options and files in `mode` (global: the job environment serves it)."""
     if mode == "per_group":
         return GroupSettings(name, s, proto_algo_env(s, version), cta_options(s))
@@ -127,7 +126,7 @@ def build_groups(cfg, version=None, log_dir: str | Path | None = None, tuner_lib
             read_example_config(example)
             warnings.append(f"{EXAMPLE_CONFIG_VAR}={example}: its rules apply to every communicator after the "
                             "classes' own")
-    groups = [GroupSettings("world", NcclSettings())]
+    groups = [GroupSettings("world", ClassSettings())]
     groups += [class_group_settings(c.mode, n, s, version, rules_file) for n, s in settings.items()]
     return NcclSetup(c.mode, version, process_env, files, groups, warnings)
 
@@ -145,7 +144,7 @@ def render_groups(setup: NcclSetup, backend: str = "nccl") -> str:
     for g in setup.groups:
         head = "world (default group)" if g.name == "world" else f"class {g.name}"
         out.append(f"  group {head}: {describe(g.settings)}")
-        if setup.mode == "global" and g.settings != NcclSettings():
+        if setup.mode == "global" and g.settings.nccl():
             out.append("    env: the job environment above")
         if g.env:
             out.append("    env while its communicator is created, restored after its barrier: "
@@ -161,7 +160,7 @@ def render_groups(setup: NcclSetup, backend: str = "nccl") -> str:
 def groups_text(cfg, version=None, backend: str | None = None) -> str:
     """For `dtrain.engine.train --dry-run`: this profile's group settings (NCCL version: the runtime's when CUDA is
     present)."""
-    backend = backend or choose_backend(cfg.dist)
+    backend = backend or choose_backend(cfg.collectives)
     version = version if version is not None else nccl_version()
     return render_groups(build_groups(cfg, version), backend)
 
@@ -263,7 +262,7 @@ def apply_global(cfg, backend: str | None = None, version=..., factory=None, log
     tuner plugin, debug log), builds the plugin in tuner mode, and arms `class_group`. Returns the run-header record,
     which `run_record()` completes as groups are created. On gloo nothing is set: requested, not applied."""
     global _STATE
-    backend = backend or choose_backend(cfg.dist)
+    backend = backend or choose_backend(cfg.collectives)
     applied = backend == "nccl"
     if applied and dist.is_initialized():
         raise RuntimeError("dtrain.collectives.nccl.apply_global must run before init_process_group: the default group's "
@@ -283,7 +282,7 @@ def apply_global(cfg, backend: str | None = None, version=..., factory=None, log
         "mode": setup.mode, "backend": backend, "applied": applied,
         "status": "applied" if applied else f"requested, not applied (backend {backend})",
         "nccl_version": version_str(version) if version else None,
-        "requested": {"default": dataclasses.asdict(cfg.collectives.default), "classes": requested(cfg)},
+        "requested": {"default": as_record(cfg.collectives.default), "classes": requested(cfg)},
         "job_env": setup.process_env, "files": sorted(setup.files), "groups": [], "warnings": warnings,
     }
     _STATE = _State(cfg, backend, setup, factory or TorchGroups(), record)
@@ -317,11 +316,11 @@ def class_group(name: str, settings=None, ranks: list[int] | None = None):
     g = state.setup.group(name)
     if g is None or g.settings != want:  # a class the setup did not list, or settings the strategy changed
         g = class_group_settings(mode, name, want, state.setup.version, state.setup.process_env.get(RULES_VAR))
-    entry = {"class": name, "ranks": ranks, "requested": dataclasses.asdict(want), "env": g.env,
+    entry = {"class": name, "ranks": ranks, "requested": as_record(want), "env": g.env,
              "options": g.options, "files": g.files}
     if state.backend != "nccl" or mode == "global":
         pg = state.factory.new_group(ranks, {}, f"dtrain:{name}")
-        entry["applied"] = "job environment" if state.backend == "nccl" and want != NcclSettings() else False
+        entry["applied"] = "job environment" if state.backend == "nccl" and bool(want.nccl()) else False
         state.record["groups"].append(entry)
         return pg
     if nonblocking_init():
@@ -347,7 +346,7 @@ def attached_group(name: str, settings=None, ranks: list[int] | None = None):
     per_group mode, which needs nothing set before `init_process_group`; elsewhere, or with no choice, a plain group."""
     want = class_nccl(settings)
     factory = TorchGroups()
-    if want == NcclSettings() or dist.get_backend() != "nccl":
+    if not want.nccl() or dist.get_backend() != "nccl":
         return factory.new_group(ranks, {}, f"dtrain:{name}")
     if nonblocking_init():
         raise UserError(f"'sync.classes.{name}' sets NCCL choices ({describe(want)}), which are applied while its "

@@ -7,7 +7,7 @@ import os
 
 from dtrain.collectives import registry
 from dtrain.collectives.nccl.versions import per_collective_syntax, version_str
-from dtrain.collectives.settings import NcclSettings
+from dtrain.collectives.settings import ClassSettings
 from dtrain.common.errors import UserError
 
 NONBLOCKING_VAR = "TORCH_NCCL_USE_COMM_NONBLOCKING"
@@ -34,7 +34,7 @@ def nonblocking_init() -> bool:
     return os.environ.get(NONBLOCKING_VAR, "0") not in ("0", "")
 
 
-def guards(cfg, version, settings: dict[str, NcclSettings]) -> list[str]:
+def guards(cfg, version, settings: dict[str, ClassSettings]) -> list[str]:
     """Errors (raised as UserError) and warnings (returned) for these settings under this NCCL version."""
     c, warn = cfg.collectives, []
     vs = version_str(version)
@@ -69,7 +69,7 @@ def guards(cfg, version, settings: dict[str, NcclSettings]) -> list[str]:
     return warn
 
 
-def _forced_warnings(cfg, forced: dict[str, NcclSettings]) -> list[str]:
+def _forced_warnings(cfg, forced: dict[str, ClassSettings]) -> list[str]:
     """Settings forced through the environment: LL128 (NCCL's maintainers call NCCL_PROTO a debugging knob; forced
     where NCCL disables LL128 it can give wrong results), and algorithms that need hardware NCCL may not find."""
     c, warn = cfg.collectives, []

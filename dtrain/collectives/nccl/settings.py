@@ -6,9 +6,10 @@ Imports nothing of `dtrain.collectives.config`, which calls `validate_config` wh
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
-from dtrain.collectives.settings import NCCL_ALGORITHMS, NCCL_PROTOCOLS, NcclSettings
+from dtrain.collectives.settings import NCCL_ALGORITHMS, NCCL_KEYS, NCCL_PROTOCOLS, ClassSettings
 
 MODES = ("global", "per_group", "tuner")
 COLLECTIVES = ("broadcast", "reduce", "allgather", "reducescatter", "allreduce")  # ncclFunc_t 0..4
@@ -18,21 +19,23 @@ PLUGIN_ALGOS = ("tree", "ring", "collnet_direct", "collnet_chain", "nvls", "nvls
 PLUGIN_PROTOS = ("ll", "ll128", "simple")
 # NCCL's cost model (src/graph/tuning.cc) has no LL/LL128 cell for these algorithms, and no PAT cell for AllReduce.
 SIMPLE_ONLY = ("CollNetDirect", "CollNetChain", "NVLS", "NVLSTree")
-NCCL_KEYS = ("protocol", "algorithm", "min_ctas", "max_ctas")  # NcclSettings' fields, a class's keys of the same name
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def class_nccl(obj) -> NcclSettings:
-    """The NCCL choices of a class: from None, NcclSettings, a `ClassSettings` (attributes protocol/algorithm/min_ctas/
-    max_ctas), or a mapping with those keys (what `ClassSettings.nccl()` gives)."""
-    if obj is None or isinstance(obj, NcclSettings):
-        return obj or NcclSettings()
-    if isinstance(obj, dict):
-        return NcclSettings(**{k: v for k, v in obj.items() if k in NCCL_KEYS})
-    return NcclSettings(**{k: getattr(obj, k, None) for k in NCCL_KEYS})
+def class_nccl(obj) -> ClassSettings:
+    """The NCCL choices of a class, as a `ClassSettings` holding only them: from None, a `ClassSettings`, or a mapping
+    with those keys (what `ClassSettings.nccl()` gives)."""
+    if obj is None:
+        return ClassSettings()
+    return ClassSettings(**{k: v for k, v in (obj if isinstance(obj, dict) else obj.nccl()).items() if k in NCCL_KEYS})
 
 
-def describe(s: NcclSettings) -> str:
+def as_record(s: ClassSettings) -> dict:
+    """The four NCCL keys of `s`, null where NCCL decides: what the run's records and the cost model read."""
+    return {k: getattr(s, k) for k in NCCL_KEYS}
+
+
+def describe(s: ClassSettings) -> str:
     parts = [f"{k} {getattr(s, k)}" for k in NCCL_KEYS if getattr(s, k) is not None]
     return ", ".join(parts) or "NCCL decides"
 
@@ -41,10 +44,14 @@ def validate_config(coll, sync, check) -> None:
     """Check `collectives` (a CollectivesConfig) and the NCCL keys of `sync.classes` (a SyncConfig's);
     `check(ok, dotted_path, message)` raises the config error. Types and unknown keys are the loader's."""
     check(coll.mode in MODES, "collectives.mode", f"must be one of {', '.join(MODES)}, got '{coll.mode}'")
+    other = next((f.name for f in dataclasses.fields(ClassSettings) if f.name not in NCCL_KEYS
+                  and getattr(coll.default, f.name) != f.default), None)
+    check(other is None, f"collectives.default.{other}",
+          f"is a class's key, not NCCL's: collectives.default takes {', '.join(NCCL_KEYS)}")
     _check_choice(coll.default, "collectives.default", check)
     for name, spec in sync.classes.items():
         s = class_nccl(spec)
-        if s == NcclSettings():
+        if not s.nccl():
             continue
         path = f"sync.classes.{name}"
         first = next(k for k in NCCL_KEYS if getattr(s, k) is not None)
@@ -56,7 +63,7 @@ def validate_config(coll, sync, check) -> None:
         _check_choice(s, path, check)
 
 
-def _check_choice(s: NcclSettings, path: str, check) -> None:
+def _check_choice(s: ClassSettings, path: str, check) -> None:
     """One setting's protocol, algorithm and CTA bounds under `path`."""
     check(s.protocol is None or s.protocol in NCCL_PROTOCOLS, f"{path}.protocol",
           f"unknown protocol '{s.protocol}' (NCCL's: {', '.join(NCCL_PROTOCOLS)})")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dtrain.collectives.nccl.classes import resolve, resolved
 from dtrain.collectives.nccl.settings import COLLECTIVES, PLUGIN_ALGOS, PLUGIN_PROTOS, describe
-from dtrain.collectives.settings import NCCL_ALGORITHMS, NCCL_PROTOCOLS, NcclSettings
+from dtrain.collectives.settings import NCCL_ALGORITHMS, NCCL_PROTOCOLS, ClassSettings
 from dtrain.common.errors import UserError
 from dtrain.common.paths import cache_root
 
@@ -82,7 +82,7 @@ def example_tuner_csv(cfg, name: str, nproc: int, nnodes: int, channels: int, pr
     so every collective gets a line, every size is covered and every line has an explicit channel count; a choice
     left to NCCL becomes ring/simple, the only cell valid for every collective."""
     nranks = nproc * nnodes
-    s = NcclSettings() if name == "world" else resolve(cfg, name)
+    s = ClassSettings() if name == "world" else resolve(cfg, name)
     algo = PLUGIN_ALGOS[NCCL_ALGORITHMS.index(s.algorithm)] if s.algorithm else "ring"
     proto = PLUGIN_PROTOS[NCCL_PROTOCOLS.index(s.protocol)] if s.protocol else "simple"
     ch = s.max_ctas or channels

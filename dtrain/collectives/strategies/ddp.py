@@ -214,4 +214,4 @@ class DDPSync(GradSync):
 
     def stats(self):
         return {**super().stats(), "bucket_cap_mb": self.cfg.bucket_cap_mb,
-                "first_bucket_mb": self.cfg.first_bucket_mb, "hook": hooks.describe(self.cfg.hook)}
+                "first_bucket_mb": self.cfg.first_bucket_mb, "hook": self.cfg.hook}

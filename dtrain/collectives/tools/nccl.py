@@ -30,7 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--nccl-version", help="render for this NCCL (default: the runtime's, else >= 2.24)")
-    p.add_argument("--backend", choices=("nccl", "gloo"), help="default: the profile's dist.backend choice")
+    p.add_argument("--backend", choices=("nccl", "gloo"), help="default: the profile's collectives.backend choice")
     sub.add_parser("build-tuner", help="compile dtrain's NCCL tuner plugin; prints its path")
     t = sub.add_parser("tuner-config", help="the rules as CSV for NCCL's example tuner plugin, one per communicator")
     t.add_argument("--profile", required=True)
