@@ -116,16 +116,16 @@ def train_ranks(*args, nproc=2, check=True, timeout=300):
                         check=check, timeout=timeout)
 
 
-def launch_ranks(args, nproc=2, check=True, timeout=300, cwd=REPO):
+def launch_ranks(args, nproc=2, check=True, timeout=300, cwd=REPO, env=None):
     """`python ARGS` (a module or a script) on `nproc` local ranks, started as torchrun starts its workers (RANK,
     WORLD_SIZE, LOCAL_RANK, a rendezvous on a free port) but without its agent, whose own start-up (torch imported
     once more, a rendezvous) costs seconds of each test. Where a rank fails the others are stopped, as the agent does.
     Returns a CompletedProcess: the ranks' output in rank order, the first failed rank's status (or 0); `check`
-    asserts status 0."""
+    asserts status 0; `env`: variables added to this process's."""
     port = free_port()
     cmd = [sys.executable, *map(str, args)]
     procs = [subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={
-        **os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        **os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
         "GROUP_RANK": "0"}) for r in range(nproc)]
     with ThreadPoolExecutor(nproc) as pool:  # read every rank's pipes while they run
@@ -187,6 +187,23 @@ def straight_run(tmp_path_factory):
             train_ranks("--run-dir", str(run), "--set", "train.max_steps=30", *NO_EVAL)
             done.touch()
     return run
+
+
+def in_process(main, *argv, cwd=None) -> subprocess.CompletedProcess:
+    """A command's `main(argv)` run in this process, as `python -m <its module> argv` would run it: its exit status
+    (SystemExit's, else 0), stdout and stderr. For the commands that neither train nor change the process (checks,
+    dry runs, one-line errors), without a second interpreter's seconds of importing torch."""
+    out, err, code, here = io.StringIO(), io.StringIO(), 0, os.getcwd()
+    os.chdir(cwd or REPO)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = main([str(a) for a in argv])
+        code = status if isinstance(status, int) else 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def checkpoint_diff(a, b) -> str:

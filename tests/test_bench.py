@@ -3,9 +3,6 @@ and a 2-rank sweep (sizes and the bus-bandwidth factor: tests/test_units.py; the
 under torchrun: tests/test_nccl_tests_format.py)."""
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -15,7 +12,7 @@ import torch.distributed as dist
 from dtrain.collectives import bench
 from dtrain.collectives.bench.groups import all_reduce_together
 from dtrain.collectives.costmodel.measurements import read_measurements
-from conftest import REPO
+from conftest import launch_ranks
 from dtrain.common.errors import UserError
 from dtrain.common.units import bus_factor
 
@@ -385,12 +382,9 @@ def test_out_of_place_keeps_its_input(one_rank_group):
 @pytest.mark.slow
 def test_two_rank_sweep_on_loopback(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "dtrain.collectives.bench", "-b", "8", "-e", "1M", "-f", "32", "-w", "1", "-n", "3", "--class", "ffn",
+    cmd = ["-m", "dtrain.collectives.bench", "-b", "8", "-e", "1M", "-f", "32", "-w", "1", "-n", "3", "--class", "ffn",
            "--json", str(out), "--csv", str(tmp_path / "bench.csv"), "--overlap", "256"]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    r = launch_ranks(cmd, timeout=120)
     assert "nRanks 2 backend gloo" in r.stdout and "group: class ffn" in r.stdout
     assert "# nThread 1 nGpus 1 minBytes 8 maxBytes 1048576 step: 32(factor)" in r.stdout
     assert "# Out of bounds values : 0 OK" in r.stdout and "# Avg bus bandwidth    : " in r.stdout
@@ -421,12 +415,9 @@ def test_two_rank_sweep_on_loopback(tmp_path):
 @pytest.mark.slow
 def test_groups_time_several_process_groups_at_once(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "dtrain.collectives.bench", "-b", "64K", "-e", "256K", "-f", "4", "-w", "1", "-n", "2", "--path", "raw",
+    cmd = ["-m", "dtrain.collectives.bench", "-b", "64K", "-e", "256K", "-f", "4", "-w", "1", "-n", "2", "--path", "raw",
            "--groups", "3", "--json", str(out)]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    r = launch_ranks(cmd, timeout=120)
     rows = json.loads(out.read_text())
     together = [row for row in rows if row["path"] == "groups"]
     # k = 1, 2, 3 groups, each all-reducing the sweep's largest size; the others are the sweep's rows

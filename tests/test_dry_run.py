@@ -10,10 +10,11 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import in_process
 
 import dtrain.train
 from dtrain.analysis.simulate import flop_timeline, predict
+from dtrain.analysis.simulate.__main__ import main as simulate_main
 from dtrain.collectives import costmodel as cm
 from dtrain.engine import config as config_mod
 from dtrain.engine import runplan
@@ -22,11 +23,11 @@ from dtrain.engine.host_cpu import bf16_native
 
 
 def dry_run(*args):
-    return subprocess.run([sys.executable, "-m", "dtrain.engine.train", "--dry-run", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    """`python -m dtrain.engine.train --dry-run ARGS`, its `main` run in this process (a dry run changes nothing of
+    the process; the command itself, from another folder, is run by the README's test below)."""
+    return in_process(engine_train.main, "--dry-run", *args)
 
 
-@pytest.mark.slow
 def test_plan_of_the_wmt14_base_profile_on_two_nodes():
     r = dry_run("--profile", "dtrain/profiles/wmt14-en-de-base.yaml", "--topology", "h100x8-ib:2",
                 "--set", "train.accum_steps=2")
@@ -44,7 +45,6 @@ def test_plan_of_the_wmt14_base_profile_on_two_nodes():
             "--topology h100x8-ib:2") in r.stdout
 
 
-@pytest.mark.slow
 def test_without_topology_the_plan_is_for_this_launch():
     r = dry_run("--profile", "dtrain/profiles/wmt14-en-de-big.yaml")
     assert r.returncode == 0, r.stderr
@@ -52,24 +52,21 @@ def test_without_topology_the_plan_is_for_this_launch():
     assert "300 in all, the last 20 kept" in r.stdout and "MODELED" not in r.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("args,expected", [
     (["--dry-run", "--topology", "h100x8-ib:1"], "topology 'h100x8-ib:1': give the node count (>= 2)"),
     (["--topology", "h100x8"], "--topology is read by --dry-run only"),
 ])
 def test_bad_topology_is_one_line_and_prints_nothing(args, expected):
-    r = subprocess.run([sys.executable, "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/wmt14-en-de-base.yaml", *args],
-                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    r = in_process(engine_train.main, "--profile", "dtrain/profiles/wmt14-en-de-base.yaml", *args)
     assert r.returncode == 2 and r.stdout == ""
     assert expected in r.stderr and r.stderr.strip().count("\n") == 0
 
 
-@pytest.mark.slow
 def test_simulator_plan_is_the_predicted_step_of_the_profiles_strategy():
     profile, topology = "dtrain/profiles/wmt14-en-de-big.yaml", "h100x8"
     command = shlex.split(runplan.simulator_command(profile, [], topology))
     assert command[:3] == ["python", "-m", "dtrain.analysis.simulate"]
-    r = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, cwd=REPO, timeout=120)
+    r = in_process(simulate_main, *command[3:])
     assert r.returncode == 0, r.stderr
     out = r.stdout
     cfg = config_mod.load(profile)
@@ -82,10 +79,8 @@ def test_simulator_plan_is_the_predicted_step_of_the_profiles_strategy():
     assert out.splitlines()[0] == "# MODELED (no measurement)"
 
 
-@pytest.mark.slow
 def test_simulator_plan_needs_a_profile():
-    r = subprocess.run([sys.executable, "-m", "dtrain.analysis.simulate", "--plan", "--topology", "h100x8"],
-                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    r = in_process(simulate_main, "--plan", "--topology", "h100x8")
     assert r.returncode == 2 and "--plan takes --profile and --topology" in r.stderr and r.stdout == ""
 
 
@@ -121,7 +116,6 @@ def test_the_readme_s_form_from_another_folder_finds_the_shipped_profile(tmp_pat
     assert r.returncode == 0 and "name: mine" in r.stdout, r.stderr
 
 
-@pytest.mark.slow
 def test_the_dry_run_says_what_amp_auto_picks_here():
     native, reason = bf16_native(torch.device("cpu"))
     r = dry_run("--profile", "multi30k-cpu")

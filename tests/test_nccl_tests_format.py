@@ -5,17 +5,14 @@
 by `dtrain.collectives.costmodel.measurements` and by the column layout nccl-tests' parsers assume."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from dtrain.collectives.costmodel import FittedModel
 from dtrain.collectives.costmodel.measurements import read_measurements
 from dtrain.common.errors import UserError
-from conftest import REPO
+from conftest import REPO, launch_ranks
 
 DATA = REPO / "tests" / "data"
 REAL = DATA / "nccl_tests_format" / "h100x16_2nodes_roce_nccl2.21.5_all_reduce_perf.txt"
@@ -68,11 +65,8 @@ def test_real_all_reduce_perf_output():
 @pytest.mark.slow
 def test_the_benchmark_table_reads_like_all_reduce_perf(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "dtrain.collectives.bench", "-b", "1K", "-e", "256K", "-f", "4", "-w", "1", "-n", "3", "--json", str(out)]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    cmd = ["-m", "dtrain.collectives.bench", "-b", "1K", "-e", "256K", "-f", "4", "-w", "1", "-n", "3", "--json", str(out)]
+    r = launch_ranks(cmd, timeout=120)
     log = tmp_path / "bench.txt"
     log.write_text(r.stdout)
     rows = check_layout(r.stdout)
@@ -165,12 +159,9 @@ def test_the_benchmarks_reduce_scatter_and_all_gather_tables(tmp_path):
     sum / none, busbw = algbw / 2), no wrong element, the JSON's rows, and the reader taking both tables (printed or
     JSON) apart by collective."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "dtrain.collectives.bench", "-b", "1K", "-e", "64K", "-f", "8", "-w", "1", "-n", "3",
+    cmd = ["-m", "dtrain.collectives.bench", "-b", "1K", "-e", "64K", "-f", "8", "-w", "1", "-n", "3",
            "--collective", "reduce_scatter,all_gather", "--json", str(out)]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    r = launch_ranks(cmd, timeout=120)
     tables = r.stdout.split("# Collective test starting: ")[1:]
     assert [t.split("\n", 1)[0] for t in tables] == ["reduce_scatter_perf", "all_gather_perf"]
     for table, redop in zip(tables, ("sum", "none")):

@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
-from conftest import (NO_EVAL, REPO, checkpoint_diff, cut_back, free_port, records, torchrun,
+from conftest import (NO_EVAL, REPO, checkpoint_diff, cut_back, free_port, in_process, records, torchrun,
                       train_ranks)
+from dtrain.engine import evaluate
+from dtrain.engine import train as engine_train
 from dtrain.engine.faults import Fault, parse
 
 
@@ -40,13 +42,14 @@ def test_crash_and_restart_matches_uninterrupted_run(tmp_path, straight_run):
 
 @pytest.mark.slow
 def test_hung_peer_fails_within_the_timeout(tmp_path):
-    """Rank 1 stops taking part at step 5: rank 0's all-reduce gives up after collectives.timeout_s, with one line naming the
-    phase. The two ranks get torchrun's environment but not its agent, which would then wait out its own grace
-    period (30 s, torch.distributed.elastic's shutdown) for the hung rank: its SIGTERM handler only asks for a stop."""
+    """Rank 1 stops taking part at step 5: rank 0's all-reduce gives up after collectives.timeout_s, with one line
+    naming the phase. The two ranks get torchrun's environment but not its agent, which would then wait out its own
+    grace period (30 s, torch.distributed.elastic's shutdown) for the hung rank: its SIGTERM handler only asks for a
+    stop."""
     timeout, port = 6, free_port()
     cmd = [sys.executable, "-m", "dtrain.engine.train", "--profile", "dtrain/profiles/smoke.yaml",
-           "--run-dir", str(tmp_path / "hang"), "--fault", "hang@step=5,rank=1", "--set", f"collectives.timeout_s={timeout}",
-           *NO_EVAL]
+           "--run-dir", str(tmp_path / "hang"), "--fault", "hang@step=5,rank=1",
+           "--set", f"collectives.timeout_s={timeout}", *NO_EVAL]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": "2"}
     rank1 = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -105,10 +108,10 @@ def assert_one_line_error(r, pattern):
     assert len(lines) == 1 and re.search(pattern, lines[0]), r.stderr[-2000:]
 
 
-@pytest.mark.slow
 def test_bad_fault_spec_is_one_line_error():
-    assert_one_line_error(run_train("--profile", "dtrain/profiles/smoke.yaml", "--fault", "crash@rank=1"),
-                          r"--fault 'crash@rank=1': crash takes exactly rank, step")
+    # refused before the process changes (signal handlers, process group): its `main` run in this process
+    r = in_process(engine_train.main, "--profile", "dtrain/profiles/smoke.yaml", "--fault", "crash@rank=1")
+    assert_one_line_error(r, r"--fault 'crash@rank=1': crash takes exactly rank, step")
 
 
 @pytest.mark.slow
@@ -186,11 +189,9 @@ def test_resume_from_a_checkpoint_of_wrong_contents(tmp_path):
     assert (run / "steps.jsonl").read_text() == '{"step": 10}\n'
 
 
-@pytest.mark.slow
 def test_evaluate_rejects_a_beam_below_one(tmp_path):
     for beam in ("-3", "0"):
-        r = subprocess.run([sys.executable, "-m", "dtrain.engine.evaluate", "--run", str(tmp_path), "--beam", beam,
-                            "--split", "val"], capture_output=True, text=True, cwd=REPO)
+        r = in_process(evaluate.main, "--run", tmp_path, "--beam", beam, "--split", "val")
         assert_one_line_error(r, rf"--beam must be at least 1 \(1 = greedy\), got {beam}$")
 
 

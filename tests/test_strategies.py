@@ -17,7 +17,7 @@ from dtrain.collectives.strategies import attachable, available
 from dtrain.collectives import attach
 from dtrain.engine import verify
 
-from conftest import NO_EVAL, REPO, checkpoint_diff, records, train_ranks
+from conftest import NO_EVAL, REPO, checkpoint_diff, in_process, records, train_ranks
 
 
 @pytest.fixture
@@ -215,7 +215,7 @@ def test_verify_cli_json_and_lossy_per_class():
     for argv, msg in ((["--strategies", "nope"], "unknown strategy 'nope'"),
                       (["--strategies", "bucketed", "--set", "sync.classes.ffn.wire_dtype=bf16"],
                        "'sync.classes.ffn.wire_dtype' is not used by strategy 'bucketed'")):
-        bad = subprocess.run([sys.executable, "-m", "dtrain.engine.verify", *argv], cwd=REPO, capture_output=True, text=True)
+        bad = in_process(verify.main, *argv)  # refused before any rank starts
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and msg in bad.stderr, bad.stderr
 
 

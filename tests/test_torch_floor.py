@@ -3,15 +3,12 @@ later release, and no FutureWarning in any strategy's normal run."""
 
 import ast
 import functools
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, launch_ranks
 from dtrain.collectives.strategies import attachable
 from dtrain.common import torch_version
 from dtrain.common.errors import UserError
@@ -93,14 +90,11 @@ def test_every_gated_feature_is_gated_where_it_is_built():
 
 @pytest.mark.slow
 def test_no_strategy_warns_in_its_normal_run():
-    """Every attachable strategy, and fsdp2 with its own collectives (async, p2p), 3 steps each in one torchrun job
-    on 2 gloo ranks (~15 s), FutureWarning and DeprecationWarning errors in every process (each rank checks that the
-    filter holds in it: tests/warnings_loop.py)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error::FutureWarning,error::DeprecationWarning"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(REPO / "tests" / "warnings_loop.py"), "--steps", "3"],
-                       cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    """Every attachable strategy, and fsdp2 with its own collectives (async, p2p), 3 steps each in one job on 2 gloo
+    ranks (~15 s), FutureWarning and DeprecationWarning errors in every process (each rank checks that the filter
+    holds in it: tests/warnings_loop.py)."""
+    r = launch_ranks([REPO / "tests" / "warnings_loop.py", "--steps", "3"], timeout=240,
+                     env={"PYTHONWARNINGS": "error::FutureWarning,error::DeprecationWarning"})
     ran = re.findall(r"^ran (\S+)$", r.stdout, re.M)
     assert ran == [*attachable(), "fsdp2+async", "fsdp2+p2p"], r.stdout
     assert set(attachable()) >= {"ddp", "per_tensor", "flat", "bucketed", "per_class", "sharded", "fsdp2",

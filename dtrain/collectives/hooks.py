@@ -102,7 +102,8 @@ def _spec(hook: str | dict | None) -> dict | None:
         if key not in HOOK_KEYS:
             near = difflib.get_close_matches(str(key), HOOK_KEYS, n=1)
             hint = f"; did you mean 'sync.hook.{near[0]}'?" if near else ""
-            raise HookError(f"sync.hook.{key}", f"is not a key of a hook's mapping{hint} (known: {', '.join(HOOK_KEYS)})")
+            raise HookError(f"sync.hook.{key}",
+                            f"is not a key of a hook's mapping{hint} (known: {', '.join(HOOK_KEYS)})")
         if value is not None and not isinstance(value, HOOK_KEYS[key]):
             need = "a mapping" if HOOK_KEYS[key] is dict else "a string"
             raise HookError(f"sync.hook.{key}", f"must be {need}, got {value!r}")

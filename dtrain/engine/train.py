@@ -86,7 +86,6 @@ def nccl_inactive(record: dict) -> str | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    stop = StopRequest().install()  # from here on SIGTERM/SIGUSR1 end the job at the end of a step, with a checkpoint
     with exit_on_user_error("dtrain.engine.train"):
         cfg = config_mod.load(args.profile, args.overrides)
         faults = [parse_fault(spec) for spec in args.fault]
@@ -106,6 +105,9 @@ def main(argv=None) -> int:
             raise UserError("--topology is read by --dry-run only (the plan); a training run uses the machine it is on")
         if args.resume and not args.run_dir:
             raise UserError("--resume needs --run-dir (the run to continue)")
+        # From here on SIGTERM/SIGUSR1 end the job at the end of a step, with a checkpoint (a dry run changes nothing
+        # of the process: it may run inside another program)
+        stop = StopRequest().install()
         # Under `torchrun --max-restarts`, a restarted attempt continues from the latest complete checkpoint.
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         resume = args.resume or restarted

@@ -551,8 +551,8 @@ class Trainer:
             first = next((line for line in text.splitlines() if line.strip()), type(e).__name__)
             raise JobFailure(
                 f"rank {self.rank}: {self.phase} at step {self.step + 1} failed after "
-                f"{time.perf_counter() - t0:.1f} s (collectives.timeout_s = {self.cfg.collectives.timeout_s:g}); a peer may have "
-                f"stopped or died: {first[:200]}") from None
+                f"{time.perf_counter() - t0:.1f} s (collectives.timeout_s = {self.cfg.collectives.timeout_s:g}); "
+                f"a peer may have stopped or died: {first[:200]}") from None
 
     def relocate(self, run_dir: Path) -> None:
         """Continue this run in `run_dir`, its per-step records so far appended to that directory's (the tuner's
