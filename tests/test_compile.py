@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 import torch.distributed as dist
 
 from dtrain.collectives import dist as ddist
@@ -55,7 +56,10 @@ def assert_close(a, b, rel):
 
 
 @pytest.mark.slow
-def test_inductor_matches_eager(tmp_path, one_rank):
+def test_inductor_matches_eager(tmp_path, one_rank, monkeypatch):
+    # Inductor compiles in this process: a pool of compile workers (Python processes importing torch) would cost
+    # more than it saves on the 2 cores the tests share
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)
     eager = losses(tmp_path, "eager")
     torch._dynamo.reset()
     compiled = losses(tmp_path, "inductor", "train.compile=default")

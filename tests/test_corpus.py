@@ -239,37 +239,44 @@ def test_profile_validation_of_the_corpus_keys():
         config.load(REPO / "dtrain" / "profiles" / name)
 
 
-def _rank_loads(rank, world, init, raws, out):
+def _rank_loads(rank, world, init, cases):
+    """Each case's corpus loaded on this rank (its profile `raws[rank]`); what it gave, into the case's folder."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        corpus.load(config.from_dict(raws[rank]).data, 1)
-        result = "ok"
-    except UserError as e:
-        result = str(e)
-    Path(out, f"rank{rank}").write_text(result)
+    for raws, out in cases:
+        try:
+            corpus.load(config.from_dict(raws[rank]).data, 1)
+            result = "ok"
+        except UserError as e:
+            result = str(e)
+        Path(out, f"rank{rank}").write_text(result)
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("break_rank_1", ["other_files", "missing_file"])
-def test_ranks_agree_on_the_corpus_or_all_fail_alike(tmp_path, break_rank_1):
+def test_ranks_agree_on_the_corpus_or_all_fail_alike(tmp_path):
+    """Rank 1's copy of the files holds other pairs, or lacks a file: both ranks fail with rank 1's error (both
+    cases in one spawn)."""
     import torch.multiprocessing as tmp_mp
 
-    raws = []
-    for rank in range(2):  # two "nodes": each its own copy of the files and its own cache
-        folder = tmp_path / f"node{rank}"
-        folder.mkdir()
-        raws.append(_files_profile(folder)[0])
-    if break_rank_1 == "other_files":
-        with gzip.open(tmp_path / "node1" / "train.en.gz", "at") as f, gzip.open(tmp_path / "node1" / "train.de.gz",
-                                                                                "at") as g:
-            f.write("one more\n"), g.write("noch einer\n")
-        expected = "rank 1: its copy of the files corpus gives other pairs than rank 0's"
-    else:
-        (tmp_path / "node1" / "val.de.gz").unlink()
-        expected = "rank 1: data.files.val:"
-    tmp_mp.spawn(_rank_loads, args=(2, f"file://{tmp_path / 'rdzv'}", raws, str(tmp_path)), nprocs=2)
-    results = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
-    assert results[0] == results[1] and results[0].startswith(expected), results
+    cases, expected = [], {}
+    for case in ("other_files", "missing_file"):
+        raws = []
+        for rank in range(2):  # two "nodes": each its own copy of the files and its own cache
+            folder = tmp_path / case / f"node{rank}"
+            folder.mkdir(parents=True)
+            raws.append(_files_profile(folder)[0])
+        node1 = tmp_path / case / "node1"
+        if case == "other_files":
+            with gzip.open(node1 / "train.en.gz", "at") as f, gzip.open(node1 / "train.de.gz", "at") as g:
+                f.write("one more\n"), g.write("noch einer\n")
+            expected[case] = "rank 1: its copy of the files corpus gives other pairs than rank 0's"
+        else:
+            (node1 / "val.de.gz").unlink()
+            expected[case] = "rank 1: data.files.val:"
+        cases.append((raws, str(tmp_path / case)))
+    tmp_mp.spawn(_rank_loads, args=(2, f"file://{tmp_path / 'rdzv'}", cases), nprocs=2)
+    for case, want in expected.items():
+        results = [(tmp_path / case / f"rank{r}").read_text() for r in range(2)]
+        assert results[0] == results[1] and results[0].startswith(want), (case, results)
