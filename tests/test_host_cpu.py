@@ -102,6 +102,14 @@ def test_the_heap_counts_what_is_allocated_and_what_it_holds():
 
 # -- bf16: which devices compute it natively (`train.amp: auto` follows) -------------------------------------------
 
+@pytest.fixture(autouse=True)
+def no_cap_on_torch_s_instructions(monkeypatch):
+    """The cases below give the CPU's flags; a cap set in the environment that runs the tests (the variables oneDNN
+    and ATen read, to run as an older CPU would) is a case of its own."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+
+
 def cpuinfo(tmp_path, flags):
     f = tmp_path / "cpuinfo"
     f.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: fpu\n")
