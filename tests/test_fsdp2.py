@@ -144,9 +144,12 @@ def test_fsdp2_collectives_is_a_setting_only_fsdp2_reads():
         "sync.fsdp2_collectives"]
 
 
+UNWAITED_STEPS = 2  # the first step's all-gathers, issued by `stepped`, are waited for in the second's forward
+
+
 def _stock_and_unwaited(rank: int, mode: str, reshard: bool, split: bool) -> dict:
     """Stock FSDP2 and FSDP2 with `fsdp2_collectives: mode` (and the split tied embedding) trained side by side from
-    the same model on the same batches, 3 Adam steps of 2 micro-batches; what the second left in flight."""
+    the same model on the same batches, UNWAITED_STEPS Adam steps of 2 micro-batches; what the second left in flight."""
     torch.manual_seed(0)
     model = verify.tiny_model()
     handles = {m: attach(copy.deepcopy(model), verify.sync_config("fsdp2", 0.01, [
@@ -165,7 +168,7 @@ def _stock_and_unwaited(rank: int, mode: str, reshard: bool, split: bool) -> dic
         return issue(*args, **kwargs)
 
     setattr(module, name, counted)
-    for step in range(3):
+    for step in range(UNWAITED_STEPS):
         for m, h in handles.items():
             for micro in range(2):
                 src, tgt_in, tgt_out = verify.batch(rank, step, micro)
@@ -224,7 +227,7 @@ def unwaited_cases(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,reshard,split", UNWAITED)
 def test_unwaited_collectives_train_as_stock_fsdp2_with_them_in_flight(unwaited_cases, mode, reshard, split):
-    """On 2 gloo CPU ranks, 3 steps of 2 micro-batches: the same parameters as stock FSDP2, bit for bit (`p2p` sums
+    """On 2 gloo CPU ranks, 2 steps of 2 micro-batches: the same parameters as stock FSDP2, bit for bit (`p2p` sums
     a + b in rank order and halves, as gloo's average does). After each backward every unit's reduce-scatter (4
     layers and the root) is still in flight for `wait()`; after each update `stepped` has issued every unit's
     all-gather without waiting. With the split, the tied embedding stays a plain tensor outside FSDP2, its
@@ -234,9 +237,9 @@ def test_unwaited_collectives_train_as_stock_fsdp2_with_them_in_flight(unwaited_
     seen = unwaited_cases[repr((mode, reshard, split))]
     assert seen["max_diff"] == 0.0, seen
     units = 4 if split else 5  # the root holds the embedding alone: outside FSDP2 with the split
-    assert seen["in_flight_after_backward"] == [units] * 3
-    assert seen["gathers_issued_by_stepped"] == [[True] * units] * 3
-    assert seen["projections"] == ([1, 1, 1] if split else [0, 0, 0])
+    assert seen["in_flight_after_backward"] == [units] * UNWAITED_STEPS
+    assert seen["gathers_issued_by_stepped"] == [[True] * units] * UNWAITED_STEPS
+    assert seen["projections"] == [1 if split else 0] * UNWAITED_STEPS
     assert seen["embedding_whole"] == ("Parameter" if split else "DTensor")
     assert f"'sync.fsdp2_collectives: {mode}' needs the gradients dropped" in seen["refused"]
 
