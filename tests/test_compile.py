@@ -60,9 +60,12 @@ def test_inductor_matches_eager(tmp_path, one_rank, monkeypatch):
     # Inductor compiles in this process: a pool of compile workers (Python processes importing torch) would cost
     # more than it saves on the 2 cores the tests share
     monkeypatch.setattr(inductor_config, "compile_threads", 1)
-    eager = losses(tmp_path, "eager")
+    # One batch an epoch, the same pairs each step: one shape, so the model compiles once (a second shape would
+    # compile it again, for dynamic shapes: as long again, most of it C++)
+    one_batch = ("data.train_limit=24", "data.max_tokens=4000")
+    eager = losses(tmp_path, "eager", *one_batch)
     torch._dynamo.reset()
-    compiled = losses(tmp_path, "inductor", "train.compile=default")
+    compiled = losses(tmp_path, "inductor", "train.compile=default", *one_batch)
     # Inductor fuses and reorders float32 reductions: equal to rounding, not bit for bit.
     assert_close(compiled, eager, 1e-4)
     assert eager[1][0] != eager[0][0]  # the second step saw the first update
