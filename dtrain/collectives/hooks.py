@@ -94,10 +94,10 @@ class ResolvedHook:
 HOOK_KEYS = {"name": str, "wraps": str, "state": dict}
 
 
-def _spec(hook: str | dict | None) -> dict | None:
-    """`sync.hook` as a mapping of HOOK_KEYS ({name} for a plain string), each checked for its type."""
+def _spec(hook: str | dict | None) -> tuple[str | None, str | None, dict] | None:
+    """`sync.hook`'s (name, wraps, state), each checked for its type (a plain string is the name alone)."""
     if hook is None or isinstance(hook, str):
-        return None if hook is None else {"name": hook, "wraps": None, "state": {}}
+        return None if hook is None else (hook, None, {})
     for key, value in hook.items():
         if key not in HOOK_KEYS:
             near = difflib.get_close_matches(str(key), HOOK_KEYS, n=1)
@@ -107,7 +107,7 @@ def _spec(hook: str | dict | None) -> dict | None:
         if value is not None and not isinstance(value, HOOK_KEYS[key]):
             need = "a mapping" if HOOK_KEYS[key] is dict else "a string"
             raise HookError(f"sync.hook.{key}", f"must be {need}, got {value!r}")
-    return {"name": hook.get("name"), "wraps": hook.get("wraps"), "state": hook.get("state") or {}}
+    return hook.get("name"), hook.get("wraps"), hook.get("state") or {}
 
 
 def hook_name(hook: str | dict | None) -> str | None:
@@ -115,7 +115,7 @@ def hook_name(hook: str | dict | None) -> str | None:
         spec = _spec(hook)
     except HookError:  # a bad mapping names no hook; validation reports it
         return None
-    return None if spec is None else spec["name"]
+    return None if spec is None else spec[0]
 
 
 def _lookup(name: str, key: str) -> Callable:
@@ -178,7 +178,7 @@ def resolve(hook: str | dict | None) -> ResolvedHook | None:
     spec = _spec(hook)
     if spec is None:
         return None
-    name, wraps, state = spec["name"], spec["wraps"], spec["state"]
+    name, wraps, state = spec
     if not name:
         raise HookError("sync.hook.name", "is required: a hook's short or dotted name")
     key = "sync.hook.name" if isinstance(hook, dict) else "sync.hook"

@@ -320,7 +320,7 @@ def class_group(name: str, settings=None, ranks: list[int] | None = None):
              "options": g.options, "files": g.files}
     if state.backend != "nccl" or mode == "global":
         pg = state.factory.new_group(ranks, {}, f"dtrain:{name}")
-        entry["applied"] = "job environment" if state.backend == "nccl" and bool(want.nccl()) else False
+        entry["applied"] = "job environment" if state.backend == "nccl" and want.nccl() else False
         state.record["groups"].append(entry)
         return pg
     if nonblocking_init():

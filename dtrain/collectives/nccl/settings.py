@@ -36,8 +36,7 @@ def as_record(s: ClassSettings) -> dict:
 
 
 def describe(s: ClassSettings) -> str:
-    parts = [f"{k} {getattr(s, k)}" for k in NCCL_KEYS if getattr(s, k) is not None]
-    return ", ".join(parts) or "NCCL decides"
+    return ", ".join(f"{k} {v}" for k, v in s.nccl().items()) or "NCCL decides"
 
 
 def validate_config(coll, sync, check) -> None:
@@ -54,7 +53,7 @@ def validate_config(coll, sync, check) -> None:
         if not s.nccl():
             continue
         path = f"sync.classes.{name}"
-        first = next(k for k in NCCL_KEYS if getattr(s, k) is not None)
+        first = next(iter(s.nccl()))
         check(coll.mode != "global", f"{path}.{first}",
               "needs collectives.mode per_group or tuner: in global mode one NCCL_PROTO/NCCL_ALGO serves the whole "
               "job (put it under collectives.default)")
