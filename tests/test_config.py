@@ -295,9 +295,9 @@ def test_bad_includes_are_one_line_errors(tmp_path, files, expected):
 def test_the_library_reads_overlays_too(tmp_path):
     _files(tmp_path, **{"base.yaml": "sync:\n  strategy: bucketed\n  bucket_cap_mb: 4\n",
                         "a.yaml": "include: base.yaml\nsync: {first_bucket_mb: 1}\n"})
-    comm = comm_config.load(tmp_path / "a.yaml")
-    assert (comm.sync.strategy, comm.sync.bucket_cap_mb, comm.sync.first_bucket_mb) == ("bucketed", 4, 1)
-    assert comm.sync == config.load(tmp_path / "a.yaml").sync
+    sync, coll = comm_config.load(tmp_path / "a.yaml")
+    assert (sync.strategy, sync.bucket_cap_mb, sync.first_bucket_mb) == ("bucketed", 4, 1)
+    assert (sync, coll) == (config.load(tmp_path / "a.yaml").sync, config.load(tmp_path / "a.yaml").collectives)
 
 
 def test_a_recorded_config_of_an_earlier_version_still_loads(tmp_path):

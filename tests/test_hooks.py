@@ -19,7 +19,8 @@ BF16_WRAPPER = f"{T}.default_hooks.bf16_compress_wrapper"
 
 
 def load(hook, **sync):
-    return config.from_dict({"sync": {"strategy": "ddp", "hook": hook, **sync}})
+    """The validated `sync` section."""
+    return config.from_dict({"sync": {"strategy": "ddp", "hook": hook, **sync}})[0]
 
 
 @pytest.mark.parametrize("hook, expected", [
@@ -52,9 +53,9 @@ def test_a_bad_hook_is_one_line_naming_the_key(hook, expected):
 
 
 def test_names_states_and_wrappers_resolve():
-    assert load("bf16_compress").sync.hook == "bf16_compress"  # the short names keep working
+    assert load("bf16_compress").hook == "bf16_compress"  # the short names keep working
     r = hooks.resolve(load({"name": BATCHED, "state": {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}})
-                      .sync.hook)
+                      .hook)
     assert r.fn is powerSGD_hook.batched_powerSGD_hook and r.state_cls is powerSGD_hook.PowerSGDState
     assert r.state_kwargs == {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
     r = hooks.resolve({"name": BF16_WRAPPER, "wraps": "powersgd", "state": {"matrix_approximation_rank": 2}})
@@ -67,7 +68,7 @@ def test_names_states_and_wrappers_resolve():
 
 def test_class_settings_are_read_by_ddp_only_with_the_per_class_hook():
     classes = {"ffn": {"wire_dtype": "bf16"}}
-    assert load("per_class", classes=classes).sync.classes["ffn"].wire_dtype == "bf16"
+    assert load("per_class", classes=classes).classes["ffn"].wire_dtype == "bf16"
     with pytest.raises(UserError, match=r"'sync.classes.ffn.wire_dtype' is not used by strategy 'ddp'"):
         load("allreduce", classes=classes)
     with pytest.raises(UserError, match=r"'sync.classes.ffn.bucket_cap_mb' is not used by strategy 'ddp'"):

@@ -66,7 +66,7 @@ def test_per_group_sets_each_class_variables_only_around_its_creation():
     fake = FakeGroups()
     os.environ.pop("NCCL_PROTO", None)
     os.environ["NCCL_ALGO"] = "Tree"  # the user's own: in force outside the groups, restored after each
-    record = nccl.apply_global(PER_GROUP, backend="nccl", version=(2, 26, 5), factory=fake)
+    record = nccl.apply_global(*PER_GROUP, backend="nccl", version=(2, 26, 5), factory=fake)
     assert record["applied"] and record["job_env"] == {}
     assert any("NCCL_ALGO=Tree in the environment applies to every class" in w for w in record["warnings"])
     for name in ("projection", "embedding", "ffn"):
@@ -89,7 +89,7 @@ def test_per_group_sets_each_class_variables_only_around_its_creation():
 
 def test_settings_passed_by_the_strategy_are_applied():
     fake = FakeGroups()
-    nccl.apply_global(cfg_of({"mode": "per_group"}), backend="nccl", version=(2, 30, 1), factory=fake)
+    nccl.apply_global(*cfg_of({"mode": "per_group"}), backend="nccl", version=(2, 30, 1), factory=fake)
     nccl.class_group("ffn", {"protocol": "LL128", "algorithm": "Ring", "min_ctas": 2}, [0, 1])
     assert fake.events[0] == ("new_group", "dtrain:ffn", {"NCCL_PROTO": "allreduce:LL128",
                                                           "NCCL_ALGO": "allreduce:Ring"}, {"min_ctas": 2})
@@ -97,34 +97,35 @@ def test_settings_passed_by_the_strategy_are_applied():
 
 def test_variables_are_restored_when_creation_fails():
     fake = FakeGroups(fail_barrier=True)
-    nccl.apply_global(PER_GROUP, backend="nccl", version=(2, 26, 5), factory=fake)
+    nccl.apply_global(*PER_GROUP, backend="nccl", version=(2, 26, 5), factory=fake)
     with pytest.raises(RuntimeError):
         nccl.class_group("projection")
     assert "NCCL_PROTO" not in os.environ and "NCCL_ALGO" not in os.environ
 
 
 def test_ranks_with_different_settings_are_refused():
-    nccl.apply_global(PER_GROUP, backend="nccl", version=(2, 26, 5), factory=FakeGroups(["a", "b"]))
+    nccl.apply_global(*PER_GROUP, backend="nccl", version=(2, 26, 5), factory=FakeGroups(["a", "b"]))
     with pytest.raises(UserError, match="every rank must load the same profile"):
         nccl.class_group("projection")
 
 
 def test_nonblocking_init_set_after_apply_is_refused_at_creation():
-    nccl.apply_global(PER_GROUP, backend="nccl", version=(2, 26, 5), factory=FakeGroups())
+    nccl.apply_global(*PER_GROUP, backend="nccl", version=(2, 26, 5), factory=FakeGroups())
     os.environ["TORCH_NCCL_USE_COMM_NONBLOCKING"] = "1"
     with pytest.raises(UserError, match="unset TORCH_NCCL_USE_COMM_NONBLOCKING"):
         nccl.class_group("projection")
 
 
 def test_unbound_device_is_recorded():
-    nccl.apply_global(PER_GROUP, backend="nccl", version=(2, 26, 5), factory=FakeGroups(bound=False))
+    nccl.apply_global(*PER_GROUP, backend="nccl", version=(2, 26, 5), factory=FakeGroups(bound=False))
     nccl.class_group("projection")
     assert any("no device bound at init" in w for w in nccl.run_record()["warnings"])
 
 
 def test_global_mode_sets_the_job_environment_once():
     fake = FakeGroups()
-    record = nccl.apply_global(config.load("dtrain/profiles/ll128.yaml"), backend="nccl", version=(2, 26, 5), factory=fake)
+    record = nccl.apply_global(*config.load("dtrain/profiles/ll128.yaml"), backend="nccl", version=(2, 26, 5),
+                               factory=fake)
     assert os.environ["NCCL_PROTO"] == "allreduce:LL128" and record["job_env"] == {"NCCL_PROTO": "allreduce:LL128"}
     nccl.class_group("embedding")
     assert fake.events == [("new_group", "dtrain:embedding", {"NCCL_PROTO": "allreduce:LL128"}, {})]
@@ -134,9 +135,9 @@ def test_global_mode_sets_the_job_environment_once():
 def test_tuner_mode_builds_the_plugin_writes_rules_and_names_the_class():
     fake = FakeGroups()
     cfg = cfg_of({"mode": "tuner"}, CLASSES)
-    record = nccl.apply_global(cfg, backend="nccl", version=(2, 27, 3), factory=fake)
+    record = nccl.apply_global(*cfg, backend="nccl", version=(2, 27, 3), factory=fake)
     lib, rules = os.environ["NCCL_TUNER_PLUGIN"], os.environ["DTRAIN_TUNER_RULES"]
-    assert os.path.exists(lib) and open(rules).read() == nccl.tuner_rules(cfg)
+    assert os.path.exists(lib) and open(rules).read() == nccl.tuner_rules(*cfg)
     assert record["files"] == [rules]
     nccl.class_group("projection")
     nccl.class_group("embedding")
@@ -148,7 +149,7 @@ def test_tuner_mode_builds_the_plugin_writes_rules_and_names_the_class():
 def test_gloo_records_requested_not_applied_and_sets_nothing():
     before = dict(os.environ)
     fake = FakeGroups()
-    record = nccl.apply_global(config.load("dtrain/profiles/per_group.yaml"), backend="gloo", factory=fake)
+    record = nccl.apply_global(*config.load("dtrain/profiles/per_group.yaml"), backend="gloo", factory=fake)
     assert dict(os.environ) == before
     assert record["applied"] is False and record["status"] == "requested, not applied (backend gloo)"
     assert record["requested"]["classes"]["embedding"] == {"protocol": "Simple", "algorithm": "Ring", "min_ctas": None,
@@ -165,7 +166,7 @@ def _two_rank_gloo(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     with ddist.rank_process():
         cfg = config.load("dtrain/profiles/per_group.yaml")
-        nccl.apply_global(cfg, backend="gloo")
+        nccl.apply_global(*cfg, backend="gloo")
         import torch
 
         for name in ("projection", "embedding"):

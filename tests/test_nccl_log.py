@@ -21,8 +21,8 @@ def read(name):
 
 
 def wanted():
-    cfg = config.load(REPO / "dtrain" / "profiles" / "per_group.yaml")
-    return {n: nccl.resolve(cfg, n) for n in nccl.class_names(cfg)}
+    sync, coll = config.load(REPO / "dtrain" / "profiles" / "per_group.yaml")
+    return {n: nccl.resolve(sync, coll, n) for n in nccl.class_names(sync)}
 
 
 def test_named_format_lines():
@@ -107,7 +107,7 @@ def test_verify_run_writes_its_check(tmp_path):
     logs.mkdir()
     (run / "buckets.jsonl").write_text((DATA / "buckets.jsonl").read_text())
     (logs / "nccl.gpu0.4711.log").write_text((DATA / "per_group_mismatch_2.24.log").read_text())
-    result = nccl.verify_run(cfg, run, logs)
+    result = nccl.verify_run(*cfg, run, logs)
     assert result["decisions"] == 16 and [m["class"] for m in result["mismatches"]] == ["embedding"]
     assert "observed Ring/LL128" in (run / "nccl_check.txt").read_text()
     assert json.dumps(result)  # fit for a run summary
@@ -127,7 +127,7 @@ def test_a_recorded_h200_run_is_on_its_requested_choices(tmp_path):
     nccl.reset()  # no applied plan in this process: the logs are found in <run>/nccl-logs
     cfg = config.load(REPO / "dtrain" / "profiles" / "per_group.yaml",
                       ["collectives.parse_log=true", "sync.classes.projection.protocol=Simple"])
-    result = nccl.verify_run(cfg, recorded_run(tmp_path))
+    result = nccl.verify_run(*cfg, recorded_run(tmp_path))
     assert result["mismatches"] == [] and result["decisions"] > 78
     text = (tmp_path / "nccl_check.txt").read_text()
     assert "every bucket on its requested choice" in text
@@ -139,7 +139,7 @@ def test_a_recorded_h200_run_is_on_its_requested_choices(tmp_path):
 def test_the_same_log_against_the_profile_that_asked_for_LL_lists_every_projection_bucket(tmp_path):
     nccl.reset()
     cfg = config.load(REPO / "dtrain" / "profiles" / "per_group.yaml", ["collectives.parse_log=true"])  # projection: LL
-    result = nccl.verify_run(cfg, recorded_run(tmp_path))
+    result = nccl.verify_run(*cfg, recorded_run(tmp_path))
     assert len(result["mismatches"]) == 72 and {m["class"] for m in result["mismatches"]} == {"projection"}
     assert "72 bucket(s) not on the requested choice" in (tmp_path / "nccl_check.txt").read_text()
 
@@ -147,9 +147,9 @@ def test_the_same_log_against_the_profile_that_asked_for_LL_lists_every_projecti
 def test_no_check_without_parse_log_or_logs(tmp_path):
     nccl.reset()
     cfg = config.load(REPO / "dtrain" / "profiles" / "per_group.yaml")
-    assert nccl.verify_run(cfg, recorded_run(tmp_path)) is None  # parse_log off
+    assert nccl.verify_run(*cfg, recorded_run(tmp_path)) is None  # parse_log off
     cfg = config.load(REPO / "dtrain" / "profiles" / "per_group.yaml", ["collectives.parse_log=true"])
-    assert nccl.verify_run(cfg, tmp_path / "elsewhere") is None and not (tmp_path / "elsewhere").exists()
+    assert nccl.verify_run(*cfg, tmp_path / "elsewhere") is None and not (tmp_path / "elsewhere").exists()
 
 
 def test_damaged_bucket_records_are_named_errors(tmp_path):

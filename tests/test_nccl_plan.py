@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def cfg_of(collectives: dict, classes: dict | None = None, strategy: str = "per_class"):
-    """The library's sections: `collectives` as given, per-class settings under `sync.classes`."""
+    """The library's sections `(sync, collectives)`: `collectives` as given, per-class settings under
+    `sync.classes`."""
     return config.from_dict({"collectives": collectives, "sync": {"strategy": strategy, "classes": classes or {}}})
 
 
@@ -69,29 +70,29 @@ def test_errors_name_the_profile_line(tmp_path):
 
 def test_every_shipped_nccl_profile_loads_and_renders():
     for name in ("ll", "ll128", "simple", "tree", "per_group", "tuner"):
-        cfg = config.load(REPO / "dtrain" / "profiles" / f"{name}.yaml")
-        text = nccl.groups_text(cfg, backend="nccl")
-        assert text.startswith(f"NCCL plan: mode {cfg.collectives.mode}")
+        sync, coll = config.load(REPO / "dtrain" / "profiles" / f"{name}.yaml")
+        text = nccl.groups_text(sync, coll, backend="nccl")
+        assert text.startswith(f"NCCL plan: mode {coll.mode}")
 
 
 def test_global_mode_sets_one_job_environment_restricted_to_allreduce():
-    setup = nccl.build_groups(config.load(REPO / "dtrain" / "profiles" / "ll128.yaml"), version=(2, 26, 2))
+    setup = nccl.build_groups(*config.load(REPO / "dtrain" / "profiles" / "ll128.yaml"), version=(2, 26, 2))
     assert setup.process_env == {"NCCL_PROTO": "allreduce:LL128"}
     assert all(g.env == {} and g.settings.protocol == "LL128" for g in setup.groups)
     assert any("LL128 is forced" in w and "#wrong" in w for w in setup.warnings)
     validated = cfg_of({"default": {"protocol": "LL128"}, "validated": True})
-    assert not any("LL128" in w for w in nccl.build_groups(validated).warnings)
-    tree = nccl.build_groups(config.load(REPO / "dtrain" / "profiles" / "tree.yaml"), version=(2, 30, 1))
+    assert not any("LL128" in w for w in nccl.build_groups(*validated).warnings)
+    tree = nccl.build_groups(*config.load(REPO / "dtrain" / "profiles" / "tree.yaml"), version=(2, 30, 1))
     assert tree.process_env == {"NCCL_ALGO": "allreduce:Tree"}
 
 
 def test_global_ctas_go_to_the_process_wide_variables():
-    setup = nccl.build_groups(cfg_of({"default": {"protocol": "Simple", "min_ctas": 2, "max_ctas": 8}}))
+    setup = nccl.build_groups(*cfg_of({"default": {"protocol": "Simple", "min_ctas": 2, "max_ctas": 8}}))
     assert setup.process_env == {"NCCL_PROTO": "allreduce:Simple", "NCCL_MIN_CTAS": "2", "NCCL_MAX_CTAS": "8"}
 
 
 def test_per_group_gives_each_class_its_variables_and_cta_options():
-    setup = nccl.build_groups(cfg_of({"mode": "per_group"}, PER_GROUP))
+    setup = nccl.build_groups(*cfg_of({"mode": "per_group"}, PER_GROUP))
     assert setup.process_env == {} and setup.files == {}
     assert setup.group("world").env == {}
     assert setup.group("projection").env == {"NCCL_PROTO": "allreduce:LL", "NCCL_ALGO": "allreduce:Ring"}
@@ -100,41 +101,42 @@ def test_per_group_gives_each_class_its_variables_and_cta_options():
     assert emb.options == {"max_ctas": 16}
     assert setup.group("ffn").env == {} and setup.group("ffn").options == {}
     # Before 2.24 the plain value: a class communicator only runs its all-reduces anyway.
-    old = nccl.build_groups(cfg_of({"mode": "per_group"}, PER_GROUP), version=(2, 23, 4))
+    old = nccl.build_groups(*cfg_of({"mode": "per_group"}, PER_GROUP), version=(2, 23, 4))
     assert old.group("projection").env == {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring"}
 
 
 def test_default_fills_what_a_class_leaves_open():
     cfg = cfg_of({"mode": "per_group", "default": {"protocol": "LL128"}},
                  {"projection": {"algorithm": "Ring"}, "embedding": {"protocol": "Simple"}})
-    assert nccl.resolve(cfg, "projection") == ClassSettings(protocol="LL128", algorithm="Ring")
-    assert nccl.resolve(cfg, "embedding") == ClassSettings(protocol="Simple")
-    assert nccl.resolve(cfg, "ffn") == ClassSettings(protocol="LL128")
+    assert nccl.resolve(*cfg, "projection") == ClassSettings(protocol="LL128", algorithm="Ring")
+    assert nccl.resolve(*cfg, "embedding") == ClassSettings(protocol="Simple")
+    assert nccl.resolve(*cfg, "ffn") == ClassSettings(protocol="LL128")
 
 
 def test_what_the_strategy_passes_replaces_the_profiles_class_settings():
     cfg = cfg_of({"mode": "per_group", "default": {"algorithm": "Ring"}}, {"ffn": {"protocol": "LL128", "max_ctas": 4}})
-    assert nccl.resolve(cfg, "ffn") == ClassSettings(protocol="LL128", algorithm="Ring", max_ctas=4)
+    assert nccl.resolve(*cfg, "ffn") == ClassSettings(protocol="LL128", algorithm="Ring", max_ctas=4)
     # What the strategy passes to class_group: a ClassSettings or its .nccl() mapping.
-    settings = tc.from_config(cfg.sync).setting("ffn")
-    assert nccl.resolve(cfg, "ffn", settings) == nccl.resolve(cfg, "ffn")
-    assert nccl.resolve(cfg, "ffn", settings.nccl()) == nccl.resolve(cfg, "ffn")
-    assert nccl.resolve(cfg, "ffn", {"protocol": "Simple"}) == ClassSettings(protocol="Simple", algorithm="Ring")
+    sync, _ = cfg
+    settings = tc.from_config(sync).setting("ffn")
+    assert nccl.resolve(*cfg, "ffn", settings) == nccl.resolve(*cfg, "ffn")
+    assert nccl.resolve(*cfg, "ffn", settings.nccl()) == nccl.resolve(*cfg, "ffn")
+    assert nccl.resolve(*cfg, "ffn", {"protocol": "Simple"}) == ClassSettings(protocol="Simple", algorithm="Ring")
     with pytest.raises(UserError, match="'sync.classes.ffn' sets NCCL choices"):
-        nccl.resolve(cfg_of({"mode": "global"}), "ffn", {"protocol": "LL"})
+        nccl.resolve(*cfg_of({"mode": "global"}), "ffn", {"protocol": "LL"})
 
 
 def test_unknown_class_name_is_an_error():
     with pytest.raises(UserError, match="'sync.classes.embeding.match' is required"):
         cfg_of({"mode": "per_group"}, {"embeding": {"protocol": "LL"}})
-    cfg = cfg_of({"mode": "per_group"}, {"big_ffn": {"match": "*.w_1.weight", "protocol": "LL"}})
-    assert nccl.class_names(cfg)[0] == "big_ffn" and nccl.resolve(cfg, "big_ffn").protocol == "LL"
+    sync, coll = cfg_of({"mode": "per_group"}, {"big_ffn": {"match": "*.w_1.weight", "protocol": "LL"}})
+    assert nccl.class_names(sync)[0] == "big_ffn" and nccl.resolve(sync, coll, "big_ffn").protocol == "LL"
 
 
 def test_tuner_mode_ships_rules_and_names_each_class_at_creation():
     cfg = cfg_of({"mode": "tuner", "default": {"protocol": "Simple"}},
                  {"projection": {"protocol": "LL", "algorithm": "Ring"}, "ffn": {"algorithm": "Tree", "max_ctas": 8}})
-    setup = nccl.build_groups(cfg)
+    setup = nccl.build_groups(*cfg)
     (path, rules), = setup.files.items()
     assert setup.process_env == {"NCCL_TUNER_PLUGIN": str(nccl.tuner_lib_path()), "DTRAIN_TUNER_RULES": path}
     body = [line for line in rules.splitlines() if not line.startswith("#")]
@@ -152,20 +154,20 @@ def test_tuner_mode_ships_rules_and_names_each_class_at_creation():
 ])
 def test_version_guards_that_refuse(section, classes, version, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        nccl.build_groups(cfg_of(section, classes), version=version)
+        nccl.build_groups(*cfg_of(section, classes), version=version)
 
 
 def test_version_guards_that_pass_or_warn():
     per_group = cfg_of({"mode": "per_group"}, PER_GROUP)
-    assert nccl.build_groups(per_group, version=(2, 27, 5)).group("projection").env["NCCL_PROTO"]
+    assert nccl.build_groups(*per_group, version=(2, 27, 5)).group("projection").env["NCCL_PROTO"]
     tuner = cfg_of({"mode": "tuner"}, PER_GROUP)
-    assert nccl.build_groups(tuner, version=(2, 27, 3)).mode == "tuner"  # the plugin reads no cached variable
-    old = nccl.build_groups(cfg_of({"default": {"protocol": "LL"}}), version=(2, 23, 4))
+    assert nccl.build_groups(*tuner, version=(2, 27, 3)).mode == "tuner"  # the plugin reads no cached variable
+    old = nccl.build_groups(*cfg_of({"default": {"protocol": "LL"}}), version=(2, 23, 4))
     assert old.process_env == {"NCCL_PROTO": "LL"}
     assert any("no per-collective syntax" in w for w in old.warnings)
-    hw = nccl.build_groups(cfg_of({"mode": "per_group"}, {"embedding": {"algorithm": "NVLS"}}))
+    hw = nccl.build_groups(*cfg_of({"mode": "per_group"}, {"embedding": {"algorithm": "NVLS"}}))
     assert any("NVLS needs NVLink SHARP" in w for w in hw.warnings)
-    ddp = nccl.build_groups(cfg_of({"mode": "per_group"}, strategy="ddp"))  # (ddp refuses class NCCL keys)
+    ddp = nccl.build_groups(*cfg_of({"mode": "per_group"}, strategy="ddp"))  # (ddp refuses class NCCL keys)
     assert any("creates no per-class process groups" in w for w in ddp.warnings)
 
 
@@ -173,7 +175,7 @@ def test_auto_warns_only_when_no_candidate_has_class_groups():
     def warnings(candidates):
         raw = {"collectives": {"mode": "per_group"},
                "sync": {"strategy": "auto", "tune": {"candidates": candidates}}}
-        return [w for w in nccl.build_groups(config.from_dict(raw)).warnings if "per-class process groups" in w]
+        return [w for w in nccl.build_groups(*config.from_dict(raw)).warnings if "per-class process groups" in w]
     assert warnings({"ddp-25": {"strategy": "ddp", "bucket_cap_mb": 25},
                      "proj-LL": {"strategy": "per_class", "classes.projection.protocol": "LL"}}) == []
     assert warnings({}) == []  # the default space holds per_class
@@ -184,30 +186,30 @@ def test_auto_warns_only_when_no_candidate_has_class_groups():
 def test_nonblocking_init_is_refused_for_per_group(monkeypatch):
     monkeypatch.setenv("TORCH_NCCL_USE_COMM_NONBLOCKING", "1")
     with pytest.raises(UserError, match="needs blocking communicator init"):
-        nccl.build_groups(cfg_of({"mode": "per_group"}, PER_GROUP))
-    assert nccl.build_groups(cfg_of({"default": {"protocol": "LL"}})).mode == "global"
+        nccl.build_groups(*cfg_of({"mode": "per_group"}, PER_GROUP))
+    assert nccl.build_groups(*cfg_of({"default": {"protocol": "LL"}})).mode == "global"
 
 
 def test_parse_log_flag_turns_on_the_debug_log(tmp_path):
-    setup = nccl.build_groups(cfg_of({"mode": "per_group", "parse_log": True}, PER_GROUP), log_dir=tmp_path)
+    setup = nccl.build_groups(*cfg_of({"mode": "per_group", "parse_log": True}, PER_GROUP), log_dir=tmp_path)
     assert setup.process_env == {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "ENV,TUNING",
                                 "NCCL_DEBUG_FILE": str(tmp_path / "nccl.%h.%p.log")}
 
 
 def test_rendered_groups_name_variables_options_and_files():
     per_group = cfg_of({"mode": "per_group"}, PER_GROUP)
-    text = nccl.render_groups(nccl.build_groups(per_group))
+    text = nccl.render_groups(nccl.build_groups(*per_group))
     assert ("  group class embedding: protocol Simple, algorithm Ring, max_ctas 16\n"
             "    env while its communicator is created, restored after its barrier: NCCL_PROTO=allreduce:Simple "
             "NCCL_ALGO=allreduce:Ring\n"
             "    options: ProcessGroupNCCL.Options().config.max_ctas=16\n") in text
-    gloo = nccl.render_groups(nccl.build_groups(per_group), backend="gloo")
+    gloo = nccl.render_groups(nccl.build_groups(*per_group), backend="gloo")
     assert "backend gloo: requested, not applied" in gloo.splitlines()[0]
 
 
 def test_example_plugin_csv_covers_every_size_and_collective_with_explicit_channels():
     cfg = cfg_of({"mode": "tuner"}, {**PER_GROUP, "norm_bias": {"protocol": "LL"}})
-    lines = {n: [ln for ln in nccl.example_tuner_csv(cfg, n, 8, 2, 12, "p").splitlines() if not ln.startswith("#")]
+    lines = {n: [ln for ln in nccl.example_tuner_csv(*cfg, n, 8, 2, 12, "p").splitlines() if not ln.startswith("#")]
              for n in ("world", "embedding", "projection", "norm_bias")}
     for rows in lines.values():
         fields = [r.split(",") for r in rows]
@@ -265,7 +267,7 @@ def test_module_entry_point_runs():
 
 def test_gpu_check_profiles_are_valid_and_it_refuses_without_a_gpu(capsys):
     for mode in ("per_group", "tuner"):
-        setup = nccl.build_groups(gpu_check.gpu_check_config(mode), log_dir="out")
+        setup = nccl.build_groups(*gpu_check.gpu_check_config(mode), log_dir="out")
         assert setup.group("projection").settings == ClassSettings(protocol="LL", algorithm="Ring")
         assert setup.process_env["NCCL_DEBUG_SUBSYS"] == "ENV,TUNING"
     if not torch.cuda.is_available():

@@ -128,7 +128,7 @@ def test_malformed_or_missing_rules_fail_init(lib, tmp_path, monkeypatch):
 
 def test_profile_rules_table_for_every_version():
     cfg = config.load("dtrain/profiles/tuner.yaml")
-    rows = tuner_check.tuner_table(cfg, sizes=(4096, 64 << 20))
+    rows = tuner_check.tuner_table(*cfg, sizes=(4096, 64 << 20))
     by = {(r["version"], r["class"], r["bytes"]): r for r in rows}
     for v in VERSIONS:
         assert by[v, "embedding", 4096]["chosen"] == "Ring/Simple" and by[v, "embedding", 4096]["channels"] == 16
@@ -288,11 +288,11 @@ def test_plugin_refuses_an_example_config_the_check_refuses(lib, tmp_path, monke
 def test_the_projects_example_configs_round_trip(lib, tmp_path, monkeypatch):
     """`tuner-config`'s files for the example plugin read back unchanged, and the plugin forces what they ask."""
     cfg = config.load("dtrain/profiles/tuner.yaml")
-    path = example_file(tmp_path, nccl.example_tuner_csv(cfg, "projection", 8, 1, 12, "tuner"))
+    path = example_file(tmp_path, nccl.example_tuner_csv(*cfg, "projection", 8, 1, 12, "tuner"))
     rules = read_example_config(path)
     assert {r.collective for r in rules} == set(COLLECTIVES) and all(r.max_bytes is None for r in rules)
-    rows = tuner_check.tuner_table(cfg, sizes=(4096, 64 << 20), versions=(6,), example_config=str(path))
+    rows = tuner_check.tuner_table(*cfg, sizes=(4096, 64 << 20), versions=(6,), example_config=str(path))
     by = {(r["class"], r["bytes"]): r for r in rows}
     assert by["world", 64 << 20]["chosen"] == "Ring/LL" and by["world", 64 << 20]["channels"] == 12
     with pytest.raises(UserError, match="missing.conf"):
-        tuner_check.tuner_table(cfg, example_config=str(tmp_path / "missing.conf"))
+        tuner_check.tuner_table(*cfg, example_config=str(tmp_path / "missing.conf"))

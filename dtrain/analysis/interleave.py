@@ -109,8 +109,9 @@ def main(argv=None) -> int:
     with exit_on_user_error(PROG):
         cells = load_configs(args.matrix, args.overrides, args.only)
         out = Path(args.out)
-        nccl.apply_global(cells[0][1])  # the job's NCCL variables (the same for every cell); recorded on gloo
-        device, backend = ddist.init(cells[0][1].collectives)
+        first = cells[0][1]  # the job's NCCL variables and backend are the same for every cell (load_configs)
+        nccl.apply_global(first.sync, first.collectives)  # recorded on gloo
+        device, backend = ddist.init(first.collectives)
         memory = ExitStack()  # freed host memory kept for the job where train.keep_host_memory asks (a CPU only)
         try:
             memory.enter_context(host_memory.kept_freed_memory(cells[0][1].train.keep_host_memory, device.type))

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         cfg = config_mod.load(args.profile, args.overrides)
         if cfg.sync.strategy != "auto":
             raise UserError(f"{args.profile}: sync.strategy is '{cfg.sync.strategy}'; the search needs auto")
-        nccl.apply_global(cfg)
+        nccl.apply_global(cfg.sync, cfg.collectives)
         device, backend = ddist.init(cfg.collectives)
         try:
             out = Path(args.out)

@@ -2,12 +2,12 @@
 
 `dtrain.engine.config` validates a whole profile and calls `validate` for `sync` and `collectives`. The library's own
 command-line tools (the benchmark, the NCCL tools) call `load`, which reads just those sections of a profile with the
-same strict loader and the same file:line errors; the engine's sections are left to the engine.
+same strict loader and the same file:line errors, and returns them as the pair `(sync, collectives)` that the NCCL
+functions take; the engine's sections are left to the engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -18,17 +18,6 @@ from dtrain.collectives.strategies import available, get, unused_keys
 from dtrain.collectives.tensor_classes import config_problems
 from dtrain.common.errors import UserError
 from dtrain.common.schema import Source, apply_overrides, build, read_overlay
-
-SECTIONS = ("sync", "collectives")
-
-
-@dataclass(frozen=True)
-class CommConfig:
-    """The two sections of a profile that `collectives` reads, as its own tools load them (the engine's `RunConfig`
-    holds the same two): a pair, with no setting of its own."""
-
-    sync: SyncConfig = field(default_factory=SyncConfig)
-    collectives: CollectivesConfig = field(default_factory=CollectivesConfig)
 
 
 def validate(sync: SyncConfig, coll: CollectivesConfig, check: Callable[[bool, str, str], None]) -> None:
@@ -83,22 +72,23 @@ def refuse_moved(raw: dict, src: Source) -> None:
                         "collectives.timeout_s")
 
 
-def from_dict(raw: dict, source: str | Source = "<dict>", lines: dict[str, int] | None = None) -> CommConfig:
-    """The library's sections of a profile's raw mapping; the other sections are not read."""
+def from_dict(raw: dict, source: str | Source = "<dict>",
+              lines: dict[str, int] | None = None) -> tuple[SyncConfig, CollectivesConfig]:
+    """The library's sections of a profile's raw mapping, `(sync, collectives)`; the other sections are not read."""
     src = source if isinstance(source, Source) else Source(source, lines)
     refuse_moved(raw, src)
-    cfg = build(CommConfig, {k: v for k, v in raw.items() if k in SECTIONS}, "", src)
+    sync = build(SyncConfig, raw.get("sync", {}), "sync", src)
+    coll = build(CollectivesConfig, raw.get("collectives", {}), "collectives", src)
 
     def check(ok: bool, path: str, msg: str) -> None:
         if not ok:
             raise UserError(f"{src.where(path)}: '{path}' {msg}")
 
-    validate(cfg.sync, cfg.collectives, check)
-    return cfg
+    validate(sync, coll, check)
+    return sync, coll
 
 
-def load(path: str | Path, overrides: list[str] = ()) -> CommConfig:
-    """Read `sync` and `collectives` of a profile (with its includes), with `--set` overrides of those
-    sections."""
+def load(path: str | Path, overrides: list[str] = ()) -> tuple[SyncConfig, CollectivesConfig]:
+    """`(sync, collectives)` of a profile (with its includes), with `--set` overrides of those sections."""
     raw, src = read_overlay(path)
     return from_dict(raw, apply_overrides(raw, src, overrides))

@@ -62,7 +62,8 @@ def sync_config(sync: str | dict | SyncConfig) -> SyncConfig:
     else:
         raise UserError(f"wrap: sync must be a strategy's name, a mapping of sync keys or a SyncConfig, not "
                         f"{type(sync).__name__}")
-    return from_dict({"sync": raw}, "wrap's sync").sync
+    sync, _ = from_dict({"sync": raw}, "wrap's sync")
+    return sync
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, sync: str | dict | SyncConfig = "bucketed",

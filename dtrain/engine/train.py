@@ -94,7 +94,7 @@ def main(argv=None) -> int:
             # its error (auto picking fp32 under bf16 exchanges) before any output too; the choice is printed below
             _, amp = config_mod.resolve_amp(cfg, ddist.device_for(cfg.collectives), main=False)
             print(config_mod.dump(cfg), end="")
-            print(nccl.groups_text(cfg), end="")  # what each process group would get from NCCL
+            print(nccl.groups_text(cfg.sync, cfg.collectives), end="")  # what each process group would get from NCCL
             print("\n".join(["# " + line for line in runplan.plan_lines(cfg, topo)]))
             print(f"# precision here: {amp['amp']} (train.amp {amp['amp_setting']}: {amp['amp_reason']})")
             if args.topology:
@@ -114,7 +114,8 @@ def main(argv=None) -> int:
         # Looked at before anything below can create it (NCCL's log directory lives inside the run directory).
         run_dir_existed = bool(args.run_dir) and Path(args.run_dir).is_dir()
         # The job's NCCL variables must exist before the first communicator does (no-op on gloo: recorded only).
-        record = nccl.apply_global(cfg, log_dir=Path(args.run_dir) / "nccl-logs" if args.run_dir else None)
+        record = nccl.apply_global(cfg.sync, cfg.collectives,
+                                   log_dir=Path(args.run_dir) / "nccl-logs" if args.run_dir else None)
         inactive = nccl_inactive(record)
         if inactive and ddist.env_rank()[0] == 0:
             print(inactive, file=sys.stderr, flush=True)

@@ -524,7 +524,8 @@ class Trainer:
                    "val_nll": round(val.val_nll, 4)}
         if self.main and cfg.collectives.parse_log:
             # NCCL's own TUNING lines against the bucket plan: did each class's buckets get the requested choice?
-            checked = nccl.verify_run(cfg, self.run_dir)  # writes <run>/nccl_check.txt; None without NCCL logs
+            # writes <run>/nccl_check.txt; None without NCCL logs
+            checked = nccl.verify_run(cfg.sync, cfg.collectives, self.run_dir)
             if checked is not None:
                 summary["nccl_buckets_off_choice"] = len(checked["mismatches"])
         if t.average_last > 1:

@@ -57,7 +57,7 @@ def requested_nccl(cfg, class_groups: bool):
     def of(bucket):
         name = bucket.tensor_class if class_groups else None
         if name not in cache:
-            s = nccl.resolve(cfg, name) if name else cfg.collectives.default
+            s = nccl.resolve(cfg.sync, cfg.collectives, name) if name else cfg.collectives.default
             cache[name] = (s.algorithm, s.protocol)
         return cache[name]
 

@@ -21,10 +21,9 @@ from dtrain.collectives.bench.measure import Row, measure
 from dtrain.collectives.bench.output import extra_lines, footer, header, line, to_csv, to_json, write_out
 from dtrain.collectives.bench.overlap import measure_overlap
 from dtrain.collectives.bench.paths import ALIASES, DTYPES, NCCL_ONLY_OPS, OPS, bench_paths
-from dtrain.collectives.config import CommConfig
 from dtrain.collectives.config import load as load_comm_config
 from dtrain.collectives.nccl import class_group
-from dtrain.collectives.settings import CollectivesConfig, bucket_cap_mb
+from dtrain.collectives.settings import CollectivesConfig, SyncConfig, bucket_cap_mb
 from dtrain.common.errors import ArgumentParser, UserError, exit_on_user_error
 from dtrain.common.files import check_writable
 from dtrain.common.units import parse_size
@@ -107,11 +106,11 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def class_group_for(name: str, comm: CommConfig | None):
+def class_group_for(name: str, sync: SyncConfig | None):
     """The tensor class's group, created through the one place that creates them, with the class's settings (from
     the profile's `sync.classes`, else the defaults)."""
-    if comm is not None:
-        classes = tensor_classes.from_config(comm.sync)
+    if sync is not None:
+        classes = tensor_classes.from_config(sync)
     else:
         classes = tensor_classes.TensorClasses()
     known = [r.name for r in classes.rules]
@@ -147,14 +146,14 @@ def main(argv=None) -> int:
                 raise UserError("--overlap measures the reducer path: drop --path raw")
             if ALL_REDUCE not in colls:
                 raise UserError("--overlap measures the reducer's all-reduces: add all_reduce to --collective")
-        comm = load_comm_config(args.profile) if args.profile else None
-        if comm is not None:
+        sync, coll = load_comm_config(args.profile) if args.profile else (None, CollectivesConfig())
+        if sync is not None:
             # Before the default group exists: sets the profile's job-wide NCCL variables and arms class_group, so
             # that the class's group gets its own protocol/algorithm (the #wrong check then validates them).
-            nccl.apply_global(comm)
-        device, backend = ddist.init(comm.collectives if comm is not None else CollectivesConfig())
+            nccl.apply_global(sync, coll)
+        device, backend = ddist.init(coll)
         try:
-            return _bench(args, sizes, dtypes, colls, device, backend, comm)
+            return _bench(args, sizes, dtypes, colls, device, backend, sync)
         finally:
             ddist.cleanup()
 
@@ -207,12 +206,12 @@ def _preamble(args, coll: Collective, paths, hosts, nranks: int, backend: str, w
 
 
 def _bench(args, sizes: list[int], dtypes: list[str], colls: list[Collective], device, backend: str,
-           comm: CommConfig | None) -> int:
+           sync: SyncConfig | None) -> int:
     """The sweep on every rank, one collective after the other; rank 0 prints and writes."""
     ops = parse_ops(args.op, backend)
     group, settings, what = None, None, "world"  # settings None: the reducer's defaults
     if args.tensor_class:
-        group, settings = class_group_for(args.tensor_class, comm)
+        group, settings = class_group_for(args.tensor_class, sync)
         what = f"class {args.tensor_class} (" + ", ".join(f"{k} {v}" for k, v in asdict(settings).items()) + ")"
     rank, nranks = dist.get_rank(group), dist.get_world_size(group)
     main_rank = dist.get_rank() == 0

@@ -10,7 +10,7 @@ from dtrain.collectives.nccl.classes import resolved
 from dtrain.collectives.nccl.groups import run_record
 from dtrain.collectives.nccl.log import Decision, EnvSetting, read_logs
 from dtrain.collectives.nccl.settings import describe
-from dtrain.collectives.settings import ClassSettings
+from dtrain.collectives.settings import ClassSettings, CollectivesConfig, SyncConfig
 from dtrain.common import rundir
 from dtrain.common.errors import UserError
 from dtrain.common.jsonl import read_jsonl
@@ -97,7 +97,8 @@ def render_check(table, mismatches, envs: list[EnvSetting] | None = None) -> str
     return "\n".join(out) + "\n"
 
 
-def verify_run(cfg, run_dir: str | Path, log_dir: str | Path | None = None) -> dict | None:
+def verify_run(sync: SyncConfig, coll: CollectivesConfig, run_dir: str | Path,
+               log_dir: str | Path | None = None) -> dict | None:
     """After a run with `collectives.parse_log`: parse its NCCL logs, join them to `buckets.jsonl`, write
     `nccl_check.txt` into the run directory. Returns {decisions, mismatches}; None when there is nothing to read."""
     run_dir = Path(run_dir)
@@ -105,9 +106,9 @@ def verify_run(cfg, run_dir: str | Path, log_dir: str | Path | None = None) -> d
         debug_file = (run_record() or {}).get("job_env", {}).get("NCCL_DEBUG_FILE")
         log_dir = Path(debug_file).parent if debug_file else run_dir / "nccl-logs"
     logs = sorted(Path(log_dir).glob("nccl.*.log"))
-    if not cfg.collectives.parse_log or not logs or not (run_dir / rundir.BUCKETS).exists():
+    if not coll.parse_log or not logs or not (run_dir / rundir.BUCKETS).exists():
         return None
     decisions, envs = read_logs(logs)
-    table, mismatches = check_decisions(decisions, load_buckets(run_dir / rundir.BUCKETS), resolved(cfg))
+    table, mismatches = check_decisions(decisions, load_buckets(run_dir / rundir.BUCKETS), resolved(sync, coll))
     (run_dir / "nccl_check.txt").write_text(render_check(table, mismatches, envs))
     return {"decisions": len(decisions), "mismatches": mismatches}

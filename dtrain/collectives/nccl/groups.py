@@ -28,7 +28,7 @@ from dtrain.collectives.nccl.settings import as_record, class_nccl, describe
 from dtrain.collectives.nccl.tuner import (CLASS_VAR, EXAMPLE_CONFIG_VAR, RULES_VAR, build_tuner, read_example_config,
                                     rules_path, tuner_lib_path, tuner_rules)
 from dtrain.collectives.nccl.versions import nccl_version, per_collective_syntax, version_str
-from dtrain.collectives.settings import ClassSettings
+from dtrain.collectives.settings import ClassSettings, CollectivesConfig, SyncConfig
 from dtrain.common.errors import UserError
 from dtrain.common.files import replace_atomically
 
@@ -93,31 +93,31 @@ def class_group_settings(mode: str, name: str, s: ClassSettings, version, rules_
     return GroupSettings(name, s)
 
 
-def build_groups(cfg, version=None, log_dir: str | Path | None = None, tuner_lib: Path | None = None) -> NcclSetup:
+def build_groups(sync: SyncConfig, coll: CollectivesConfig, version=None, log_dir: str | Path | None = None,
+                 tuner_lib: Path | None = None) -> NcclSetup:
     """Everything `apply_global` and `class_group` will do for this profile, as data."""
-    c = cfg.collectives
-    settings = resolved(cfg)
-    warnings = guards(cfg, version, settings)
-    if not creates_class_groups(cfg.sync.strategy):  # only the default group will exist
+    settings = resolved(sync, coll)
+    warnings = guards(sync, coll, version, settings)
+    if not creates_class_groups(sync.strategy):  # only the default group will exist
         settings = {}
     process_env: dict[str, str] = {}
     files: dict[str, str] = {}
-    if c.parse_log:
+    if coll.parse_log:
         log_dir = Path(log_dir) if log_dir is not None else Path("<run-dir>") / "nccl-logs"
         process_env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="ENV,TUNING",
                            NCCL_DEBUG_FILE=str(log_dir / "nccl.%h.%p.log"))  # %h host, %p pid: one file a rank
     rules_file = None
-    if c.mode == "global":
+    if coll.mode == "global":
         # One setting for every communicator: set before the first one exists and never restored.
-        process_env.update(proto_algo_env(c.default, version))
-        if c.default.min_ctas:
-            process_env["NCCL_MIN_CTAS"] = str(c.default.min_ctas)
-        if c.default.max_ctas:
-            process_env["NCCL_MAX_CTAS"] = str(c.default.max_ctas)
-        groups = [GroupSettings(g, c.default) for g in ["world"] + list(settings)]
-        return NcclSetup(c.mode, version, process_env, files, groups, warnings)
-    if c.mode == "tuner":
-        rules = tuner_rules(cfg)
+        process_env.update(proto_algo_env(coll.default, version))
+        if coll.default.min_ctas:
+            process_env["NCCL_MIN_CTAS"] = str(coll.default.min_ctas)
+        if coll.default.max_ctas:
+            process_env["NCCL_MAX_CTAS"] = str(coll.default.max_ctas)
+        groups = [GroupSettings(g, coll.default) for g in ["world"] + list(settings)]
+        return NcclSetup(coll.mode, version, process_env, files, groups, warnings)
+    if coll.mode == "tuner":
+        rules = tuner_rules(sync, coll)
         rules_file = str(rules_path(rules))
         files[rules_file] = rules
         process_env.update({"NCCL_TUNER_PLUGIN": str(tuner_lib or tuner_lib_path()), RULES_VAR: rules_file})
@@ -127,8 +127,8 @@ def build_groups(cfg, version=None, log_dir: str | Path | None = None, tuner_lib
             warnings.append(f"{EXAMPLE_CONFIG_VAR}={example}: its rules apply to every communicator after the "
                             "classes' own")
     groups = [GroupSettings("world", ClassSettings())]
-    groups += [class_group_settings(c.mode, n, s, version, rules_file) for n, s in settings.items()]
-    return NcclSetup(c.mode, version, process_env, files, groups, warnings)
+    groups += [class_group_settings(coll.mode, n, s, version, rules_file) for n, s in settings.items()]
+    return NcclSetup(coll.mode, version, process_env, files, groups, warnings)
 
 
 def render_groups(setup: NcclSetup, backend: str = "nccl") -> str:
@@ -157,12 +157,12 @@ def render_groups(setup: NcclSetup, backend: str = "nccl") -> str:
     return "\n".join(out) + "\n"
 
 
-def groups_text(cfg, version=None, backend: str | None = None) -> str:
+def groups_text(sync: SyncConfig, coll: CollectivesConfig, version=None, backend: str | None = None) -> str:
     """For `dtrain.engine.train --dry-run`: this profile's group settings (NCCL version: the runtime's when CUDA is
     present)."""
-    backend = backend or choose_backend(cfg.collectives)
+    backend = backend or choose_backend(coll)
     version = version if version is not None else nccl_version()
-    return render_groups(build_groups(cfg, version), backend)
+    return render_groups(build_groups(sync, coll, version), backend)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -227,7 +227,8 @@ class TorchGroups:
 
 @dataclass
 class _State:
-    cfg: object
+    sync: SyncConfig
+    coll: CollectivesConfig
     backend: str
     setup: NcclSetup
     factory: object
@@ -257,21 +258,22 @@ def _set_job_env(setup: NcclSetup) -> list[str]:
     return warnings
 
 
-def apply_global(cfg, backend: str | None = None, version=..., factory=None, log_dir=None) -> dict:
+def apply_global(sync: SyncConfig, coll: CollectivesConfig, backend: str | None = None, version=..., factory=None,
+                 log_dir=None) -> dict:
     """Call once per process before `init_process_group`: validates, sets the job's NCCL variables (global mode,
     tuner plugin, debug log), builds the plugin in tuner mode, and arms `class_group`. Returns the run-header record,
     which `run_record()` completes as groups are created. On gloo nothing is set: requested, not applied."""
     global _STATE
-    backend = backend or choose_backend(cfg.collectives)
+    backend = backend or choose_backend(coll)
     applied = backend == "nccl"
     if applied and dist.is_initialized():
         raise RuntimeError("dtrain.collectives.nccl.apply_global must run before init_process_group: the default group's "
                            "communicator would already exist without the job's NCCL variables")
     version = (nccl_version() if applied else None) if version is ... else version
-    if applied and cfg.collectives.parse_log and log_dir is None:
+    if applied and coll.parse_log and log_dir is None:
         raise UserError("'collectives.parse_log' needs --run-dir: NCCL's log file is named before the first "
                         "communicator exists, earlier than a run directory is chosen")
-    setup = build_groups(cfg, version, log_dir)
+    setup = build_groups(sync, coll, version, log_dir)
     if applied and setup.mode == "tuner":
         build_tuner()
     warnings = list(setup.warnings) + (_set_job_env(setup) if applied else [])
@@ -282,10 +284,10 @@ def apply_global(cfg, backend: str | None = None, version=..., factory=None, log
         "mode": setup.mode, "backend": backend, "applied": applied,
         "status": "applied" if applied else f"requested, not applied (backend {backend})",
         "nccl_version": version_str(version) if version else None,
-        "requested": {"default": as_record(cfg.collectives.default), "classes": requested(cfg)},
+        "requested": {"default": as_record(coll.default), "classes": requested(sync, coll)},
         "job_env": setup.process_env, "files": sorted(setup.files), "groups": [], "warnings": warnings,
     }
-    _STATE = _State(cfg, backend, setup, factory or TorchGroups(), record)
+    _STATE = _State(sync, coll, backend, setup, factory or TorchGroups(), record)
     return record
 
 
@@ -311,7 +313,7 @@ def class_group(name: str, settings=None, ranks: list[int] | None = None):
     state = _STATE
     if state is None:
         return attached_group(name, settings, ranks)
-    want = resolve(state.cfg, name, settings)
+    want = resolve(state.sync, state.coll, name, settings)
     mode = state.setup.mode
     g = state.setup.group(name)
     if g is None or g.settings != want:  # a class the setup did not list, or settings the strategy changed

@@ -7,7 +7,7 @@ import os
 
 from dtrain.collectives import registry
 from dtrain.collectives.nccl.versions import per_collective_syntax, version_str
-from dtrain.collectives.settings import ClassSettings
+from dtrain.collectives.settings import ClassSettings, CollectivesConfig, SyncConfig
 from dtrain.common.errors import UserError
 
 NONBLOCKING_VAR = "TORCH_NCCL_USE_COMM_NONBLOCKING"
@@ -34,19 +34,19 @@ def nonblocking_init() -> bool:
     return os.environ.get(NONBLOCKING_VAR, "0") not in ("0", "")
 
 
-def guards(cfg, version, settings: dict[str, ClassSettings]) -> list[str]:
+def guards(sync: SyncConfig, coll: CollectivesConfig, version, settings: dict[str, ClassSettings]) -> list[str]:
     """Errors (raised as UserError) and warnings (returned) for these settings under this NCCL version."""
-    c, warn = cfg.collectives, []
+    warn = []
     vs = version_str(version)
-    if c.mode == "per_group" and version and (2, 27, 0) <= version <= (2, 27, 4):
+    if coll.mode == "per_group" and version and (2, 27, 0) <= version <= (2, 27, 4):
         raise UserError(f"'collectives.mode' per_group cannot work on NCCL {vs}: 2.27.0-2.27.4 cache "
                         f"NCCL_PROTO/NCCL_ALGO after the first communicator (fixed in 2.27.5), so every group would "
                         f"get the first one's settings; use mode tuner or NCCL >= 2.27.5")
-    if c.mode == "tuner" and version and version < (2, 22, 0):
+    if coll.mode == "tuner" and version and version < (2, 22, 0):
         raise UserError(f"'collectives.mode' tuner needs NCCL >= 2.22 (the plugin exports tuner interfaces v3-v6); "
                         f"this is NCCL {vs}")
-    if c.mode == "global" and not per_collective_syntax(version):
-        d = c.default
+    if coll.mode == "global" and not per_collective_syntax(version):
+        d = coll.default
         if d.algorithm not in (None, "Ring"):
             raise UserError(f"'collectives.default.algorithm' {d.algorithm} needs NCCL >= 2.24 in global mode: before "
                             f"it NCCL_ALGO has no per-collective syntax, so {d.algorithm} would also be forced on "
@@ -54,28 +54,28 @@ def guards(cfg, version, settings: dict[str, ClassSettings]) -> list[str]:
         if d.protocol:
             warn.append(f"NCCL {vs} has no per-collective syntax: NCCL_PROTO={d.protocol} applies to every "
                         f"collective of the job, not only the gradient all-reduces")
-    if c.mode in ("per_group", "tuner") and nonblocking_init():
-        raise UserError(f"'collectives.mode' {c.mode} needs blocking communicator init, but {NONBLOCKING_VAR}="
+    if coll.mode in ("per_group", "tuner") and nonblocking_init():
+        raise UserError(f"'collectives.mode' {coll.mode} needs blocking communicator init, but {NONBLOCKING_VAR}="
                         f"{os.environ[NONBLOCKING_VAR]}: NCCL would read the class's variables from a background "
                         f"thread after dtrain restored them (unset it)")
-    if c.mode in ("global", "per_group"):
-        warn += _forced_warnings(cfg, {n: s for n, s in settings.items() if s.protocol or s.algorithm})
-    if c.mode in ("per_group", "tuner") and not any(map(creates_class_groups, _searched(cfg.sync))):
-        what = "nor does any candidate of its search" if registry.get(cfg.sync.strategy).searches else ""
-        warn.append(f"sync.strategy '{cfg.sync.strategy}' creates no per-class process groups{what and ', ' + what}: "
+    if coll.mode in ("global", "per_group"):
+        warn += _forced_warnings(coll, {n: s for n, s in settings.items() if s.protocol or s.algorithm})
+    if coll.mode in ("per_group", "tuner") and not any(map(creates_class_groups, _searched(sync))):
+        what = "nor does any candidate of its search" if registry.get(sync.strategy).searches else ""
+        warn.append(f"sync.strategy '{sync.strategy}' creates no per-class process groups{what and ', ' + what}: "
                     f"the classes' settings reach no communicator (use sync.strategy per_class)")
-    if c.parse_log and version and version < (2, 21, 0):
+    if coll.parse_log and version and version < (2, 21, 0):
         warn.append(f"collectives.parse_log: NCCL {vs} predates the TUNING log formats parse-log reads")
     return warn
 
 
-def _forced_warnings(cfg, forced: dict[str, ClassSettings]) -> list[str]:
+def _forced_warnings(coll: CollectivesConfig, forced: dict[str, ClassSettings]) -> list[str]:
     """Settings forced through the environment: LL128 (NCCL's maintainers call NCCL_PROTO a debugging knob; forced
     where NCCL disables LL128 it can give wrong results), and algorithms that need hardware NCCL may not find."""
-    c, warn = cfg.collectives, []
+    warn = []
     ll128 = sorted(n for n, s in forced.items() if s.protocol == "LL128")
-    if ll128 and not c.validated:
-        who = "every gradient all-reduce" if c.mode == "global" else ", ".join(ll128)
+    if ll128 and not coll.validated:
+        who = "every gradient all-reduce" if coll.mode == "global" else ", ".join(ll128)
         warn.append(f"LL128 is forced for {who}: where NCCL disables LL128 by default, forcing it can "
                     f"give wrong results; validate these settings with the benchmark (#wrong must be 0), then set "
                     f"collectives.validated: true")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dtrain.collectives.nccl.classes import resolve, resolved
 from dtrain.collectives.nccl.settings import COLLECTIVES, PLUGIN_ALGOS, PLUGIN_PROTOS, describe
-from dtrain.collectives.settings import NCCL_ALGORITHMS, NCCL_PROTOCOLS, ClassSettings
+from dtrain.collectives.settings import NCCL_ALGORITHMS, NCCL_PROTOCOLS, ClassSettings, CollectivesConfig, SyncConfig
 from dtrain.common.errors import UserError
 from dtrain.common.paths import cache_root
 
@@ -43,12 +43,12 @@ def rules_path(rules: str) -> Path:
     return BUILD_DIR / f"rules-{hashlib.sha256(rules.encode()).hexdigest()[:12]}.csv"
 
 
-def tuner_rules(cfg) -> str:
+def tuner_rules(sync: SyncConfig, coll: CollectivesConfig) -> str:
     """dtrain's plugin rules: `class,collective,min_bytes,max_bytes,algorithm,protocol,channels`, one per class
     that asks for something, plus `*` (the default) for classes the file does not name."""
     lines = ["# dtrain NCCL tuner rules (dtrain/collectives/tuner/dtrain_tuner.c), written by dtrain.collectives.nccl",
              "# class,collective,min_bytes,max_bytes,algorithm,protocol,channels  (-1: NCCL decides / no bound)"]
-    for name, s in list(resolved(cfg).items()) + [("*", cfg.collectives.default)]:
+    for name, s in list(resolved(sync, coll).items()) + [("*", coll.default)]:
         if s.protocol or s.algorithm or s.max_ctas:
             algo = PLUGIN_ALGOS[NCCL_ALGORITHMS.index(s.algorithm)] if s.algorithm else "-1"
             proto = PLUGIN_PROTOS[NCCL_PROTOCOLS.index(s.protocol)] if s.protocol else "-1"
@@ -76,13 +76,14 @@ def build_tuner(force: bool = False) -> Path:
     return lib
 
 
-def example_tuner_csv(cfg, name: str, nproc: int, nnodes: int, channels: int, profile_name: str) -> str:
+def example_tuner_csv(sync: SyncConfig, coll: CollectivesConfig, name: str, nproc: int, nnodes: int, channels: int,
+                      profile_name: str) -> str:
     """One communicator's config for NCCL's example plugin (its README: `NCCL_TUNER_CONFIG_FILE`, one rule a line,
     the first matching line wins). That plugin sets one channel before matching and parses `-1` algorithms as ring,
     so every collective gets a line, every size is covered and every line has an explicit channel count; a choice
     left to NCCL becomes ring/simple, the only cell valid for every collective."""
     nranks = nproc * nnodes
-    s = ClassSettings() if name == "world" else resolve(cfg, name)
+    s = ClassSettings() if name == "world" else resolve(sync, coll, name)
     algo = PLUGIN_ALGOS[NCCL_ALGORITHMS.index(s.algorithm)] if s.algorithm else "ring"
     proto = PLUGIN_PROTOS[NCCL_PROTOCOLS.index(s.protocol)] if s.protocol else "simple"
     ch = s.max_ctas or channels

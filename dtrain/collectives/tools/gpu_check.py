@@ -28,7 +28,8 @@ GPU_CHECK_BUCKETS = {"projection": 65536, "embedding": 8 << 20}  # distinct size
 
 
 def gpu_check_config(mode: str):
-    """The library's sections of the check's profile: projection on LL, embedding on Simple, both Ring."""
+    """The library's sections of the check's profile, `(sync, collectives)`: projection on LL, embedding on Simple,
+    both Ring."""
     return from_dict({"sync": {"strategy": "per_class", "classes": {
         "projection": {"protocol": "LL", "algorithm": "Ring"},
         "embedding": {"protocol": "Simple", "algorithm": "Ring"}}},
@@ -38,7 +39,7 @@ def gpu_check_config(mode: str):
 def _rank(rank: int, mode: str, out_dir: str, port: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       NCCL_HOSTID=f"rank{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
-    apply_global(gpu_check_config(mode), backend="nccl", log_dir=Path(out_dir) / mode)
+    apply_global(*gpu_check_config(mode), backend="nccl", log_dir=Path(out_dir) / mode)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)  # bound: groups created eagerly
@@ -67,8 +68,8 @@ def gpu_check(out_dir: str | Path) -> int:
         mp.spawn(_rank, args=(mode, str(out), port), nprocs=2, join=True)
         decisions, envs = read_logs(sorted((out / mode).glob("nccl.*.log")))
         buckets = [{"index": i, "class": n, "nbytes": b} for i, (n, b) in enumerate(GPU_CHECK_BUCKETS.items())]
-        cfg = gpu_check_config(mode)
-        table, mismatches = check_decisions(decisions, buckets, {n: resolve(cfg, n) for n in GPU_CHECK_BUCKETS})
+        sync, coll = gpu_check_config(mode)
+        table, mismatches = check_decisions(decisions, buckets, {n: resolve(sync, coll, n) for n in GPU_CHECK_BUCKETS})
         text = f"== {mode} (NCCL {version_str(nccl_version())}) ==\n" + render_check(table, mismatches, envs)
         (out / mode / "parse-log.txt").write_text(text)
         print(text, flush=True)

@@ -69,7 +69,7 @@ def profile_name(path: str, overrides: list[str]) -> str:
 
 def parse_log_cmd(args) -> int:
     decisions, envs = read_logs(args.logs)
-    want = resolved(load(args.profile)) if args.profile else {}
+    want = resolved(*load(args.profile)) if args.profile else {}
     buckets = load_buckets(args.buckets) if args.buckets else []
     table, mismatches = check_decisions(decisions, buckets, want)
     print(render_check(table, mismatches, envs), end="")
@@ -77,12 +77,12 @@ def parse_log_cmd(args) -> int:
 
 
 def tuner_config_cmd(args) -> None:
-    cfg = load(args.profile, args.overrides)
+    sync, coll = load(args.profile, args.overrides)
     if args.nproc < 1 or args.nnodes < 1 or args.channels < 1:
         raise UserError("--nproc, --nnodes and --channels must be positive")
     label = profile_name(args.profile, args.overrides)
-    for name in ["world"] + class_names(cfg):
-        text = example_tuner_csv(cfg, name, args.nproc, args.nnodes, args.channels, label)
+    for name in ["world"] + class_names(sync):
+        text = example_tuner_csv(sync, coll, name, args.nproc, args.nnodes, args.channels, label)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / f"nccl_tuner.{name}.conf").write_text(text)
@@ -101,14 +101,14 @@ def main(argv=None) -> int:
         elif args.cmd == "parse-log":
             return parse_log_cmd(args)
         elif args.cmd == "groups":
-            cfg = load(args.profile, args.overrides)
-            print(groups_text(cfg, parse_version(args.nccl_version), args.backend), end="")
+            sync, coll = load(args.profile, args.overrides)
+            print(groups_text(sync, coll, parse_version(args.nccl_version), args.backend), end="")
         elif args.cmd == "tuner-config":
             tuner_config_cmd(args)
         elif args.cmd == "tuner-check":
             if args.nproc < 1 or args.nnodes < 1:
                 raise UserError("--nproc and --nnodes must be positive")
-            rows = tuner_table(load(args.profile, args.overrides), nranks=args.nproc * args.nnodes,
+            rows = tuner_table(*load(args.profile, args.overrides), nranks=args.nproc * args.nnodes,
                                nnodes=args.nnodes, example_config=args.example_config)
             print(render_tuner_table(rows), end="")
     return 0

@@ -13,7 +13,7 @@ from dtrain.collectives.nccl.groups import scoped_env
 from dtrain.collectives.nccl.settings import COLLECTIVES
 from dtrain.collectives.nccl.tuner import (BUILD_DIR, CLASS_VAR, EXAMPLE_CONFIG_VAR, RULES_VAR, build_tuner,
                                     read_example_config, rules_path, tuner_rules)
-from dtrain.collectives.settings import NCCL_ALGORITHMS, NCCL_PROTOCOLS
+from dtrain.collectives.settings import NCCL_ALGORITHMS, NCCL_PROTOCOLS, CollectivesConfig, SyncConfig
 
 NVLINK_CHANNEL_BW = 20.6  # GB/s per channel that NCCL's topology search finds over Hopper's NVLink
 _LOGGER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_ulong, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p)
@@ -102,15 +102,16 @@ def cell_name(index: int) -> str:
     return f"{NCCL_ALGORITHMS[index // 3]}/{NCCL_PROTOCOLS[index % 3]}"
 
 
-def tuner_table(cfg, sizes=(1024, 65536, 1 << 20, 16 << 20, 256 << 20), nranks: int = 8, nnodes: int = 1,
-                versions=(3, 4, 5, 6), example_config: str | None = None) -> list[dict]:
+def tuner_table(sync: SyncConfig, coll: CollectivesConfig, sizes=(1024, 65536, 1 << 20, 16 << 20, 256 << 20),
+                nranks: int = 8, nnodes: int = 1, versions=(3, 4, 5, 6),
+                example_config: str | None = None) -> list[dict]:
     """For each exported version, class and size: NCCL's own pick on the sample table, and what the plugin forced.
     `example_config`: a config file of NCCL's example tuner plugin, checked, then read by the plugin
     (NCCL_TUNER_CONFIG_FILE) after the profile's rules."""
     if example_config is not None:
         read_example_config(example_config)  # one line naming file and line, before the plugin refuses it
     lib = build_tuner()
-    rules = tuner_rules(cfg)
+    rules = tuner_rules(sync, coll)
     path = rules_path(rules)
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     path.write_text(rules)
@@ -118,7 +119,7 @@ def tuner_table(cfg, sizes=(1024, 65536, 1 << 20, 16 << 20, 256 << 20), nranks: 
     with scoped_env({RULES_VAR: str(path), EXAMPLE_CONFIG_VAR: example_config}):
         for v in versions:
             h = TunerHarness(lib, v)
-            for name in ["world"] + class_names(cfg):
+            for name in ["world"] + class_names(sync):
                 with scoped_env({CLASS_VAR: None if name == "world" else name}):
                     ctx = h.init(nranks, nnodes)  # the plugin reads the class at init, as under NCCL
                 for n in sizes:
