@@ -22,17 +22,8 @@ from dtrain.common.errors import UserError
 from dtrain.engine.model import Transformer
 
 SHARDED = ("--set", "sync.strategy=sharded", "--set", "sync.bucket_cap_mb=0.05")  # many buckets on the tiny model
-SPLIT = ("sync.classes.embedding.tied_split=true",)
-
-
-@pytest.mark.slow
-def test_sharded_with_the_split_equals_the_reference():
-    """The tied embedding replicated and split, the rest sharded: each gradient the exact mean on 3 ranks, with and
-    without accumulation (on 2 ranks the training test below compares it with the bucketed split bit for bit)."""
-    results = verify.run(3, ["sharded"], accums=[1, 2], steps=3, overrides=SPLIT)
-    for accum, by_strategy in results.items():
-        r = by_strategy["sharded"]
-        assert r["lossless"] and r["max_rel"] <= verify.TOLERANCE, (accum, r)
+# verify's check of sharded with the split on 3 ranks (each gradient the exact mean) is in tests/test_strategies.py,
+# in the same spawn as every strategy's 3-rank check.
 
 
 def test_the_split_embedding_gets_a_bucket_of_its_own_first():

@@ -1,5 +1,6 @@
 """Gradient synchronization strategies: the reducer on one rank (views, set_to_none, no_sync, records, re-planning,
-per-class groups), the verify check on 2 and 3 gloo ranks with and without accumulation, and the real trainer."""
+per-class groups), the verify check on 2 and 3 gloo ranks with and without accumulation (on 3, sharded with the tied
+embedding split too, in the same spawn), and the real trainer."""
 
 import json
 import subprocess
@@ -185,11 +186,26 @@ def test_ddp_records_its_buckets(one_rank, hook):
 # -- several ranks --------------------------------------------------------------------------------------------
 
 
+SPLIT = ("sync.classes.embedding.tied_split=true",)
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    """verify's results on 3 ranks, with and without accumulation, from one spawn for two tests (interpreters'
+    start-up is most of a check's time): "all", every strategy; "split", sharded with the tied embedding split (a
+    setting the other strategies refuse)."""
+    return verify.run_cases(3, {"all": attachable(), "split": ["sharded"]}, {"all": [], "split": list(SPLIT)},
+                            accums=(1, 2), steps=3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_every_lossless_strategy_matches_the_reference(nproc):
+def test_every_lossless_strategy_matches_the_reference(nproc, request):
     """The issue's check: per-tensor all-reduce / world size as the reference, with and without accumulation."""
-    results = verify.run(nproc, attachable(), accums=(1, 2), steps=3)
+    if nproc == 3:
+        results = request.getfixturevalue("three_ranks")["all"]
+    else:
+        results = verify.run(nproc, attachable(), accums=(1, 2), steps=3)
     for accum, per_strategy in results.items():
         assert set(per_strategy) == set(attachable()) == set(available()) - {"auto"}
         for name, r in per_strategy.items():
@@ -201,6 +217,18 @@ def test_every_lossless_strategy_matches_the_reference(nproc):
         assert not per_strategy["noop"]["lossless"] and not per_strategy["noop"]["communicates"]
         assert {n for n, r in per_strategy.items() if r["lossless"]} == {
             "ddp", "per_tensor", "flat", "bucketed", "per_class", "sharded", "fsdp2"}
+
+
+@pytest.mark.slow
+def test_sharded_with_the_split_equals_the_reference(three_ranks):
+    """The tied embedding replicated and split, the rest sharded: each gradient the exact mean on 3 ranks, with and
+    without accumulation (on 2 ranks tests/test_sharded.py's training test compares it with the bucketed split bit
+    for bit)."""
+    results = three_ranks["split"]
+    assert set(results) == {"1", "2"}
+    for accum, by_strategy in results.items():
+        r = by_strategy["sharded"]
+        assert r["lossless"] and r["max_rel"] <= verify.TOLERANCE, (accum, r)
 
 
 @pytest.mark.slow

@@ -131,32 +131,36 @@ def check_strategy(name: str, accum: int, steps: int, bucket_mb: float, override
             "communicates": bool(handle.communicates)}
 
 
-def _worker(rank: int, world: int, init_file: str, out_file: str, strategies: list[str], accums: list[int],
-            steps: int, bucket_mb: float, cases: dict[str, list[str]]) -> None:
+def _worker(rank: int, world: int, init_file: str, out_file: str, accums: list[int], steps: int, bucket_mb: float,
+            cases: dict[str, tuple[list[str], list[str]]]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     with ddist.rank_process():
         results = {case: {str(a): {s: check_strategy(s, a, steps, bucket_mb, overrides) for s in strategies}
-                          for a in accums} for case, overrides in cases.items()}
+                          for a in accums} for case, (strategies, overrides) in cases.items()}
         if rank == 0:
             with open(out_file, "w") as f:
                 json.dump(results, f)
 
 
-def run_cases(nproc: int, strategies: list[str], cases: dict[str, list[str]], accums: list[int] = (1,),
-              steps: int = 3, bucket_mb: float = 0.01) -> dict:
+def run_cases(nproc: int, strategies: list[str] | dict[str, list[str]], cases: dict[str, list[str]],
+              accums: list[int] = (1,), steps: int = 3, bucket_mb: float = 0.01) -> dict:
     """`run` once per case of `cases` (its name -> its overrides), every case in one spawn of `nproc` gloo ranks (the
-    ranks' start-up is most of a check's time); returns {case: {accum: {strategy: result}}}."""
-    for overrides in cases.values():
-        for s in strategies:
-            cfg = sync_config(s, bucket_mb, list(overrides))  # bad input fails here, not in nproc tracebacks
+    ranks' start-up is most of a check's time); returns {case: {accum: {strategy: result}}}. `strategies`: the names
+    checked in every case, or {case: its names}, for cases whose overrides only some strategies take (a setting a
+    strategy does not use is refused)."""
+    names = strategies if isinstance(strategies, dict) else {case: strategies for case in cases}
+    jobs = {case: (list(names[case]), list(overrides)) for case, overrides in cases.items()}
+    for case_names, overrides in jobs.values():
+        for s in case_names:
+            cfg = sync_config(s, bucket_mb, overrides)  # bad input fails here, not in nproc tracebacks
             if cfg.hierarchical:
                 ranks_per_node(cfg, nproc)
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.json")
-        mp.spawn(_worker, args=(nproc, init_file, out_file, list(strategies), list(accums), steps, bucket_mb,
-                                {case: list(o) for case, o in cases.items()}), nprocs=nproc, join=True)
+        mp.spawn(_worker, args=(nproc, init_file, out_file, list(accums), steps, bucket_mb, jobs), nprocs=nproc,
+                 join=True)
         with open(out_file) as f:
             return json.load(f)
 
