@@ -141,7 +141,8 @@ s.connect((os.environ["MASTER_ADDR"], 9))  # no packet sent: only asks which loc
 t = torch.full((1000,), float(rank + 1))
 dist.all_reduce(t)
 info = dict(rank=rank, addr=s.getsockname()[0], master=os.environ["MASTER_ADDR"],
-            ifname=os.environ["GLOO_SOCKET_IFNAME"], sum=t[0].item(), world=dist.get_world_size())
+            ifname=os.environ["GLOO_SOCKET_IFNAME"], sum=t[0].item(), world=dist.get_world_size(),
+            cpus=sorted(os.sched_getaffinity(0)))
 open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w").write(json.dumps(info))
 print(f"hello from rank {rank}", flush=True)
 mode = sys.argv[2] if len(sys.argv) > 2 else "ok"
@@ -153,10 +154,10 @@ dist.destroy_process_group()
 """
 
 
-def _testbed_run(bed, tmp_path, mode):
+def _testbed_run(bed, tmp_path, mode, *options):
     script = tmp_path / "job.py"
     script.write_text(RANK_SCRIPT)
-    return [sys.executable, "-m", "dtrain.analysis.testbed", "--name", bed.prefix, "run", "--nodes", "2",
+    return [sys.executable, "-m", "dtrain.analysis.testbed", "--name", bed.prefix, "run", "--nodes", "2", *options,
             "--log-dir", str(tmp_path / "logs"), "--", str(script), str(tmp_path), mode]
 
 
@@ -168,9 +169,12 @@ def _no_processes_left(bed):
 
 @pytest.mark.slow
 @needs_netns
-def test_run_all_reduce_across_two_nodes(bed, tmp_path):
+def test_run_all_reduce_across_two_nodes_each_on_its_own_cpus(bed, tmp_path):
+    """The job's ranks meet across the nodes' link; with --pin-cpus each node's processes run on its share of the
+    CPUs (the runs of the tests below are not pinned)."""
     testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
-    r = subprocess.run(_testbed_run(bed, tmp_path, "ok"), cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(_testbed_run(bed, tmp_path, "ok", "--pin-cpus"), cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "hello from rank 0" in r.stdout and "hello from rank 1" not in r.stdout  # rank 0's output only
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
@@ -178,6 +182,8 @@ def test_run_all_reduce_across_two_nodes(bed, tmp_path):
         assert info["addr"] == f"10.77.0.{i + 1}"  # rank i runs inside node i
         assert info["master"] == "10.77.0.1" and info["ifname"] == testbed_net.IFACE
         assert info["sum"] == 3.0 and info["world"] == 2
+        assert info["cpus"] == testbed_jobs.node_cpus(i, 2, sorted(os.sched_getaffinity(0)))
+    assert "CPUs node 0: " in r.stderr
     assert "hello from rank 1" in (tmp_path / "logs" / "node1.log").read_text()
     _no_processes_left(bed)
 
@@ -391,25 +397,3 @@ def test_agent_command_pins_before_mounting():
     cmd = testbed_jobs.agent_command(names, 1, 2, 1, 29600, "rid", ["-m", "x"], [(Path("/d/t"), Path("/t"))],
                                      cpus=[2, 3])
     assert cmd[:8] == ["ip", "netns", "exec", "dtb-n1", "taskset", "-c", "2,3", "sh"]
-
-
-AFFINITY_SCRIPT = """
-import json, os, sys
-with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f:
-    json.dump(sorted(os.sched_getaffinity(0)), f)
-"""
-
-
-@pytest.mark.slow
-@needs_netns
-def test_pin_cpus_runs_each_node_on_its_own_cpus(bed, tmp_path):
-    testbed_net.up(bed, [testbed_links.Link(10**9)] * 2)
-    cmd = [sys.executable, "-m", "dtrain.analysis.testbed", "--name", bed.prefix, "run", "--pin-cpus", "--log-dir",
-           str(tmp_path / "logs"), "--", "--no-python", sys.executable, "-c", AFFINITY_SCRIPT, str(tmp_path)]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    available = sorted(os.sched_getaffinity(0))
-    for i in range(2):
-        assert json.loads((tmp_path / f"rank{i}.json").read_text()) == testbed_jobs.node_cpus(i, 2, available)
-    assert "CPUs node 0: " in r.stderr
-    _no_processes_left(bed)
