@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.collectives import dist as ddist
 from dtrain.common.errors import UserError
 from dtrain.engine import config, corpus, wmt14
 from dtrain.engine.download import fetch
@@ -258,8 +259,6 @@ def _rank_loads(rank, world, init, cases):
 def test_ranks_agree_on_the_corpus_or_all_fail_alike(tmp_path):
     """Rank 1's copy of the files holds other pairs, or lacks a file: both ranks fail with rank 1's error (both
     cases in one spawn)."""
-    import torch.multiprocessing as tmp_mp
-
     cases, expected = [], {}
     for case in ("other_files", "missing_file"):
         raws = []
@@ -276,7 +275,7 @@ def test_ranks_agree_on_the_corpus_or_all_fail_alike(tmp_path):
             (node1 / "val.de.gz").unlink()
             expected[case] = "rank 1: data.files.val:"
         cases.append((raws, str(tmp_path / case)))
-    tmp_mp.spawn(_rank_loads, args=(2, f"file://{tmp_path / 'rdzv'}", cases), nprocs=2)
+    ddist.spawn(_rank_loads, (2, f"file://{tmp_path / 'rdzv'}", cases), 2)
     for case, want in expected.items():
         results = [(tmp_path / case / f"rank{r}").read_text() for r in range(2)]
         assert results[0] == results[1] and results[0].startswith(want), (case, results)

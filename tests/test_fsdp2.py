@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import NO_EVAL, cut_back, records, train_ranks
 
 from dtrain.collectives import dist as ddist
@@ -99,7 +98,7 @@ def test_a_whole_state_goes_in_and_out_of_the_shards_of_three_ranks(tmp_path):
     """A checkpoint's model and optimizer state (written as one process would) loaded under `sharded`, then under
     `fsdp2`, on 3 ranks (one spawn), then read back for the next checkpoint: bit for bit the same. One step after
     the load matches the same step taken by one process from that state."""
-    mp.spawn(_round_trips_on_three_ranks, args=(str(tmp_path / "init"), ["sharded", "fsdp2"]), nprocs=3, join=True)
+    ddist.spawn(_round_trips_on_three_ranks, (str(tmp_path / "init"), ["sharded", "fsdp2"]), 3)
 
 
 SPLIT_P2P = ("--set", "sync.classes.embedding.tied_split=true", "--set", "sync.fsdp2_collectives=p2p")
@@ -221,7 +220,7 @@ def _every_unwaited_case_on_two_ranks(rank: int, init: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def unwaited_cases(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("unwaited")
-    mp.spawn(_every_unwaited_case_on_two_ranks, args=(str(tmp / "init"), str(tmp / "seen.json")), nprocs=2, join=True)
+    ddist.spawn(_every_unwaited_case_on_two_ranks, (str(tmp / "init"), str(tmp / "seen.json")), 2)
     return json.loads((tmp / "seen.json").read_text())
 
 

@@ -6,7 +6,6 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dtrain.collectives import dist as ddist
 from dtrain.collectives import attach
@@ -75,7 +74,7 @@ def _two_by_two(rank: int, init: str) -> None:
 
 @pytest.mark.slow
 def test_two_nodes_of_two_ranks_reduce_through_both_levels_and_leave_nothing(tmp_path):
-    mp.spawn(_two_by_two, args=(str(tmp_path / "init"),), nprocs=4, join=True)
+    ddist.spawn(_two_by_two, (str(tmp_path / "init"),), 4)
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dtrain.collectives import dist as ddist
 from dtrain.collectives import config, nccl
@@ -181,7 +180,7 @@ def _two_rank_gloo(rank, init_file, out_dir):
 
 @pytest.mark.slow
 def test_two_gloo_ranks_create_the_class_groups_and_record_them(tmp_path):
-    mp.spawn(_two_rank_gloo, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ddist.spawn(_two_rank_gloo, (str(tmp_path / "init"), str(tmp_path)), 2)
     records = {rank: json.loads((tmp_path / f"record-{rank}.json").read_text()) for rank in (0, 1)}
     for rank in (0, 1):
         r = records[rank]

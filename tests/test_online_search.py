@@ -8,7 +8,6 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from test_examples import per_class_run, plain_loop  # noqa: F401 - per_class_run: the reference fixture
 from test_strategies import one_rank  # noqa: F401 - the one-rank gloo group fixture
 
@@ -238,7 +237,7 @@ def test_the_search_with_sharding_candidates_trains_the_run_as_its_sequence_of_c
     """Every search step trains the run: the parameters and Adam's state after the search equal an untuned run of
     the same sequence of configurations, each attached afresh where it starts (2 CPU ranks: bit for bit, and DDP's;
     3: within 1e-6 relative), and no thread or process group of any candidate outlives it."""
-    mp.spawn(_ranks, args=(world, str(tmp_path / "init"), str(tmp_path / "out.pt")), nprocs=world, join=True)
+    ddist.spawn(_ranks, (world, str(tmp_path / "init"), str(tmp_path / "out.pt")), world)
     out = torch.load(tmp_path / "out.pt")
     assert out["winner"] in SHARDED and out["switched"] >= 10, out["sequence"]
     limit = 0.0 if world == 2 else 1e-6

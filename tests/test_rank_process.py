@@ -1,6 +1,9 @@
 """A spawned rank's body in `dist.rank_process()`: on success the process ends there, without the interpreter's
-finalization (nothing after the block runs, the exit status is 0); on an error spawn reports that error."""
+finalization (nothing after the block runs, the exit status is 0); on an error spawn reports that error. And what
+`dist.spawn` gives each rank of the caller's process."""
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,7 @@ def _rank(rank: int, init: str, out: str, fail_rank: int) -> None:
 
 @pytest.mark.slow
 def test_a_rank_ends_in_the_block_after_its_work(tmp_path):
-    mp.spawn(_rank, args=(str(tmp_path / "init"), str(tmp_path), -1), nprocs=2, join=True)
+    ddist.spawn(_rank, (str(tmp_path / "init"), str(tmp_path), -1), 2)
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["3.0", "3.0"]
     assert not list(tmp_path.glob("after*"))
 
@@ -32,5 +35,23 @@ def test_a_rank_ends_in_the_block_after_its_work(tmp_path):
 @pytest.mark.slow
 def test_an_error_in_the_block_reaches_spawn(tmp_path):
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 refuses"):
-        mp.spawn(_rank, args=(str(tmp_path / "init"), str(tmp_path), 1), nprocs=2, join=True)
+        ddist.spawn(_rank, (str(tmp_path / "init"), str(tmp_path), 1), 2)
     assert not (tmp_path / "rank1").exists()
+
+
+def _report(rank: int, out: str) -> None:
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"env": os.environ.get("DTRAIN_SPAWN_PROBE"),
+                                                         "cwd": os.getcwd()}))
+
+
+@pytest.mark.slow
+def test_spawned_ranks_see_the_callers_environment_and_folder_at_each_call(tmp_path, monkeypatch):
+    """The ranks fork from a server started by an earlier call, which keeps its own environment and folder: each
+    rank still gets the caller's, as at this call."""
+    ddist.spawn(_report, (str(tmp_path),), 1)  # the server runs from here on, if no earlier test started it
+    monkeypatch.setenv("DTRAIN_SPAWN_PROBE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    ddist.spawn(_report, (str(tmp_path),), 2)
+    for r in range(2):
+        seen = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert seen == {"env": "set after the server started", "cwd": str(tmp_path)}

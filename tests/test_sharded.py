@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
-import torch.multiprocessing as mp
 
 from dtrain.collectives import dist as ddist
 from dtrain.collectives import attach, strategies
@@ -116,7 +115,7 @@ def _fetch_on_two_ranks(rank: int, init: str) -> None:
 
 @pytest.mark.slow
 def test_a_lookup_fetches_the_rows_of_every_ranks_tokens_from_their_owner(tmp_path):
-    mp.spawn(_fetch_on_two_ranks, args=(str(tmp_path / "init"),), nprocs=2, join=True)
+    ddist.spawn(_fetch_on_two_ranks, (str(tmp_path / "init"),), 2)
 
 
 def _narrowed_gather_on_two_ranks(rank: int, init: str) -> None:
@@ -166,7 +165,7 @@ def _narrowed_gather_on_two_ranks(rank: int, init: str) -> None:
 
 @pytest.mark.slow
 def test_a_narrowed_all_gather_rounds_only_what_autocast_rounds(tmp_path):
-    mp.spawn(_narrowed_gather_on_two_ranks, args=(str(tmp_path / "init"),), nprocs=2, join=True)
+    ddist.spawn(_narrowed_gather_on_two_ranks, (str(tmp_path / "init"),), 2)
 
 
 # The bf16 runs below: 6 steps (the clip active in the first ones), stopped after 3 and resumed. Bit-for-bit equality
@@ -281,4 +280,4 @@ def _close_on_two_ranks(rank: int, init: str) -> None:
 def test_a_closed_handle_leaves_no_thread_process_group_or_buffer_behind(tmp_path):
     """What the tuner does with a candidate it drops: `close()` ends the sharded handle's completion thread,
     destroys the process groups it and its split created, removes its hooks, and nothing holds its reducer."""
-    mp.spawn(_close_on_two_ranks, args=(str(tmp_path / "init"),), nprocs=2)
+    ddist.spawn(_close_on_two_ranks, (str(tmp_path / "init"),), 2)

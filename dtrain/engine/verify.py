@@ -24,7 +24,6 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from dtrain.collectives import attach
@@ -159,8 +158,7 @@ def run_cases(nproc: int, strategies: list[str] | dict[str, list[str]], cases: d
                 ranks_per_node(cfg, nproc)
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.json")
-        mp.spawn(_worker, args=(nproc, init_file, out_file, list(accums), steps, bucket_mb, jobs), nprocs=nproc,
-                 join=True)
+        ddist.spawn(_worker, (nproc, init_file, out_file, list(accums), steps, bucket_mb, jobs), nproc)
         with open(out_file) as f:
             return json.load(f)
 
