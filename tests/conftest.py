@@ -3,12 +3,15 @@ keeps `-m "not slow"` fast."""
 
 import contextlib
 import io
+import multiprocessing.connection
 import multiprocessing.process
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -16,6 +19,8 @@ import pytest
 import torch
 from filelock import FileLock  # torch's own dependency
 
+import rank_main
+from dtrain.collectives import dist as ddist
 from dtrain.common.jsonl import read_jsonl
 from dtrain.engine import checkpoint
 
@@ -121,9 +126,44 @@ def launch_ranks(args, nproc=2, check=True, timeout=300, cwd=REPO, env=None):
     WORLD_SIZE, LOCAL_RANK, a rendezvous on a free port) but without its agent, whose own start-up (torch imported
     once more, a rendezvous) costs seconds of each test. Where a rank fails the others are stopped, as the agent does.
     Returns a CompletedProcess: the ranks' output in rank order, the first failed rank's status (or 0); `check`
-    asserts status 0; `env`: variables added to this process's."""
+    asserts status 0; `env`: variables added to this process's.
+
+    Each rank is forked from the server that `dist.spawn` keeps, torch imported there once, and runs ARGS as
+    `python` would (tests/rank_main.py). With `env` given, or interpreter options in ARGS, each rank is a new interpreter
+    instead: what Python and torch read from the environment at start-up (PYTHONWARNINGS, the CPU's capabilities)
+    is then this call's."""
+    args = [str(a) for a in args]
     port = free_port()
-    cmd = [sys.executable, *map(str, args)]
+    if env or (args[0].startswith("-") and args[0] != "-m"):
+        return _launch_interpreters(args, nproc, check, timeout, cwd, env, port)
+    with tempfile.TemporaryDirectory() as out:
+        ranks = ddist.spawn(rank_main.run, (args, str(cwd), port, nproc, out), nproc, join=False).processes
+        deadline = time.monotonic() + timeout
+        running = list(ranks)
+        while running:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for p in ranks:
+                    p.kill()
+                raise subprocess.TimeoutExpired([sys.executable, *args], timeout)
+            multiprocessing.connection.wait([p.sentinel for p in running], timeout=left)
+            for p in [p for p in running if p.exitcode is not None]:
+                running.remove(p)
+                if p.exitcode != 0:  # stop the others, as torchrun's agent does
+                    for q in running:
+                        q.terminate()
+        text = {name: "".join(Path(out, f"{name}{r}").read_text(errors="replace") if Path(out, f"{name}{r}").exists()
+                              else "" for r in range(nproc)) for name in ("stdout", "stderr")}
+    failed = next((p.exitcode for p in ranks if p.exitcode != 0), 0)
+    r = subprocess.CompletedProcess([sys.executable, *args], failed, text["stdout"], text["stderr"])
+    if check:
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+def _launch_interpreters(args, nproc, check, timeout, cwd, env, port):
+    """`launch_ranks` with a new interpreter a rank."""
+    cmd = [sys.executable, *args]
     procs = [subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={
         **os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),

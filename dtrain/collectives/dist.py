@@ -159,11 +159,12 @@ def end_rank() -> NoReturn:
 SPAWN_PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
 
 
-def spawn(fn: Callable, args: tuple = (), nprocs: int = 2) -> None:
+def spawn(fn: Callable, args: tuple = (), nprocs: int = 2, join: bool = True):
     """`fn(rank, *args)` in `nprocs` processes of this machine, joined, an error in one raised here: as
     `torch.multiprocessing.spawn`, but each process is forked from a server that imported SPAWN_PRELOAD once
     (multiprocessing's forkserver, started by the first call and kept), so a rank starts in a fraction of a second
-    instead of seconds of imports in a new interpreter.
+    instead of seconds of imports in a new interpreter. `join=False`: returns torch's ProcessContext at once, for a
+    caller that waits for its `processes` itself.
 
     Each rank runs with this process's environment, working directory and import path at the call (a forked server
     keeps its own: Python 3.11's forkserver does not pass the path on). What torch reads from the environment when it
@@ -173,8 +174,8 @@ def spawn(fn: Callable, args: tuple = (), nprocs: int = 2) -> None:
     # Pickled here, unpickled in the rank after its import path is set: `fn` may live in a module only this
     # process's path finds (a test's file).
     call = pickle.dumps((fn, tuple(args)))
-    torch.multiprocessing.start_processes(_as_caller, args=(call, dict(os.environ), os.getcwd(), list(sys.path)),
-                                          nprocs=nprocs, join=True, start_method="forkserver")
+    return torch.multiprocessing.start_processes(_as_caller, args=(call, dict(os.environ), os.getcwd(), list(sys.path)),
+                                                 nprocs=nprocs, join=join, start_method="forkserver")
 
 
 def _as_caller(rank: int, call: bytes, env: dict[str, str], cwd: str, path: list[str]) -> None:
