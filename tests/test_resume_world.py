@@ -103,17 +103,15 @@ def test_resume_on_another_world_size(two_rank_run, straight_losses, epoch_batch
     assert mean(loss, *spans[2]) < mean(loss, *spans[1]) < mean(loss, *spans[0])
 
 
-def test_a_sharded_checkpoint_resumes_under_ddp_on_one_rank_and_back(tmp_path):
-    """sharded on 2 ranks for 5 steps, resumed under ddp on 1 to step 7, and that resumed under sharded on 2 to step
+def test_a_sharded_checkpoint_resumes_under_ddp_on_three_ranks_and_back(tmp_path):
+    """sharded on 2 ranks for 5 steps, resumed under ddp on 3 to step 7, and that resumed under sharded on 2 to step
     9: the world size changes both ways, each resume reads the whole-model checkpoint (the optimizer state gathered
     whole, then cut into 2 ranks' shards again), and Adam's state goes on from where it stopped: its step count is 9
-    for every parameter at the end. (One rank, not three: a rank process less each launch, the same conversions.
-    A whole checkpoint resumed under ddp on 3 ranks: test_resume_on_another_world_size[3], and tests/test_fsdp2.py's
-    stock case, an fsdp2 checkpoint; the exact round trip of a whole state through 3 ranks' shards:
+    for every parameter at the end. (The exact round trip of a whole state through 3 ranks' shards:
     tests/test_fsdp2.py.)"""
     run = tmp_path / "run"
     train_ranks("--run-dir", str(run), "--set", "sync.strategy=sharded", "--set", f"train.max_steps={BEFORE}", *ARGS)
-    for strategy, before, world, steps in (("ddp", 2, 1, BEFORE + 2), ("sharded", 1, 2, BEFORE + 4)):
+    for strategy, before, world, steps in (("ddp", 2, 3, BEFORE + 2), ("sharded", 3, 2, BEFORE + 4)):
         r = train_ranks("--run-dir", str(run), "--resume", "--set", f"sync.strategy={strategy}",
                         "--set", f"train.max_steps={steps}", *ARGS, nproc=world)
         assert f"at step {steps - 2}" in r.stdout, r.stdout
