@@ -129,13 +129,23 @@ def launch_ranks(args, nproc=2, check=True, timeout=300, cwd=REPO, env=None):
     asserts status 0; `env`: variables added to this process's.
 
     Each rank is forked from the server that `dist.spawn` keeps, torch imported there once, and runs ARGS as
-    `python` would (tests/rank_main.py). With `env` given, or interpreter options in ARGS, each rank is a new interpreter
-    instead: what Python and torch read from the environment at start-up (PYTHONWARNINGS, the CPU's capabilities)
-    is then this call's."""
+    `python` would (tests/rank_main.py). With `env` given, or interpreter options in ARGS, each rank is a new
+    interpreter instead: what Python and torch read from the environment at start-up (PYTHONWARNINGS, the CPU's
+    capabilities) is then this call's."""
     args = [str(a) for a in args]
-    port = free_port()
-    if env or (args[0].startswith("-") and args[0] != "-m"):
-        return _launch_interpreters(args, nproc, check, timeout, cwd, env, port)
+    new_interpreters = env or (args[0].startswith("-") and args[0] != "-m")
+    launch = _interpreters if new_interpreters else _forked
+    codes, outputs = launch(args, nproc, timeout, cwd, env or {}, free_port())
+    failed = next((c for c in codes if c != 0), 0)
+    r = subprocess.CompletedProcess([sys.executable, *args], failed, "".join(o[0] for o in outputs),
+                                    "".join(o[1] for o in outputs))
+    if check:
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+def _forked(args, nproc, timeout, cwd, env, port):
+    """`launch_ranks`' ranks forked from `dist.spawn`'s server: (exit statuses, (stdout, stderr) of each rank)."""
     with tempfile.TemporaryDirectory() as out:
         ranks = ddist.spawn(rank_main.run, (args, str(cwd), port, nproc, out), nproc, join=False).processes
         deadline = time.monotonic() + timeout
@@ -152,20 +162,15 @@ def launch_ranks(args, nproc=2, check=True, timeout=300, cwd=REPO, env=None):
                 if p.exitcode != 0:  # stop the others, as torchrun's agent does
                     for q in running:
                         q.terminate()
-        text = {name: "".join(Path(out, f"{name}{r}").read_text(errors="replace") if Path(out, f"{name}{r}").exists()
-                              else "" for r in range(nproc)) for name in ("stdout", "stderr")}
-    failed = next((p.exitcode for p in ranks if p.exitcode != 0), 0)
-    r = subprocess.CompletedProcess([sys.executable, *args], failed, text["stdout"], text["stderr"])
-    if check:
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return r
+        outputs = [tuple(rank_main.output(out, r, name) for name in ("stdout", "stderr")) for r in range(nproc)]
+    return [p.exitcode for p in ranks], outputs
 
 
-def _launch_interpreters(args, nproc, check, timeout, cwd, env, port):
-    """`launch_ranks` with a new interpreter a rank."""
+def _interpreters(args, nproc, timeout, cwd, env, port):
+    """`launch_ranks`' ranks as new interpreters: (exit statuses, (stdout, stderr) of each rank)."""
     cmd = [sys.executable, *args]
     procs = [subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={
-        **os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        **os.environ, **env, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
         "GROUP_RANK": "0"}) for r in range(nproc)]
     with ThreadPoolExecutor(nproc) as pool:  # read every rank's pipes while they run
@@ -178,12 +183,7 @@ def _launch_interpreters(args, nproc, check, timeout, cwd, env, port):
                     if p.poll() is None:
                         p.terminate()
         outputs = [f.result() for f in futures]  # rank order
-    codes = [p.returncode for p in procs]
-    failed = next((c for c in codes if c != 0), 0)
-    r = subprocess.CompletedProcess(cmd, failed, "".join(o[0] for o in outputs), "".join(o[1] for o in outputs))
-    if check:
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return r
+    return [p.returncode for p in procs], outputs
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ def run(rank: int, args: list[str], cwd: str, port: int, nproc: int, out: str) -
     torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 gives a new interpreter: the server's torch read it already
     os.chdir(cwd)
     for fd, name in ((1, "stdout"), (2, "stderr")):
-        f = os.open(os.path.join(out, f"{name}{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        f = os.open(_path(out, rank, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
     try:
@@ -39,3 +39,16 @@ def run(rank: int, args: list[str], cwd: str, port: int, nproc: int, out: str) -
         atexit._run_exitfuncs()  # a forked process ends without the interpreter's exit, where these run
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+def output(out: str, rank: int, name: str) -> str:
+    """What rank `rank` wrote to its `name` ("stdout" or "stderr"); empty where it ended before opening it."""
+    path = _path(out, rank, name)
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def _path(out: str, rank: int, name: str) -> str:
+    return os.path.join(out, f"{name}{rank}")
