@@ -61,6 +61,19 @@ def test_every_bucket_is_sent_once_and_the_exact_mean_is_the_strategys_answer(mo
         _schedule(model, {"strategy": "powersgd"})
 
 
+def test_a_bucket_with_the_split_is_ready_with_the_projection_only_when_it_holds_nothing_else(model):
+    """Small buckets: the split embedding's own bucket goes as its projection part is ready, the others at their last
+    gradient. A cap above the model's size: one bucket, the embedding with everything else, ready at its last
+    gradient; read as ready with the projection, the predictor hid its whole all-reduce behind the backward."""
+    split = {"classes": {"embedding": {"tied_split": True}}}
+    small = _schedule(model, {"strategy": "bucketed", "bucket_cap_mb": 0.5, **split})
+    readies = [c.ready for c in small.collectives if c.ready != schedule.LOOKUP]
+    assert readies[0] == schedule.PROJECTION and set(readies[1:]) == {schedule.GRADIENT}
+    one = _schedule(model, {"strategy": "bucketed", "bucket_cap_mb": 1000, **split})
+    assert len(one.buckets) == 1
+    assert [c.ready for c in one.collectives if c.ready != schedule.LOOKUP] == [schedule.GRADIENT]
+
+
 def test_a_compress_hook_halves_the_bytes_and_adds_the_casts(model):
     plain = _schedule(model, {"strategy": "ddp"})
     hooked = _schedule(model, {"strategy": "ddp", "hook": "bf16_compress"})

@@ -121,15 +121,17 @@ def all_reduce_schedule(strategy: str, buckets: list, named_params, world: int, 
                         class_groups: bool, split: set[str] = frozenset(), per_node: int | None = None) -> Schedule:
     """The schedule of a strategy that all-reduces each bucket (the planned strategies, DDP and its hooks):
     bucket i when its last gradient is ready (with `overlap`; else at `wait()`), on its class's group where classes
-    have their own, in its class's wire dtype. `split`: the parameters whose tied
-    embedding is split (`tied_split`): their bucket is ready with the projection part, and each lookup's rows are
-    all-reduced as that lookup's backward ends. `per_node`: the hierarchical plan's ranks per node."""
+    have their own, in its class's wire dtype. `split`: the parameters whose tied embedding is split (`tied_split`):
+    a bucket of theirs alone is ready with the projection part, and each lookup's rows are all-reduced as that
+    lookup's backward ends. `per_node`: the hierarchical plan's ranks per node."""
     after = through(buckets, named_params)
     out = []
     for b, x in zip(buckets, after):
         wire = b.settings.wire_dtype
-        is_split = bool(split & set(b.names))
-        ready = (PROJECTION if is_split else GRADIENT) if overlap else BACKWARD_END
+        # A bucket of the split's parameters alone is ready with the projection part; one that also holds others
+        # waits for its last gradient like any other (a cap above the model's size: one bucket, at backward's end).
+        split_only = bool(b.names) and set(b.names) <= split
+        ready = (PROJECTION if split_only else GRADIENT) if overlap else BACKWARD_END
         out.append(Collective(ALL_REDUCE, b.nbytes, wire, b.index, ready, WAIT, wire == "fp32",
                               b.tensor_class if class_groups else None, x,
                               HIERARCHICAL if per_node else RING, per_node))
