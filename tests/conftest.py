@@ -134,8 +134,11 @@ def launch_ranks(args, nproc=2, check=True, timeout=300, cwd=REPO, env=None):
     capabilities) is then this call's."""
     args = [str(a) for a in args]
     new_interpreters = env or (args[0].startswith("-") and args[0] != "-m")
-    launch = _interpreters if new_interpreters else _forked
-    codes, outputs = launch(args, nproc, timeout, cwd, env or {}, free_port())
+    port = free_port()
+    if new_interpreters:
+        codes, outputs = _interpreters(args, nproc, timeout, cwd, port, env or {})
+    else:
+        codes, outputs = _forked(args, nproc, timeout, cwd, port)
     failed = next((c for c in codes if c != 0), 0)
     r = subprocess.CompletedProcess([sys.executable, *args], failed, "".join(o[0] for o in outputs),
                                     "".join(o[1] for o in outputs))
@@ -144,7 +147,7 @@ def launch_ranks(args, nproc=2, check=True, timeout=300, cwd=REPO, env=None):
     return r
 
 
-def _forked(args, nproc, timeout, cwd, env, port):
+def _forked(args, nproc, timeout, cwd, port):
     """`launch_ranks`' ranks forked from `dist.spawn`'s server: (exit statuses, (stdout, stderr) of each rank)."""
     with tempfile.TemporaryDirectory() as out:
         ranks = ddist.spawn(rank_main.run, (args, str(cwd), port, nproc, out), nproc, join=False).processes
@@ -166,7 +169,7 @@ def _forked(args, nproc, timeout, cwd, env, port):
     return [p.exitcode for p in ranks], outputs
 
 
-def _interpreters(args, nproc, timeout, cwd, env, port):
+def _interpreters(args, nproc, timeout, cwd, port, env):
     """`launch_ranks`' ranks as new interpreters: (exit statuses, (stdout, stderr) of each rank)."""
     cmd = [sys.executable, *args]
     procs = [subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={

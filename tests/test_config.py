@@ -297,7 +297,8 @@ def test_the_library_reads_overlays_too(tmp_path):
                         "a.yaml": "include: base.yaml\nsync: {first_bucket_mb: 1}\n"})
     sync, coll = comm_config.load(tmp_path / "a.yaml")
     assert (sync.strategy, sync.bucket_cap_mb, sync.first_bucket_mb) == ("bucketed", 4, 1)
-    assert (sync, coll) == (config.load(tmp_path / "a.yaml").sync, config.load(tmp_path / "a.yaml").collectives)
+    whole = config.load(tmp_path / "a.yaml")
+    assert (sync, coll) == (whole.sync, whole.collectives)
 
 
 def test_a_recorded_config_of_an_earlier_version_still_loads(tmp_path):
