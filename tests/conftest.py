@@ -7,6 +7,7 @@ import multiprocessing.connection
 import multiprocessing.process
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -148,7 +149,8 @@ def launch_ranks(args, nproc=2, check=True, timeout=300, cwd=REPO, env=None):
 
 
 def _forked(args, nproc, timeout, cwd, port):
-    """`launch_ranks`' ranks forked from `dist.spawn`'s server: (exit statuses, (stdout, stderr) of each rank)."""
+    """`launch_ranks`' ranks forked from `dist.spawn`'s server: (exit statuses, (stdout, stderr) of each rank). Ranks
+    still running at the timeout print their Python stacks into the TimeoutError."""
     with tempfile.TemporaryDirectory() as out:
         ranks = ddist.spawn(rank_main.run, (args, str(cwd), port, nproc, out), nproc, join=False).processes
         deadline = time.monotonic() + timeout
@@ -156,9 +158,14 @@ def _forked(args, nproc, timeout, cwd, port):
         while running:
             left = deadline - time.monotonic()
             if left <= 0:
+                for p in running:
+                    with contextlib.suppress(ProcessLookupError):  # ended since the last wait
+                        os.kill(p.pid, signal.SIGUSR1)  # its Python stacks to its stderr (rank_main)
+                time.sleep(1)
                 for p in ranks:
                     p.kill()
-                raise subprocess.TimeoutExpired([sys.executable, *args], timeout)
+                stacks = "".join(f"rank {r}:\n{rank_main.output(out, r, 'stderr')[-3000:]}" for r in range(nproc))
+                raise TimeoutError(f"{' '.join(args)} still ran after {timeout} s; the ranks' stderr:\n{stacks}")
             multiprocessing.connection.wait([p.sentinel for p in running], timeout=left)
             for p in [p for p in running if p.exitcode is not None]:
                 running.remove(p)

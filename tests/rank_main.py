@@ -3,8 +3,10 @@
 A module of its own, so that the forked process imports only this, not the test session's conftest."""
 
 import atexit
+import faulthandler
 import os
 import runpy
+import signal
 import sys
 import traceback
 
@@ -21,6 +23,7 @@ def run(rank: int, args: list[str], cwd: str, port: int, nproc: int, out: str) -
         f = os.open(_path(out, rank, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `launch_ranks` asks a rank that hangs for its stacks
     try:
         if args[0] == "-m":  # as `python -m`: the folder it runs in first on the path
             sys.argv = args[1:]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import launch_ranks
 from dtrain.collectives import dist as ddist
 
 
@@ -55,3 +56,16 @@ def test_spawned_ranks_see_the_callers_environment_and_folder_at_each_call(tmp_p
     for r in range(2):
         seen = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert seen == {"env": "set after the server started", "cwd": str(tmp_path)}
+
+
+@pytest.mark.slow
+def test_a_forked_rank_that_hangs_is_stopped_with_its_stacks(tmp_path):
+    """`launch_ranks` (tests/conftest.py) stops ranks still running at its timeout, and its error carries where each
+    one was: a hang in CI is then diagnosed from its log."""
+    script = tmp_path / "hangs.py"
+    script.write_text("import time\n\n\ndef wait_forever():\n    time.sleep(600)\n\n\nwait_forever()\n")
+    with pytest.raises(TimeoutError) as e:
+        launch_ranks([script], cwd=tmp_path, timeout=3)
+    for r in range(2):
+        assert f"rank {r}:" in str(e.value)
+    assert str(e.value).count('hangs.py", line 5 in wait_forever') == 2

@@ -154,9 +154,13 @@ def end_rank() -> NoReturn:
     os._exit(0)
 
 
-# What every rank of a spawned check imports: torch, its distributed package, and torch._dynamo, which torch's
-# DistributedDataParallel constructor and optimizers import (about 1 s of the 3 s a new interpreter spends importing).
-SPAWN_PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+# What every rank of a spawned check imports: torch, its distributed package, and sympy with torch.fx's symbolic
+# shapes, which torch._dynamo imports (DDP's constructor and torch's optimizers import torch._dynamo).
+# torch._dynamo itself is imported in each rank, as a new interpreter does: imported in the server, a stock DDP loop
+# forked from it deadlocks now and then at its end. There DDP's reducer, freed with the GIL held, holds the last
+# reference to the gloo group, whose destructor joins a worker thread that waits for the GIL to free its last work
+# (the class of deadlock in pytorch/pytorch#56297).
+SPAWN_PRELOAD = ("torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes")
 
 
 def spawn(fn: Callable, args: tuple = (), nprocs: int = 2, join: bool = True):
