@@ -63,15 +63,24 @@ def test_every_bucket_is_sent_once_and_the_exact_mean_is_the_strategys_answer(mo
 
 def test_a_bucket_with_the_split_is_ready_with_the_projection_only_when_it_holds_nothing_else(model):
     """Small buckets: the split embedding's own bucket goes as its projection part is ready, the others at their last
-    gradient. A cap above the model's size: one bucket, the embedding with everything else, ready at its last
-    gradient; read as ready with the projection, the predictor hid its whole all-reduce behind the backward."""
+    gradient. A bucket of the embedding and others waits for the last of the others, not for the embedding's place
+    in ready order (its encoder lookup, backward's last gradient): at a cap above the model's size, one bucket;
+    read as ready with the projection, the predictor hid its whole all-reduce behind the backward."""
     split = {"classes": {"embedding": {"tied_split": True}}}
     small = _schedule(model, {"strategy": "bucketed", "bucket_cap_mb": 0.5, **split})
     readies = [c.ready for c in small.collectives if c.ready != schedule.LOOKUP]
     assert readies[0] == schedule.PROJECTION and set(readies[1:]) == {schedule.GRADIENT}
-    one = _schedule(model, {"strategy": "bucketed", "bucket_cap_mb": 1000, **split})
-    assert len(one.buckets) == 1
-    assert [c.ready for c in one.collectives if c.ready != schedule.LOOKUP] == [schedule.GRADIENT]
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.embed.weight.numel()
+    for cap in (1000, 25):
+        s = _schedule(model, {"strategy": "bucketed", "bucket_cap_mb": cap, **split})
+        first = s.collectives[0]
+        assert "embed.weight" in s.buckets[first.bucket].names and len(s.buckets[first.bucket].names) > 1
+        assert first.ready == schedule.GRADIENT
+        assert first.after <= total - embedding  # placed by its other members
+    assert len(_schedule(model, {"strategy": "bucketed", "bucket_cap_mb": 1000, **split}).buckets) == 1
+    two = _schedule(model, {"strategy": "bucketed", "bucket_cap_mb": 25, **split})
+    assert len(two.buckets) == 2 and two.collectives[0].after < two.collectives[1].after
 
 
 def test_a_compress_hook_halves_the_bytes_and_adds_the_casts(model):

@@ -124,12 +124,12 @@ def all_reduce_schedule(strategy: str, buckets: list, named_params, world: int, 
     have their own, in its class's wire dtype. `split`: the parameters whose tied embedding is split (`tied_split`):
     a bucket of theirs alone is ready with the projection part, and each lookup's rows are all-reduced as that
     lookup's backward ends. `per_node`: the hierarchical plan's ranks per node."""
-    after = through(buckets, named_params)
+    after = through(buckets, named_params, split)
     out = []
     for b, x in zip(buckets, after):
         wire = b.settings.wire_dtype
         # A bucket of the split's parameters alone is ready with the projection part; one that also holds others
-        # waits for its last gradient like any other (a cap above the model's size: one bucket, at backward's end).
+        # waits for the last of those (`through`: a cap above the model's size gives one bucket, at backward's end).
         split_only = bool(b.names) and set(b.names) <= split
         ready = (PROJECTION if split_only else GRADIENT) if overlap else BACKWARD_END
         out.append(Collective(ALL_REDUCE, b.nbytes, wire, b.index, ready, WAIT, wire == "fp32",

@@ -186,12 +186,14 @@ class ReadyCurve:
         return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
 
 
-def through(buckets, params) -> list[int]:
+def through(buckets, params, early=frozenset()) -> list[int]:
     """Per bucket: elements of all gradients up to and including its last member, in ready order. A bucket is
-    ready when that many elements are, whatever else is still open in other classes' buckets."""
+    ready when that many elements are, whatever else is still open in other classes' buckets. `early`: members
+    ready before their place in that order (a split tied embedding, whose projection part is the first gradient
+    backward makes): a bucket that also holds others is placed by its last other member."""
     pos = {name: i for i, (name, _) in enumerate(params)}
     prefix, acc = [], 0
     for _, p in params:
         acc += p.numel()
         prefix.append(acc)
-    return [prefix[max(pos[n] for n in b.names)] for b in buckets]
+    return [prefix[max(pos[n] for n in ([n for n in b.names if n not in early] or b.names))] for b in buckets]
