@@ -72,15 +72,14 @@ def test_a_bucket_with_the_split_is_ready_with_the_projection_only_when_it_holds
     assert readies[0] == schedule.PROJECTION and set(readies[1:]) == {schedule.GRADIENT}
     total = sum(p.numel() for p in model.parameters())
     embedding = model.embed.weight.numel()
-    for cap in (1000, 25):
-        s = _schedule(model, {"strategy": "bucketed", "bucket_cap_mb": cap, **split})
+    one, two = (_schedule(model, {"strategy": "bucketed", "bucket_cap_mb": cap, **split}) for cap in (1000, 25))
+    assert len(one.buckets) == 1 and len(two.buckets) == 2
+    for s in (one, two):
         first = s.collectives[0]
         assert "embed.weight" in s.buckets[first.bucket].names and len(s.buckets[first.bucket].names) > 1
         assert first.ready == schedule.GRADIENT
         assert first.after <= total - embedding  # placed by its other members
-    assert len(_schedule(model, {"strategy": "bucketed", "bucket_cap_mb": 1000, **split}).buckets) == 1
-    two = _schedule(model, {"strategy": "bucketed", "bucket_cap_mb": 25, **split})
-    assert len(two.buckets) == 2 and two.collectives[0].after < two.collectives[1].after
+    assert two.collectives[0].after < two.collectives[1].after
 
 
 def test_a_compress_hook_halves_the_bytes_and_adds_the_casts(model):
