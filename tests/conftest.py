@@ -158,12 +158,7 @@ def _forked(args, nproc, timeout, cwd, port):
         while running:
             left = deadline - time.monotonic()
             if left <= 0:
-                for p in running:
-                    with contextlib.suppress(ProcessLookupError):  # ended since the last wait
-                        os.kill(p.pid, signal.SIGUSR1)  # its Python stacks to its stderr (rank_main)
-                time.sleep(1)
-                for p in ranks:
-                    p.kill()
+                _stop_with_stacks(ranks, running)
                 stacks = "".join(f"rank {r}:\n{rank_main.output(out, r, 'stderr')[-3000:]}" for r in range(nproc))
                 raise TimeoutError(f"{' '.join(args)} still ran after {timeout} s; the ranks' stderr:\n{stacks}")
             multiprocessing.connection.wait([p.sentinel for p in running], timeout=left)
@@ -174,6 +169,17 @@ def _forked(args, nproc, timeout, cwd, port):
                         q.terminate()
         outputs = [tuple(rank_main.output(out, r, name) for name in ("stdout", "stderr")) for r in range(nproc)]
     return [p.exitcode for p in ranks], outputs
+
+
+def _stop_with_stacks(ranks, running):
+    """Ask each rank still `running` for its Python stacks (to its stderr file: rank_main registers
+    SIGUSR1), give them a second to write, then kill every rank."""
+    for p in running:
+        with contextlib.suppress(ProcessLookupError):  # ended since the last wait
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1)
+    for p in ranks:
+        p.kill()
 
 
 def _interpreters(args, nproc, timeout, cwd, port, env):

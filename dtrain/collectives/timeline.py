@@ -196,4 +196,8 @@ def through(buckets, params, early=frozenset()) -> list[int]:
     for _, p in params:
         acc += p.numel()
         prefix.append(acc)
-    return [prefix[max(pos[n] for n in ([n for n in b.names if n not in early] or b.names))] for b in buckets]
+    out = []
+    for b in buckets:
+        placing = [n for n in b.names if n not in early] or b.names
+        out.append(prefix[max(pos[n] for n in placing)])
+    return out
